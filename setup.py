@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="verl-dppo",
+    version="0.1.0",
+    description="DPPO (Divergence Proximal Policy Optimization) for verl: a plugin loaded by `import verl`",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["verl_dppo", "verl_dppo.*"]),
+    include_package_data=True,
+    install_requires=[
+        "verl==0.9.1",
+        "torch>=2.4",
+        "omegaconf>=2.3",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ray>=2.40"],
+    },
+    entry_points={
+        "verl.plugins": ["dppo = verl_dppo.adapter.plugin"],
+        "console_scripts": ["verl-dppo = verl_dppo.cli:main"],
+    },
+)

@@ -1,0 +1,1 @@
+"""The verl adapter layer: loss registration, DPPOLossConfig, the rollout-anchoring hook, plugin loading."""

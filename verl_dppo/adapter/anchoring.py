@@ -1,0 +1,107 @@
+"""The rollout-anchoring hook: hand DPPO losses the rollout engine's log-probs mu.
+
+verl 0.9.1's `ppo_loss` (workers/utils/losses.py) calls a registered policy loss with `old_log_prob` only;
+`rollout_log_probs` sits in the micro-batch unused. At plugin load we wrap `ppo_loss`: for a DPPO loss mode the
+wrapper pads the micro-batch's `rollout_log_probs` (and the model's entropy, for diagnostics) exactly as
+`ppo_loss` pads `old_log_probs`, and exposes them to the loss through a context variable for the duration of the
+call. For every other loss mode the wrapper is a plain pass-through: verl's own losses behave exactly as before.
+
+`engine_workers` and `trainer.distillation.losses` import `ppo_loss` by name at their own import, which happens
+after `import verl` has loaded this plugin, so they pick up the wrapper. Modules already imported are re-pointed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["BatchExtras", "current_extras", "install", "is_installed", "DPPO_MODES"]
+
+# Loss modes whose functions read the extras; filled by adapter.losses at registration.
+DPPO_MODES: set[str] = set()
+
+# Modules that bind `ppo_loss` by name (`from verl.workers.utils.losses import ppo_loss`).
+_BY_NAME_IMPORTERS = ("verl.workers.engine_workers", "verl.trainer.distillation.losses")
+
+_WRAPPED_MARK = "__verl_dppo_wrapped__"
+
+
+@dataclass
+class BatchExtras:
+    """Per-micro-batch tensors aligned with `old_log_probs` ([batch, response_len], padded like it)."""
+
+    rollout_log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+
+
+_EXTRAS: contextvars.ContextVar[Optional[BatchExtras]] = contextvars.ContextVar("verl_dppo_extras", default=None)
+
+
+def current_extras() -> Optional[BatchExtras]:
+    """The extras of the micro-batch whose loss is being computed, or None outside the wrapped `ppo_loss`."""
+    return _EXTRAS.get()
+
+
+def _extract(model_output: Any, data: Any) -> BatchExtras:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    extras = BatchExtras()
+    if "rollout_log_probs" in data.keys():
+        # Same select + to_padded_tensor that ppo_loss applies to old_log_probs, so the shapes line up.
+        extras.rollout_log_probs = data.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
+    entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
+    if entropy is not None:
+        extras.entropy = no_padding_2_padding(entropy, data).detach()
+    return extras
+
+
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        loss_mode = config.policy_loss.get("loss_mode", "vanilla")
+        if loss_mode not in DPPO_MODES:
+            return original(config, model_output, data, dp_group)
+        token = _EXTRAS.set(_extract(model_output, data))
+        try:
+            loss, metrics = original(config, model_output, data, dp_group)
+        finally:
+            _EXTRAS.reset(token)
+        from verl_dppo.adapter.losses import finalize_metrics
+
+        return loss, finalize_metrics(metrics)
+
+    setattr(ppo_loss, _WRAPPED_MARK, True)
+    ppo_loss.__wrapped__ = original
+    return ppo_loss
+
+
+def is_installed() -> bool:
+    """True when `verl.workers.utils.losses.ppo_loss` (and every by-name import of it) is our wrapper."""
+    losses = sys.modules.get("verl.workers.utils.losses")
+    if losses is None or not getattr(losses.ppo_loss, _WRAPPED_MARK, False):
+        return False
+    return all(
+        getattr(sys.modules[name], "ppo_loss", losses.ppo_loss) is losses.ppo_loss
+        for name in _BY_NAME_IMPORTERS
+        if name in sys.modules
+    )
+
+
+def install() -> None:
+    """Install the wrapper around verl's `ppo_loss` (idempotent)."""
+    import verl.workers.utils.losses as losses
+
+    if not getattr(losses.ppo_loss, _WRAPPED_MARK, False):
+        original = losses.ppo_loss
+        losses.ppo_loss = _wrap(original)
+    else:
+        original = losses.ppo_loss.__wrapped__
+    for name in _BY_NAME_IMPORTERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "ppo_loss", None) is original:
+            module.ppo_loss = losses.ppo_loss
