@@ -13,9 +13,21 @@ setup(
         "verl==0.9.1",
         "torch>=2.4",
         "omegaconf>=2.3",
+        "matplotlib",
+        "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "ray>=2.40"],
+        # verl's "verl-core" pieces that its worker, agent-loop and trainer modules import (CPU-installable).
+        "test": [
+            "pytest>=8",
+            "ray>=2.41",
+            "cachetools",
+            "fastapi",
+            "uvicorn",
+            "pyzmq",
+            "msgspec",
+            "TransferQueue>=0.1.10",
+        ],
     },
     entry_points={
         "verl.plugins": ["dppo = verl_dppo.adapter.plugin"],

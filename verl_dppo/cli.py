@@ -1,32 +1,42 @@
-"""The `verl-dppo` command line."""
+"""The `verl-dppo` command line.
+
+Each command lives in its own module, which exposes `add_command(subparsers)`; heavy imports stay inside the
+command's handler so that `verl-dppo --help` is instant.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
-
-def _doctor(args: argparse.Namespace) -> int:
-    from verl_dppo import doctor
-
-    return doctor.run(with_ray=not args.no_ray, ray_address=args.ray_address)
+COMMAND_MODULES = (
+    "verl_dppo.doctor",  # doctor
+    "verl_dppo.demo",  # demo
+    "verl_dppo.plot",  # plot
+    "verl_dppo.launch",  # recipes, run, data
+    "verl_dppo.patching",  # patch
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-dppo", description="DPPO for verl: tools around the plugin.")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    doctor = commands.add_parser("doctor", help="check the install: versions, registered modes, anchoring hook")
-    doctor.add_argument("--no-ray", action="store_true", help="skip the check inside a Ray worker process")
-    doctor.add_argument("--ray-address", default=None, help="check on this Ray cluster instead of a local instance")
-    doctor.set_defaults(handler=_doctor)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name == name:  # a command not shipped in this build
+                continue
+            raise
+        module.add_command(commands)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,10 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout
         return 1
     print("OK: verl-dppo is installed and loads with `import verl`.", file=out)
     return 0
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("doctor", help="check the install: versions, registered modes, anchoring hook")
+    parser.add_argument("--no-ray", action="store_true", help="skip the check inside a Ray worker process")
+    parser.add_argument("--ray-address", default=None, help="check on this Ray cluster instead of a local instance")
+    parser.set_defaults(handler=lambda args: run(with_ray=not args.no_ray, ray_address=args.ray_address))
