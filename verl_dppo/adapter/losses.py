@@ -229,7 +229,9 @@ def finalize_metrics(metrics: dict) -> dict:
     for name in _MAX_METRICS:
         metric = metrics.get(name)
         if isinstance(metric, Metric) and metric.aggregation is not AggregationType.MAX:
-            metrics[name] = Metric(aggregation=AggregationType.MAX, value=list(metric.values))
+            maximum = Metric(aggregation=AggregationType.MAX)
+            maximum.extend(list(metric.values))
+            metrics[name] = maximum
     return metrics
 
 

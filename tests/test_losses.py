@@ -1,0 +1,224 @@
+"""The four loss modes through verl's real `ppo_loss`, against the independent float64 reference of
+Eq. (9), (11)-(14) (tests/reference.py), with and without rollout log-probs in the micro-batch."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import actor_config, v1_micro_batch
+from reference import reference_loss
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.utils.losses import ppo_loss
+
+MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is")
+LENS = [6, 3, 5, 1]
+T = 6
+
+
+def random_case(seed: int, drift: float = 0.6):
+    """pi, mu (rollout) and a recomputed old policy for 4 responses, with a real spread of probabilities."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(LENS), T)
+    mu = torch.log(torch.rand(shape, generator=gen).clamp(min=1e-4) ** 2)
+    old = (mu + 0.05 * torch.randn(shape, generator=gen)).clamp(max=-1e-4)
+    pi = (mu + drift * torch.randn(shape, generator=gen)).clamp(max=-1e-4)
+    adv = torch.randn(shape, generator=gen)
+    adv[:, ::3] = 0.0
+    return pi, mu, old, adv
+
+
+def run_ppo_loss(config, pi, old, adv, rollout=None, nested=True, entropy=None):
+    pi = pi.clone().requires_grad_()
+    model_output, data, leaf = v1_micro_batch(pi, old, adv, LENS, rollout_log_prob=rollout, entropy=entropy,
+                                              nested_fields=nested)
+    loss, metrics = ppo_loss(config, model_output, data)
+    loss.backward()
+    # Per-response-token gradient, read back from the model output's (left-shifted) positions.
+    grads, offset = [], 0
+    for i, r in enumerate(LENS):
+        p = 3 + (i % 2)
+        grads.append(leaf.grad[offset + p - 1 : offset + p - 1 + r].tolist())
+        offset += p + r
+    return loss.item(), grads, metrics
+
+
+def rows(t):
+    return [t[i, :n].double().tolist() for i, n in enumerate(LENS)]
+
+
+CASES = [
+    # mode, DPPOLossConfig fields, resolved (delta_low, delta_high, cap)
+    ("dppo_binary_tv", dict(delta_low=0.15, delta_high=0.15, ratio_cap=10000.0), (0.15, 0.15, 10000.0)),
+    ("dppo_binary_kl", dict(delta_low=0.05, delta_high=0.05, ratio_cap=10000.0), (0.05, 0.05, 10000.0)),
+    ("dppo_binary_tv", dict(delta_low=0.1, delta_high=0.3, ratio_cap=2.0), (0.1, 0.3, 2.0)),
+    ("grpo_clip", dict(ratio_cap=10000.0), (0.2, 0.28, 10000.0)),
+    ("grpo_clip", dict(ratio_cap=10000.0, relax_below=0.3, relax_side="high"), (0.2, 0.28, 10000.0)),
+    ("grpo_clip", dict(ratio_cap=10000.0, relax_below=0.3, relax_side="low"), (0.2, 0.28, 10000.0)),
+    ("grpo_clip", dict(ratio_cap=10000.0, relax_below=0.3, relax_side="both"), (0.2, 0.28, 10000.0)),
+    ("pg_is", dict(ratio_cap=math.inf), (0.0, 0.0, math.inf)),
+    ("pg_is", dict(ratio_cap=1.5), (0.0, 0.0, 1.5)),  # PG-TIS / CISPO
+]
+
+
+@pytest.mark.parametrize("mode,fields,resolved", CASES)
+@pytest.mark.parametrize("with_rollout,anchor", [(True, "rollout"), (False, "rollout"), (True, "recompute")])
+def test_matches_reference_through_verl_ppo_loss(mode, fields, resolved, with_rollout, anchor):
+    pi, mu, old, adv = random_case(seed=hash((mode, str(fields))) % 1000)
+    config = actor_config(mode, clip_ratio_low=0.2, clip_ratio_high=0.28, anchor=anchor, **fields)
+    loss, grads, _ = run_ppo_loss(config, pi, old, adv, rollout=mu if with_rollout else None)
+    # Without rollout log-probs in the batch, old_log_probs are mu (bypass mode / direct call).
+    mu_ref = mu if with_rollout else old
+    anchor_ref = old if anchor == "recompute" else mu_ref
+    relax = {k: fields[k] for k in ("relax_below", "relax_side") if k in fields}
+    ref_loss, ref_grads = reference_loss(mode, rows(adv), rows(pi), rows(mu_ref), rows(anchor_ref), LENS,
+                                         "token-mean", *resolved, **relax)
+    assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    for got_row, ref_row in zip(grads, ref_grads):
+        assert got_row == pytest.approx(ref_row, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"])
+def test_every_loss_agg_mode_goes_through_verl_agg_loss(agg):
+    pi, mu, old, adv = random_case(seed=3)
+    config = actor_config("dppo_binary_kl", loss_agg_mode=agg, delta_low=0.05, delta_high=0.05, ratio_cap=10000.0)
+    loss, grads, _ = run_ppo_loss(config, pi, old, adv, rollout=mu)
+    ref_loss, ref_grads = reference_loss("dppo_binary_kl", rows(adv), rows(pi), rows(mu), rows(mu), LENS, agg,
+                                         0.05, 0.05, 10000.0, horizon=T)
+    assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert sum(grads, []) == pytest.approx(sum(ref_grads, []), rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_is_minus_mask_times_capped_ratio_times_advantage(mode):
+    # token-sum, dp 1: d loss / d log pi_t is exactly -M_t * min(r_t, C) * A_t.
+    pi, mu, old, adv = random_case(seed=11, drift=0.8)
+    config = actor_config(mode, loss_agg_mode="token-sum", delta_low=0.1, delta_high=0.1, ratio_cap=2.5)
+    _, grads, metrics = run_ppo_loss(config, pi, old, adv, rollout=mu)
+    r = torch.exp(pi - mu)
+    expected_unmasked = (-(r.clamp(max=2.5)) * adv)
+    n_masked = 0
+    for i, n in enumerate(LENS):
+        for t in range(n):
+            got, full = grads[i][t], expected_unmasked[i, t].item()
+            assert got == pytest.approx(full, rel=1e-5, abs=1e-7) or got == 0.0
+            n_masked += got == 0.0 and full != 0.0
+    if mode == "pg_is":
+        assert n_masked == 0
+    else:
+        assert n_masked > 0  # the case is built so that every trust-region mode blocks something
+
+
+def test_nested_and_padded_fields_agree():
+    pi, mu, old, adv = random_case(seed=5)
+    config = actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15)
+    nested = run_ppo_loss(config, pi, old, adv, rollout=mu, nested=True)
+    padded = run_ppo_loss(config, pi, old, adv, rollout=mu, nested=False)
+    assert nested[0] == pytest.approx(padded[0]) and nested[1] == padded[1]
+
+
+def test_paper_sec42_examples_rare_token_passes_dppo_dominant_token_blocked():
+    # Sec. 4.2 / Fig. 1: 1e-4 -> 1e-2 (A>0) and 0.99 -> 0.80 (A<0), the anchor being mu.
+    mu = torch.tensor([[math.log(1e-4), math.log(0.99)]])
+    pi = torch.tensor([[math.log(1e-2), math.log(0.80)]])
+    adv = torch.tensor([[1.0, -1.0]])
+    blocked = {}
+    for mode, fields in [("grpo_clip", {}), ("dppo_binary_tv", dict(delta_low=0.15, delta_high=0.15)),
+                         ("dppo_binary_kl", dict(delta_low=0.05, delta_high=0.05))]:
+        config = actor_config(mode, loss_agg_mode="token-sum", clip_ratio_high=0.28, ratio_cap=10000.0, **fields)
+        pi_leaf = pi.clone().requires_grad_()
+        loss, _ = get_policy_loss_fn(mode)(mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool),
+                                           "token-sum", config)
+        loss.backward()
+        blocked[mode] = (pi_leaf.grad == 0).squeeze(0).tolist()
+    assert blocked["grpo_clip"] == [True, False]  # ratio 100 clipped; ratio 0.81 allowed
+    assert blocked["dppo_binary_tv"] == [False, True]  # |TV| 0.0099 passes; 0.19 > 0.15 blocked
+    assert blocked["dppo_binary_kl"] == [False, True]
+
+
+def test_minimal_negative_mask_sec53():
+    # dppo_binary_tv with delta_low=delta, delta_high=1.0: block only A<0 and mu - pi > delta.
+    mu = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.1, 0.99]]))
+    pi = torch.log(torch.tensor([[0.3, 0.5, 0.3, 0.95, 0.3]]))
+    adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0, -1.0]])
+    config = actor_config("dppo_binary_tv", loss_agg_mode="token-sum", delta_low=0.5, delta_high=1.0,
+                          ratio_cap=10000.0)
+    pi_leaf = pi.clone().requires_grad_()
+    loss, _ = get_policy_loss_fn("dppo_binary_tv")(mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool),
+                                                   "token-sum", config)
+    loss.backward()
+    assert (pi_leaf.grad == 0).squeeze(0).tolist() == [True, False, False, False, True]
+
+
+def test_unset_fields_follow_verl_convention_and_plain_policy_loss_config_works():
+    pi, mu, old, adv = random_case(seed=8)
+    via_fallback = actor_config("dppo_binary_tv", clip_ratio_low=0.12, clip_ratio_high=0.18, clip_ratio_c=4.0)
+    explicit = actor_config("dppo_binary_tv", delta_low=0.12, delta_high=0.18, ratio_cap=4.0)
+    plain = actor_config("dppo_binary_tv", clip_ratio_low=0.12, clip_ratio_high=0.18, clip_ratio_c=4.0, plain=True)
+    results = [run_ppo_loss(c, pi, old, adv, rollout=mu)[:2] for c in (via_fallback, explicit, plain)]
+    assert results[0] == results[1] == results[2]
+
+
+def test_grpo_clip_ignores_deltas():
+    pi, mu, old, adv = random_case(seed=9)
+    with_deltas = actor_config("grpo_clip", clip_ratio_high=0.28, delta_low=0.01, delta_high=0.01)
+    without = actor_config("grpo_clip", clip_ratio_high=0.28)
+    assert run_ppo_loss(with_deltas, pi, old, adv, rollout=mu)[:2] == run_ppo_loss(without, pi, old, adv,
+                                                                                  rollout=mu)[:2]
+
+
+def test_rollout_log_probs_are_mu_when_present():
+    # The same batch with a different rollout policy must change the loss: the hook really hands mu over.
+    pi, mu, old, adv = random_case(seed=12)
+    config = actor_config("pg_is", ratio_cap=math.inf)
+    a = run_ppo_loss(config, pi, old, adv, rollout=mu)[0]
+    b = run_ppo_loss(config, pi, old, adv, rollout=mu - 0.5)[0]
+    c = run_ppo_loss(config, pi, old, adv, rollout=None)[0]
+    assert a != pytest.approx(b) and a != pytest.approx(c)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "dppo_tv", "dppo_kl", "gspo"])
+def test_verl_builtin_losses_pass_through_unchanged(mode):
+    pi, mu, old, adv = random_case(seed=13)
+    config = actor_config(mode, plain=True)
+    wrapped = ppo_loss
+    original = ppo_loss.__wrapped__
+    outs = []
+    for fn in (wrapped, original):
+        leaf_pi = pi.clone().requires_grad_()
+        model_output, data, leaf = v1_micro_batch(leaf_pi, old, adv, LENS, rollout_log_prob=mu)
+        loss, metrics = fn(config, model_output, data)
+        loss.backward()
+        outs.append((loss.item(), leaf.grad.clone(), {k: (v.aggregation, v.values) for k, v in metrics.items()}))
+    assert outs[0][0] == outs[1][0]
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2]
+
+
+def test_loss_and_metrics_under_bf16_inputs():
+    pi, mu, old, adv = random_case(seed=14)
+    config = actor_config("dppo_binary_kl", delta_low=0.05, delta_high=0.05, ratio_cap=10000.0)
+    loss32 = run_ppo_loss(config, pi, old, adv, rollout=mu)[0]
+    loss16, _, metrics = run_ppo_loss(config, pi.bfloat16(), old.bfloat16(), adv.bfloat16(), rollout=mu.bfloat16())
+    assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=0.1, abs=1e-2)
+    assert all(math.isfinite(v) for m in metrics.values() for v in m.values)
+
+
+def test_unique_names_registered_without_overwriting_verl():
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    for mode in MODES:
+        assert getattr(POLICY_LOSS_REGISTRY[mode], "__verl_dppo__", False)
+    for builtin in ("vanilla", "dppo_tv", "dppo_kl", "cispo"):
+        assert not getattr(POLICY_LOSS_REGISTRY[builtin], "__verl_dppo__", False)
+
+
+def test_all_combinations_of_sides_are_distinct():
+    # Guard against a relax option silently doing nothing: the three sides give three different losses.
+    pi, mu, old, adv = random_case(seed=15, drift=1.0)
+    losses = set()
+    for side in ("low", "high", "both"):
+        config = actor_config("grpo_clip", relax_below=0.5, relax_side=side)
+        losses.add(round(run_ppo_loss(config, pi, old, adv, rollout=mu)[0], 7))
+    assert len(losses) == 3
