@@ -1,0 +1,199 @@
+"""Bad input never yields a silent NaN: either a finite loss with the documented meaning or an error naming the
+cause. Also the diagnostics under actor/dppo/ on hand-checked tensors."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import actor_config, v1_micro_batch
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.utils.losses import ppo_loss
+
+from verl_dppo import DPPOLossConfig
+
+lg = math.log
+
+
+def direct(mode, mu, pi, adv, mask=None, config=None, agg="token-mean"):
+    """Call the registered function straight from verl's registry (no hook: old_log_prob is mu)."""
+    pi = pi.clone().requires_grad_()
+    mask = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask
+    config = config or actor_config(mode, delta_low=0.15, delta_high=0.15, ratio_cap=10.0)
+    loss, metrics = get_policy_loss_fn(mode)(mu, pi, adv, mask, agg, config)
+    loss.backward()
+    return loss, metrics, pi.grad
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_rollout_log_prob_drops_the_token(bad):
+    mu = torch.tensor([[lg(0.5), bad, lg(0.3)]])
+    pi = torch.tensor([[lg(0.6), lg(0.2), lg(0.3)]])
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, metrics, grad = direct("dppo_binary_tv", mu, pi, adv)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad[0, 1] == 0.0 and grad[0, 0] != 0.0
+    assert metrics["actor/dppo/dropped_frac"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_current_log_prob_is_an_error_naming_the_forward_pass(bad):
+    mu = torch.tensor([[lg(0.5), lg(0.5)]])
+    pi = torch.tensor([[lg(0.6), bad]])
+    with pytest.raises(FloatingPointError, match="current policy's log-probs are NaN/inf at 1 response token"):
+        direct("dppo_binary_kl", mu, pi, torch.ones(1, 2))
+
+
+def test_nonfinite_values_outside_the_response_are_ignored():
+    mu = torch.tensor([[lg(0.5), math.nan]])
+    pi = torch.tensor([[lg(0.6), -math.inf]])
+    mask = torch.tensor([[True, False]])
+    loss, metrics, grad = direct("pg_is", mu, pi, torch.tensor([[1.0, math.nan]]), mask=mask)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert metrics["actor/dppo/dropped_frac"] == 0.0
+
+
+def test_nan_advantage_is_an_error():
+    with pytest.raises(FloatingPointError, match="advantages are NaN/inf"):
+        direct("grpo_clip", torch.tensor([[-0.5]]), torch.tensor([[-0.4]]), torch.tensor([[math.nan]]))
+
+
+def test_mismatched_shapes_name_every_tensor():
+    with pytest.raises(ValueError, match=r"old_log_prob=\(1, 3\).*log_prob=\(1, 2\)"):
+        direct("dppo_binary_tv", torch.zeros(1, 3) - 1, torch.zeros(1, 2) - 1, torch.ones(1, 2))
+
+
+def test_mismatched_rollout_log_probs_through_the_hook():
+    pi = torch.full((2, 3), -1.0)
+    model_output, data, _ = v1_micro_batch(pi, pi, torch.ones(2, 3), [3, 2], rollout_log_prob=pi,
+                                           nested_fields=False)
+    data["rollout_log_probs"] = torch.full((2, 2), -1.0)
+    with pytest.raises(ValueError, match="rollout_log_probs=\\(2, 2\\)"):
+        ppo_loss(actor_config("dppo_binary_tv"), model_output, data)
+
+
+def test_all_masked_batch_gives_zero_loss_and_zero_gradient():
+    mu = torch.tensor([[lg(0.99), lg(0.9)]])
+    pi = torch.tensor([[lg(0.5), lg(0.4)]])
+    loss, metrics, grad = direct("dppo_binary_tv", mu, pi, torch.tensor([[-1.0, -1.0]]))
+    assert loss.item() == 0.0 and (grad == 0).all()
+    assert metrics["actor/pg_clipfrac"] == 1.0 and metrics["actor/dppo/masked_frac_neg"] == 1.0
+
+
+def test_zero_advantages_give_zero_loss():
+    loss, metrics, grad = direct("pg_is", torch.tensor([[-0.5, -2.0]]), torch.tensor([[-0.1, -3.0]]), torch.zeros(1, 2))
+    assert loss.item() == 0.0 and (grad == 0).all() and metrics["actor/pg_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_empty_responses_give_a_zero_loss_that_still_backpropagates(agg):
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    loss, metrics, grad = direct("dppo_binary_kl", torch.full((2, 3), -1.0), torch.full((2, 3), -1.0),
+                                 torch.ones(2, 3), mask=mask, agg=agg)
+    assert loss.item() == 0.0 and loss.requires_grad is True and (grad == 0).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("anchor", "old", "anchor must be one of"),
+    ("relax_side", "up", "relax_side must be one of"),
+    ("delta_low", -0.1, "delta_low must be a finite number >= 0"),
+    ("delta_high", math.nan, "delta_high must be a finite number >= 0"),
+    ("ratio_cap", 0.0, "ratio_cap must be > 0"),
+    ("relax_below", 1.5, "relax_below"),
+    ("topk", 0, "topk must be an integer >= 1"),
+])
+def test_bad_options_are_rejected_by_the_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DPPOLossConfig(loss_mode="dppo_binary_tv", **{field: value})
+
+
+@pytest.mark.parametrize("policy_loss,message", [
+    ({"loss_mode": "dppo_binary_tv", "anchor": "old"}, "anchor must be one of"),
+    ({"loss_mode": "grpo_clip", "relax_below": 0.1, "relax_side": "up"}, "relax_side must be one of"),
+])
+def test_bad_options_in_a_plain_dictconfig_are_rejected_at_the_loss(policy_loss, message):
+    config = OmegaConf.create({"policy_loss": policy_loss, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+                               "clip_ratio_c": 3.0})
+    with pytest.raises(ValueError, match=message):
+        get_policy_loss_fn(policy_loss["loss_mode"])(torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1,
+                                                     torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                                                     "token-mean", config)
+
+
+def test_negative_verl_clip_ratio_fallback_is_rejected():
+    config = actor_config("dppo_binary_tv", clip_ratio_low=-0.2)
+    with pytest.raises(ValueError, match="delta_low threshold must be a finite number >= 0"):
+        direct("dppo_binary_tv", torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1, torch.ones(1, 1), config=config)
+
+
+def test_recompute_anchor_without_rollout_log_probs_names_the_setting():
+    config = actor_config("dppo_binary_kl", anchor="recompute")
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.calculate_log_probs=True"):
+        direct("dppo_binary_kl", torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1, torch.ones(1, 1), config=config)
+
+
+def test_recompute_anchor_in_bypass_mode_names_the_setting():
+    # bypass_mode copies rollout_log_probs into old_log_probs: the "recomputed" anchor does not exist.
+    pi = torch.full((2, 3), -1.0)
+    mu = torch.full((2, 3), -1.2)
+    model_output, data, _ = v1_micro_batch(pi, mu, torch.ones(2, 3), [3, 2], rollout_log_prob=mu)
+    with pytest.raises(ValueError, match="algorithm.rollout_correction.bypass_mode=False"):
+        ppo_loss(actor_config("dppo_binary_kl", anchor="recompute"), model_output, data)
+
+
+def test_config_none_is_an_error():
+    with pytest.raises(ValueError, match="actor config"):
+        get_policy_loss_fn("pg_is")(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                                    torch.ones(1, 1, dtype=torch.bool), "token-mean", None)
+
+
+def test_diagnostics_on_hand_checked_tokens():
+    # Four response tokens, anchor = mu (rollout), delta 0.15:
+    #  t0: A>0, 0.10 -> 0.40 (TV .30, up)  blocked      t1: A<0, 0.90 -> 0.30 (TV .60, down, a "bad update") blocked
+    #  t2: A>0, 0.50 -> 0.55 (TV .05)      kept          t3: A<0, 0.20 -> 0.25 (moving back up)              kept
+    mu = torch.log(torch.tensor([[0.10, 0.90, 0.50, 0.20]]))
+    pi = torch.log(torch.tensor([[0.40, 0.30, 0.55, 0.25]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    entropy = torch.tensor([[2.0, 4.0, 1.0, 1.0]])
+    pi_leaf = pi.clone().requires_grad_()
+    model_output, data, _ = v1_micro_batch(pi_leaf, mu, adv, [4], rollout_log_prob=mu, entropy=entropy)
+    _, metrics = ppo_loss(actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15), model_output, data)
+    value = {k: v.values[0] for k, v in metrics.items()}
+    assert value["actor/pg_clipfrac"] == pytest.approx(0.5)
+    assert value["actor/dppo/masked_frac_pos"] == pytest.approx(0.5)
+    assert value["actor/dppo/masked_frac_neg"] == pytest.approx(0.5)
+    assert value["actor/dppo/mismatch_tv_mean"] == pytest.approx((0.30 + 0.60 + 0.05 + 0.05) / 4, rel=1e-5)
+    assert value["actor/dppo/mismatch_tv_max"] == pytest.approx(0.60, rel=1e-5)
+    assert value["actor/dppo/bad_update_frac"] == pytest.approx(0.25)
+    assert value["actor/dppo/masked_rollout_prob_mean"] == pytest.approx((0.10 + 0.90) / 2, rel=1e-5)
+    assert value["actor/dppo/masked_entropy_mean"] == pytest.approx(3.0)
+
+    def kl(m, p):
+        return m * math.log(m / p) + (1 - m) * math.log((1 - m) / (1 - p))
+
+    expected_kl = (kl(0.1, 0.4) + kl(0.9, 0.3) + kl(0.5, 0.55) + kl(0.2, 0.25)) / 4
+    assert value["actor/dppo/mismatch_kl_mean"] == pytest.approx(expected_kl, rel=1e-4)
+    assert metrics["actor/dppo/mismatch_tv_max"].aggregation.value == "max"
+
+
+def test_diagnostics_need_one_host_transfer_per_call(monkeypatch):
+    # Metrics are reduced on device and read back once: count the tensor->host transfers of a loss call.
+    calls = {"tolist": 0, "item": 0}
+    original_tolist, original_item = torch.Tensor.tolist, torch.Tensor.item
+
+    def counting_tolist(self):
+        calls["tolist"] += 1
+        return original_tolist(self)
+
+    def counting_item(self):
+        calls["item"] += 1
+        return original_item(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    mu, pi = torch.full((4, 64), -1.0), torch.full((4, 64), -0.9)
+    get_policy_loss_fn("dppo_binary_kl")(mu, pi, torch.ones(4, 64), torch.ones(4, 64, dtype=torch.bool),
+                                         "token-mean", actor_config("dppo_binary_kl"))
+    assert calls == {"tolist": 1, "item": 0}
