@@ -55,6 +55,13 @@ class DPPOLossConfig(PolicyLossConfig):
     """K of the Top-K divergences (Eq. 15, 16); the paper's ablation uses 20. Only read by the dppo_topk_* modes."""
 
     def __post_init__(self):
+        # Hydra passes override values through unconverted ("inf", "1e4", "20" may arrive as strings).
+        for name in ("delta_low", "delta_high", "ratio_cap", "relax_below"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _to_float(name, value))
+        if isinstance(self.topk, str) and self.topk.strip().isdigit():
+            object.__setattr__(self, "topk", int(self.topk))
         for name in ("delta_low", "delta_high"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
@@ -69,6 +76,19 @@ class DPPOLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {self.relax_below!r}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"policy_loss.topk must be an integer >= 1, got {self.topk!r}")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"policy_loss.{name} must be a number, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        text = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(text, text)
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"policy_loss.{name} must be a number, got {value!r}") from None
+    return float(value)
 
 
 @dataclass(frozen=True)
