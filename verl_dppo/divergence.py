@@ -72,3 +72,9 @@ def ratio_deviation(anchor_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> t
     """
     anchor_logprob, pi_logprob = _as_float32(anchor_logprob, pi_logprob)
     return torch.expm1(pi_logprob - anchor_logprob).abs()
+
+
+# Top-K divergences, Eq. (15)/(16): kept in their own module (chunked over the vocabulary), exported from here.
+from verl_dppo.topk import topk_divergence  # noqa: E402
+
+__all__ += ["topk_divergence"]

@@ -1,0 +1,147 @@
+"""`topk_divergence` against an independent brute-force float64 reference of Eq. (15)/(16), and the ordering
+Binary <= Top-K <= exact (data processing: each is a coarsening of the next)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verl_dppo.divergence import binary_kl, binary_tv, topk_divergence
+from verl_dppo.topk import TopKInputError
+
+VOCAB = 50
+
+
+def reference_topk(mu: list[float], pi: list[float], k: int, sampled: int) -> tuple[float, float]:
+    """Eq. (15)/(16) from the text, token by token: A' = TopK(mu, K) U {a}; reduce to A' U {other}."""
+    top = sorted(range(len(mu)), key=lambda x: -mu[x])[:k]
+    kept = set(top) | {sampled}
+    mu_r = [mu[x] for x in kept] + [max(0.0, 1.0 - sum(mu[x] for x in kept))]
+    pi_r = [pi[x] for x in kept] + [max(0.0, 1.0 - sum(pi[x] for x in kept))]
+    tv = 0.5 * sum(abs(a - b) for a, b in zip(mu_r, pi_r))
+    kl = sum(a * math.log(a / b) for a, b in zip(mu_r, pi_r) if a > 0)
+    return tv, kl
+
+
+def random_case(rows: int, k: int, seed: int, inside: bool, dtype=torch.float64, spread: float = 3.0):
+    """mu and pi as random full distributions (float64), logits of pi in `dtype`; sampled inside/outside top-K."""
+    gen = torch.Generator().manual_seed(seed)
+    pi_logits = (torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64) * spread).to(dtype)
+    mu_logp = torch.log_softmax(pi_logits.double() + torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64), -1)
+    topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
+    order = mu_logp.argsort(dim=-1, descending=True)
+    if inside:
+        sampled = order[torch.arange(rows), torch.randint(0, k, (rows,), generator=gen)]
+    else:
+        sampled = order[torch.arange(rows), torch.randint(k, VOCAB, (rows,), generator=gen)]
+    sampled_lp = mu_logp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    return pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp
+
+
+@pytest.mark.parametrize("k", list(range(1, 21)))
+@pytest.mark.parametrize("inside", [True, False], ids=["sampled_in_topk", "sampled_outside_topk"])
+def test_matches_float64_reference_eq15_eq16(k, inside):
+    pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(6, k, seed=k, inside=inside)
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp)
+    assert tv.dtype == kl.dtype == torch.float32 and tv.shape == kl.shape == (6,)
+    pi_p = torch.softmax(pi_logits.double(), -1)
+    for row in range(6):
+        ref_tv, ref_kl = reference_topk(mu_logp[row].exp().tolist(), pi_p[row].tolist(), k, int(sampled[row]))
+        assert tv[row].item() == pytest.approx(ref_tv, rel=1e-5, abs=1e-7)
+        assert kl[row].item() == pytest.approx(ref_kl, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_any_logits_dtype_matches_reference_on_the_same_logits(dtype):
+    pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(8, 5, seed=3, inside=False, dtype=dtype)
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp.float(), sampled, sampled_lp.float())
+    pi_p = torch.softmax(pi_logits.double(), -1)  # the reference sees the very same (rounded) logits
+    for row in range(8):
+        ref_tv, ref_kl = reference_topk(mu_logp[row].exp().tolist(), pi_p[row].tolist(), 5, int(sampled[row]))
+        assert tv[row].item() == pytest.approx(ref_tv, rel=1e-4, abs=1e-6)
+        assert kl[row].item() == pytest.approx(ref_kl, rel=1e-4, abs=1e-6)
+
+
+def test_chunking_does_not_change_the_result():
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(37, 4, seed=5, inside=False, dtype=torch.bfloat16)
+    whole = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, chunk_bytes=2**30)
+    one_row = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, chunk_bytes=1)
+    assert torch.equal(whole[0], one_row[0]) and torch.equal(whole[1], one_row[1])
+
+
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_binary_le_topk_le_exact(k):
+    pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(64, k, seed=100 + k, inside=k > 1)
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp)
+    pi_logp = torch.log_softmax(pi_logits.double(), -1)
+    exact_tv = 0.5 * (mu_logp.exp() - pi_logp.exp()).abs().sum(-1)
+    exact_kl = (mu_logp.exp() * (mu_logp - pi_logp)).sum(-1)
+    pi_sampled = pi_logp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    slack = 1e-6
+    assert (binary_tv(sampled_lp, pi_sampled) <= tv + slack).all()
+    assert (tv <= exact_tv + slack).all()
+    assert (binary_kl(sampled_lp, pi_sampled) <= kl + slack).all()
+    assert (kl <= exact_kl + slack).all()
+    # and not trivially: Top-K is strictly between somewhere
+    assert (tv > binary_tv(sampled_lp, pi_sampled) + 1e-4).any() and (kl < exact_kl - 1e-4).any()
+
+
+def test_k_covering_the_vocabulary_is_exact():
+    pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(4, VOCAB, seed=9, inside=True)
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp)
+    pi_logp = torch.log_softmax(pi_logits, -1)
+    assert torch.allclose(tv.double(), 0.5 * (mu_logp.exp() - pi_logp.exp()).abs().sum(-1), atol=1e-6)
+    assert torch.allclose(kl.double(), (mu_logp.exp() * (mu_logp - pi_logp)).sum(-1), atol=1e-6)
+
+
+def test_identical_policies_give_zero():
+    pi_logits, _, _, _, sampled, _ = random_case(5, 3, seed=1, inside=False)
+    logp = torch.log_softmax(pi_logits, -1)
+    topk_lp, topk_ids = logp.topk(3, -1)
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, logp.gather(1, sampled[:, None]).squeeze(1))
+    assert tv.abs().max() < 1e-6 and kl.abs().max() < 1e-6
+
+
+def test_masked_rows_are_skipped_and_zero():
+    pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(6, 3, seed=2, inside=False)
+    mask = torch.tensor([True, False, True, False, False, True])
+    garbage_ids = topk_ids.clone()
+    garbage_ids[~mask] = 0  # padding rows: repeated / meaningless ids must not be read
+    tv, kl = topk_divergence(pi_logits, garbage_ids, topk_lp, sampled, sampled_lp, mask=mask)
+    full_tv, full_kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp)
+    assert torch.equal(tv[mask], full_tv[mask]) and torch.equal(kl[mask], full_kl[mask])
+    assert (tv[~mask] == 0).all() and (kl[~mask] == 0).all()
+
+
+def test_mass_rounding_above_one_is_floored_not_negative():
+    # mu puts all its mass on the top-2, with the engine's rounding pushing the sum slightly above 1.
+    logits = torch.tensor([[2.0, 1.0, -1.0, -3.0]], dtype=torch.float64)
+    topk_lp = torch.log(torch.tensor([[0.7 + 2e-4, 0.3]], dtype=torch.float64))
+    ids = torch.tensor([[0, 1]])
+    tv, kl = topk_divergence(logits, ids, topk_lp, torch.tensor([0]), topk_lp[:, 0])
+    pi = torch.softmax(logits, -1)[0].tolist()
+    other_pi = float(1 - pi[0] - pi[1])
+    assert tv.item() == pytest.approx(0.5 * (abs(0.7002 - pi[0]) + abs(0.3 - pi[1]) + other_pi), rel=1e-5)
+    assert math.isfinite(kl.item()) and kl.item() >= 0
+
+
+def test_bad_inputs_raise_clear_errors():
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(3, 4, seed=4, inside=False)
+    dup = topk_ids.clone()
+    dup[1, 2] = dup[1, 0]
+    with pytest.raises(TopKInputError, match="repeat a token id"):
+        topk_divergence(pi_logits, dup, topk_lp, sampled, sampled_lp)
+    out = topk_ids.clone()
+    out[0, 0] = VOCAB
+    with pytest.raises(TopKInputError, match="outside the vocabulary"):
+        topk_divergence(pi_logits, out, topk_lp, sampled, sampled_lp)
+    with pytest.raises(TopKInputError, match="outside the vocabulary"):
+        topk_divergence(pi_logits, topk_ids, topk_lp, torch.tensor([0, -1, 0]), sampled_lp)
+    with pytest.raises(TopKInputError, match="sum to .* > 1"):
+        topk_divergence(pi_logits, topk_ids, torch.zeros_like(topk_lp) - 0.1, sampled, sampled_lp)
+    with pytest.raises(TopKInputError, match="must match"):
+        topk_divergence(pi_logits, topk_ids, topk_lp[:, :2], sampled, sampled_lp)
+    with pytest.raises(TopKInputError, match="NaN"):
+        topk_divergence(pi_logits, topk_ids, topk_lp.clone().fill_(math.nan), sampled, sampled_lp)
