@@ -68,7 +68,7 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout
     for package in _PACKAGES:
         print(f"  {package:<13} {_version_of(package) or 'not installed'}", file=out)
 
-    from verl_dppo.adapter.plugin import SUPPORTED_VERL_RANGE, SUPPORTED_VERL_VERSIONS
+    from verl_dppo.adapter.compat import SUPPORTED_VERL_RANGE, SUPPORTED_VERL_VERSIONS
 
     verl_version = _version_of("verl")
     if verl_version not in SUPPORTED_VERL_VERSIONS:

@@ -7,28 +7,10 @@ verl logs a plugin's import error only at DEBUG, so a broken install would surfa
 from __future__ import annotations
 
 import logging
-import os
-from importlib.metadata import PackageNotFoundError, version
+
+from verl_dppo.adapter.compat import check_verl_version
 
 logger = logging.getLogger("verl_dppo")
-
-SUPPORTED_VERL_VERSIONS = ("0.9.1",)
-SUPPORTED_VERL_RANGE = "verl==0.9.1"
-ALLOW_UNTESTED_ENV = "VERL_DPPO_ALLOW_UNTESTED_VERL"
-
-
-def check_verl_version() -> str:
-    try:
-        found = version("verl")
-    except PackageNotFoundError as error:
-        raise RuntimeError(f"verl-dppo needs {SUPPORTED_VERL_RANGE}, but verl is not installed") from error
-    if found not in SUPPORTED_VERL_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV, "") != "1":
-        raise RuntimeError(
-            f"verl-dppo is tested with {SUPPORTED_VERL_RANGE} and found verl {found}: it hooks verl internals "
-            f"that change between releases, so it refuses to load. Install {SUPPORTED_VERL_RANGE}, or set "
-            f"{ALLOW_UNTESTED_ENV}=1 to try anyway."
-        )
-    return found
 
 
 def load() -> list[str]:
@@ -39,6 +21,9 @@ def load() -> list[str]:
 
     modes = register_all()
     install()
+    from verl_dppo.adapter.topk_patches import install as install_topk_patches
+
+    install_topk_patches()
     return modes
 
 

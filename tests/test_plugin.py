@@ -1,0 +1,113 @@
+"""Loading: `import verl` alone registers the modes and installs the hook, in a fresh process and in a Ray
+worker; load failures are loud; `verl-dppo doctor` reports and exits accordingly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is")
+BIN = os.path.dirname(sys.executable)
+
+
+def python(code: str, env_extra=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_import_verl_alone_registers_modes_and_installs_hook():
+    result = python(
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "import verl.workers.utils.losses as losses\n"
+        f"assert all(m in POLICY_LOSS_REGISTRY for m in {MODES!r}), list(POLICY_LOSS_REGISTRY)\n"
+        "assert getattr(losses.ppo_loss, '__verl_dppo_wrapped__', False)\n"
+        "print('loaded-by', sorted(m for m in sys.modules if m.startswith('verl_dppo')))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "verl_dppo.adapter.plugin" in result.stdout
+
+
+def test_by_name_importers_of_ppo_loss_get_the_wrapper():
+    # engine_workers builds partial(ppo_loss, ...) from its own by-name import; distillation wraps ppo_loss too.
+    result = python(
+        "import verl\n"
+        "import verl.workers.engine_workers as ew, verl.trainer.distillation.losses as dl\n"
+        "import verl.workers.utils.losses as losses\n"
+        "assert ew.ppo_loss is losses.ppo_loss is dl.ppo_loss\n"
+        "assert getattr(ew.ppo_loss, '__verl_dppo_wrapped__', False)\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_plugins_disabled_means_not_registered():
+    result = python(
+        "import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "assert 'dppo_binary_tv' not in POLICY_LOSS_REGISTRY\n",
+        {"VERL_USE_EXTERNAL_PLUGINS": "none"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_untested_verl_version_is_refused_loudly():
+    # Pretend verl 0.8.0 is installed: the plugin must refuse, at ERROR, naming the supported range.
+    patch = (
+        "import importlib.metadata as md\n"
+        "real = md.version\n"
+        "md.version = lambda name: '0.8.0' if name == 'verl' else real(name)\n"
+    )
+    result = python(
+        patch + "import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "assert 'dppo_binary_tv' not in POLICY_LOSS_REGISTRY\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ERROR" in result.stderr and "verl-dppo failed to load" in result.stderr
+    assert "verl==0.9.1" in result.stderr and "found verl 0.8.0" in result.stderr
+
+    allowed = python(
+        patch + "import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "assert 'dppo_binary_tv' in POLICY_LOSS_REGISTRY\n",
+        {"VERL_DPPO_ALLOW_UNTESTED_VERL": "1"},
+    )
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_values_in_effect_are_logged_once_per_process():
+    result = python(
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "import torch\nfrom helpers import actor_config\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "config = actor_config('dppo_binary_tv')\n"
+        "for _ in range(3):\n"
+        "    get_policy_loss_fn('dppo_binary_tv')(torch.zeros(1, 2) - 1, torch.zeros(1, 2) - 1, torch.ones(1, 2),"
+        " torch.ones(1, 2, dtype=torch.bool), 'token-mean', config)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "dppo_binary_tv in effect" in line]
+    assert len(lines) == 1
+    assert "delta_low=0.2 delta_high=0.2 ratio_cap=3" in lines[0] and "from verl's clip_ratio_low=0.2" in lines[0]
+
+
+def test_doctor_in_process_and_in_a_ray_worker():
+    result = subprocess.run([os.path.join(BIN, "verl-dppo"), "doctor"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ray worker: modes dppo_binary_kl, dppo_binary_tv, grpo_clip, pg_is; anchoring hook installed" in \
+        result.stdout
+    assert "this process: modes dppo_binary_kl, dppo_binary_tv, grpo_clip, pg_is" in result.stdout
+
+
+def test_doctor_exits_non_zero_when_the_plugin_does_not_load():
+    env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none")
+    result = subprocess.run([os.path.join(BIN, "verl-dppo"), "doctor", "--no-ray"], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 1
+    assert "loss modes not registered: dppo_binary_tv" in result.stdout
+    assert "anchoring hook around verl's ppo_loss is not installed" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["doctor", "--help"]])
+def test_cli_help(argv):
+    result = subprocess.run([os.path.join(BIN, "verl-dppo"), *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage: verl-dppo" in result.stdout
