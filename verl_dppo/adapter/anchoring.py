@@ -37,6 +37,10 @@ class BatchExtras:
 
     rollout_log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    topk_tv: Optional[torch.Tensor] = None
+    """Top-K D_TV (Eq. 15) per token, from the actor's logits hook (adapter.topk_actor); dppo_topk_* modes only."""
+    topk_kl: Optional[torch.Tensor] = None
+    """Top-K D_KL (Eq. 16) per token, from the same hook."""
 
 
 _EXTRAS: contextvars.ContextVar[Optional[BatchExtras]] = contextvars.ContextVar("verl_dppo_extras", default=None)
@@ -57,13 +61,24 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
     entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
     if entropy is not None:
         extras.entropy = no_padding_2_padding(entropy, data).detach()
+    from verl_dppo.adapter.topk_actor import OUTPUT_KEYS
+
+    for statistic, key in OUTPUT_KEYS.items():
+        value = model_output.get(key, None) if hasattr(model_output, "get") else None
+        if value is not None:
+            setattr(extras, f"topk_{statistic}", no_padding_2_padding(value, data).detach())
     return extras
 
 
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
-    def ppo_loss(config, model_output, data, dp_group=None):
+    def ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None):
         loss_mode = config.policy_loss.get("loss_mode", "vanilla")
+        if student_logits is not None:
+            # The engine's logits hook (`distillation_use_topk`), turned on for the dppo_topk_* modes only.
+            from verl_dppo.adapter.topk_actor import logits_processor
+
+            return logits_processor(config, student_logits, data)
         if loss_mode not in DPPO_MODES:
             return original(config, model_output, data, dp_group)
         token = _EXTRAS.set(_extract(model_output, data))

@@ -23,6 +23,7 @@ from verl.utils.metric import AggregationType, Metric
 
 from verl_dppo.adapter.anchoring import DPPO_MODES, current_extras
 from verl_dppo.adapter.config import resolve_options
+from verl_dppo.adapter.topk_actor import check_anchor, divergence_from_extras
 from verl_dppo.divergence import binary_kl, binary_tv, ratio_deviation
 from verl_dppo.trust_region import truncated_ratio, trust_region_keep
 
@@ -42,6 +43,8 @@ class LossMode:
     uses_divergence_thresholds: bool
     """False: thresholds always come from actor.clip_ratio_low/high (PPO's eps), never from delta_low/high."""
     paper: str
+    topk: bool = False
+    """True: D is the Top-K statistic (Eq. 15/16) the actor's logits hook computed (adapter.topk_actor)."""
 
 
 LOSS_MODES = (
@@ -49,6 +52,8 @@ LOSS_MODES = (
     LossMode("dppo_binary_kl", binary_kl, True, "DPPO-Binary-KL: Eq. (12) with D = Eq. (14)"),
     LossMode("grpo_clip", ratio_deviation, False, "GRPO / Clip-Higher: ratio clip, Eq. (9); Relax: Sec. 6"),
     LossMode("pg_is", None, True, "PG-IS; with a finite ratio_cap, PG-TIS (= CISPO)"),
+    LossMode("dppo_topk_tv", None, True, "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", topk=True),
+    LossMode("dppo_topk_kl", None, True, "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", topk=True),
 )
 
 # Metrics that are maxima over tokens: verl would average them over micro-batches unless told otherwise.
@@ -111,6 +116,8 @@ def dppo_policy_loss(
             "(algorithm.rollout_correction.rollout_is) are ignored so the correction is not applied twice.",
         )
 
+    if mode.topk:
+        check_anchor(mode.name, options.anchor)
     if options.anchor == "recompute" and rollout_log_prob is None:
         raise ValueError(
             f"{mode.name} with policy_loss.anchor='recompute' needs both the rollout log-probs (mu) and the "
@@ -136,7 +143,10 @@ def dppo_policy_loss(
     mu = torch.where(valid, mu, zeros)
     anchor = torch.where(valid, anchor, zeros)
 
-    divergence = mode.divergence(anchor, pi) if mode.divergence is not None else None
+    if mode.topk:
+        divergence = divergence_from_extras(mode.name, extras, options.anchor, valid)
+    else:
+        divergence = mode.divergence(anchor, pi) if mode.divergence is not None else None
     mu_prob = torch.exp(mu)
     keep = trust_region_keep(
         adv,
@@ -156,6 +166,8 @@ def dppo_policy_loss(
     loss = agg_loss(loss_mat=loss_mat, loss_mask=response, loss_agg_mode=loss_agg_mode, **global_batch_info)
 
     # Diagnostics: reduced on device, one host transfer for all of them.
+    anchored_on_mu = options.anchor == "rollout" and divergence is not None
+    mismatch_kl = divergence if anchored_on_mu and mode.divergence is binary_kl else binary_kl(mu, pi)
     fvalid = valid.float()
     blocked = valid & ~keep
     fblocked = blocked.float()
@@ -171,7 +183,7 @@ def dppo_policy_loss(
         "actor/dppo/masked_frac_neg": _ratio_of((blocked & negative).float().sum(), negative.float().sum()),
         "actor/dppo/mismatch_tv_mean": _ratio_of(mismatch.sum(), n_valid),
         "actor/dppo/mismatch_tv_max": mismatch.max() if mismatch.numel() else zeros.sum(),
-        "actor/dppo/mismatch_kl_mean": _ratio_of((binary_kl(mu, pi) * fvalid).sum(), n_valid),
+        "actor/dppo/mismatch_kl_mean": _ratio_of((mismatch_kl * fvalid).sum(), n_valid),
         "actor/dppo/bad_update_frac": _ratio_of(
             (negative & (mu_prob - pi_prob > BAD_UPDATE_DROP)).float().sum(), n_valid
         ),

@@ -1,0 +1,293 @@
+"""Rollout side of Top-K DPPO: ask vLLM / SGLang for mu's top-K per generated token and extract it, vectorised.
+
+Where K comes from: the single setting `actor_rollout_ref.actor.policy_loss.topk`. On the driver, the
+`LLMServerManager.__init__` patch (adapter.topk_agent_loop.sync_rollout_config) copies it into
+`actor_rollout_ref.rollout.custom.dppo_topk` before any rollout server is built (and raises vLLM's
+`engine_kwargs.vllm.max_logprobs` to K when K > 20); the servers read it from their rollout config. A user never
+sets `custom.dppo_topk` by hand (a value that disagrees with policy_loss.topk is refused).
+
+The patched `generate` of each server puts two numpy arrays in `TokenOutput.extra_fields`:
+`dppo_topk_ids` [T, K] int64 and `dppo_topk_logprobs` [T, K] float32, one row per generated token, sorted by rank.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import random
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, itemgetter, methodcaller
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "CUSTOM_KEY",
+    "EXTRA_IDS",
+    "EXTRA_LOGPROBS",
+    "rollout_topk",
+    "extract_vllm_topk",
+    "extract_sglang_topk",
+    "per_token_loop_vllm_topk",
+    "vllm_shaped_logprobs",
+    "patch_vllm_server",
+    "patch_sglang_server",
+]
+
+logger = logging.getLogger("verl_dppo")
+
+CUSTOM_KEY = "dppo_topk"
+"""Key in actor_rollout_ref.rollout.custom that carries K to the servers (written by the driver-side patch)."""
+EXTRA_IDS = "dppo_topk_ids"
+EXTRA_LOGPROBS = "dppo_topk_logprobs"
+
+
+class RolloutTopKError(ValueError):
+    """The rollout engine's log-probs do not hold a well-formed top-K per generated token."""
+
+
+def rollout_topk(rollout_config: Any) -> Optional[int]:
+    """K requested by the run (written by the driver from policy_loss.topk), or None when Top-K is off."""
+    custom = rollout_config.get("custom", None) if hasattr(rollout_config, "get") else getattr(rollout_config, "custom", None)
+    if not custom:
+        return None
+    value = custom.get(CUSTOM_KEY, None)
+    return int(value) if value is not None else None
+
+
+# --------------------------------------------------------------------------------------------------- extraction
+
+
+def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """mu's top-K per generated token from vLLM's `CompletionOutput.logprobs`, without a per-token Python loop.
+
+    With `SamplingParams(logprobs=K)` vLLM returns, per position, {token_id: Logprob(logprob, rank, decoded_token)}
+    holding the K most likely tokens plus the sampled one: K entries when the sampled token is among them, K + 1
+    when it is not. All entries are flattened in one pass (C-level iterators), the sampled token's extra entry
+    dropped with a vectorised mask, and rows ordered by rank with one argsort.
+    """
+    n_tokens = len(position_logprobs)
+    if n_tokens == 0:
+        return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+    if len(token_ids) < n_tokens:
+        raise RolloutTopKError(f"{n_tokens} log-prob positions for {len(token_ids)} generated tokens")
+    counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n_tokens)
+    if not bool(((counts == k) | (counts == k + 1)).all()):
+        bad = counts[(counts != k) & (counts != k + 1)]
+        raise RolloutTopKError(
+            f"vLLM returned {int(bad[0])} log-probs at a position, expected K={k} or K+1: the request did not ask "
+            f"for logprobs=K (is the verl-dppo plugin installed in the rollout servers' environment?)"
+        )
+    total = int(counts.sum())
+    ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
+    entries = list(chain.from_iterable(map(methodcaller("values"), position_logprobs)))
+    logprobs = np.fromiter(map(attrgetter("logprob"), entries), dtype=np.float64, count=total)
+    ranks = np.fromiter((r if r is not None else 0 for r in map(attrgetter("rank"), entries)), np.int64, count=total)
+    row = np.repeat(np.arange(n_tokens), counts)
+    sampled = np.asarray(token_ids[:n_tokens], dtype=np.int64)[row]
+    drop = (counts[row] == k + 1) & (ids == sampled)
+    if int(drop.sum()) != int((counts == k + 1).sum()):
+        raise RolloutTopKError("a position holds K+1 log-probs but none of them is the sampled token")
+    keep = ~drop
+    ids, logprobs, ranks = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k), ranks[keep].reshape(n_tokens, k)
+    order = np.argsort(ranks if bool((ranks > 0).all()) else -logprobs, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(logprobs, order, 1).astype(np.float32)
+
+
+def per_token_loop_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int):
+    """The straightforward per-token version (a sort per position): the benchmark's baseline and a test oracle."""
+    ids = np.zeros((len(position_logprobs), k), dtype=np.int64)
+    lps = np.zeros((len(position_logprobs), k), dtype=np.float32)
+    for i, entries in enumerate(position_logprobs):
+        items = [(tok, lp) for tok, lp in entries.items() if not (len(entries) == k + 1 and tok == token_ids[i])]
+        items.sort(key=lambda item: item[1].rank)
+        for j, (tok, lp) in enumerate(items[:k]):
+            ids[i, j] = tok
+            lps[i, j] = lp.logprob
+    return ids, lps
+
+
+def extract_sglang_topk(output_top_logprobs: Sequence[Sequence[Any]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """mu's top-K per generated token from SGLang's meta_info["output_top_logprobs"].
+
+    SGLang returns, per generated token, a list of `top_logprobs_num` tuples (logprob, token_id, text-or-None),
+    most likely first; the sampled token is reported separately (output_token_logprobs).
+    """
+    n_tokens = len(output_top_logprobs)
+    if n_tokens == 0:
+        return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+    counts = np.fromiter(map(len, output_top_logprobs), dtype=np.int64, count=n_tokens)
+    if not bool((counts >= k).all()):
+        raise RolloutTopKError(
+            f"SGLang returned {int(counts.min())} top log-probs at a position, expected K={k}: the request did not "
+            "ask for top_logprobs_num=K (is the verl-dppo plugin installed in the rollout servers' environment?)"
+        )
+    if bool((counts > k).any()):
+        output_top_logprobs = [entries[:k] for entries in output_top_logprobs]
+    flat = list(chain.from_iterable(output_top_logprobs))
+    logprobs = np.fromiter(map(itemgetter(0), flat), dtype=np.float64, count=n_tokens * k).reshape(n_tokens, k)
+    ids = np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=n_tokens * k).reshape(n_tokens, k)
+    return ids, logprobs.astype(np.float32)
+
+
+@dataclass
+class _Logprob:
+    """Field for field vLLM's `vllm.logprobs.Logprob` (a dataclass), for benchmarks and tests on a CPU machine."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+def vllm_shaped_logprobs(tokens: int, k: int, vocab: int, seed: int = 0, inside_fraction: float = 0.7):
+    """Per-position dicts built the way vLLM builds them: sampled token first, then the top-K by rank (a sampled
+    token among the top-K is overwritten by its top-K entry, so the dict keeps K entries)."""
+    rng = random.Random(seed)
+    positions, sampled_ids = [], []
+    for _ in range(tokens):
+        top = rng.sample(range(vocab), k)
+        lps = sorted((-rng.expovariate(1.0) - 0.1 * j for j in range(k)), reverse=True)
+        if rng.random() < inside_fraction:
+            j = rng.randrange(k)
+            sampled, sampled_entry = top[j], _Logprob(lps[j], j + 1, "")
+        else:
+            sampled = rng.randrange(vocab)
+            while sampled in top:
+                sampled = rng.randrange(vocab)
+            sampled_entry = _Logprob(lps[-1] - 1.0 - rng.random(), k + 1 + rng.randrange(100), "")
+        ids = [sampled] + top
+        entries = [sampled_entry] + [_Logprob(lp, j + 1, "") for j, lp in enumerate(lps)]
+        positions.append(dict(zip(ids, entries)))
+        sampled_ids.append(sampled)
+    return positions, sampled_ids
+
+
+# ------------------------------------------------------------------------------------------------ server patches
+
+_REQUEST_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("verl_dppo_request_k", default=None)
+_CAPTURE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("verl_dppo_capture", default=None)
+_warned: set[str] = set()
+
+
+def _capturing(async_gen_fn):
+    """Wrap an engine's async-generator method so the current request's last output is kept in _CAPTURE."""
+    if getattr(async_gen_fn, "__verl_dppo_capture__", False):
+        return async_gen_fn
+
+    @functools.wraps(async_gen_fn)
+    async def generate(*args, **kwargs):
+        holder = _CAPTURE.get()
+        async for output in async_gen_fn(*args, **kwargs):
+            if holder is not None:
+                holder["output"] = output
+            yield output
+
+    generate.__verl_dppo_capture__ = True
+    return generate
+
+
+def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:
+    top_p = sampling_params.get("top_p", 1.0)
+    top_k = sampling_params.get("top_k", -1)
+    truncated = (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0)
+    if truncated and logprobs_mode == "processed_logprobs" and "truncated" not in _warned:
+        _warned.add("truncated")
+        logger.warning(
+            "verl-dppo Top-K: top_p=%s / top_k=%s with rollout.logprobs_mode=processed_logprobs: the engine renormalises "
+            "mu over the truncated support, so mu's top-K (and its 'other' mass) differ from the full policy the actor "
+            "scores; use top_p=1.0, top_k=-1 for Top-K DPPO",
+            top_p,
+            top_k,
+        )
+
+
+def patch_vllm_server(module: Any) -> None:
+    """vLLMHttpServer.generate: logprobs=K on the request, the top-K of every generated token in extra_fields."""
+    server_cls = module.vLLMHttpServer
+    if getattr(server_cls.generate, "__verl_dppo_topk__", False):
+        return
+    original_generate = server_cls.generate
+    original_sampling_params = module.SamplingParams
+
+    def SamplingParams(*args, **kwargs):  # noqa: N802 (stands in for vLLM's class in this module only)
+        k = _REQUEST_K.get()
+        if k is not None:
+            kwargs["logprobs"] = k  # verl forces 0 (sampled token only); K returns the top-K plus the sampled token
+        return original_sampling_params(*args, **kwargs)
+
+    @functools.wraps(original_generate)
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        k = rollout_topk(self.config)
+        if k is None:
+            return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        warn_truncated_sampling(sampling_params, self.config.get("logprobs_mode", None))
+        engine = self.engine
+        if not getattr(engine.generate, "__verl_dppo_capture__", False):
+            engine.generate = _capturing(engine.generate)
+        holder: dict = {}
+        k_token, capture_token = _REQUEST_K.set(k), _CAPTURE.set(holder)
+        try:
+            result = await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        finally:
+            _REQUEST_K.reset(k_token)
+            _CAPTURE.reset(capture_token)
+        final = holder.get("output")
+        if final is not None and final.outputs and result.token_ids:
+            ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
+            result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+        return result
+
+    generate.__verl_dppo_topk__ = True
+    module.SamplingParams = SamplingParams
+    server_cls.generate = generate
+
+
+def patch_sglang_server(module: Any) -> None:
+    """SGLangHttpServer.generate: top_logprobs_num=K on the request, the generation's top-K in extra_fields."""
+    server_cls = module.SGLangHttpServer
+    if getattr(server_cls.generate, "__verl_dppo_topk__", False):
+        return
+    original_generate = server_cls.generate
+    original_request = module.GenerateReqInput
+
+    def GenerateReqInput(*args, **kwargs):  # noqa: N802
+        k = _REQUEST_K.get()
+        if k is not None:
+            if kwargs.get("logprob_start_len", None) is not None:
+                raise RolloutTopKError("Top-K DPPO and prompt log-probs in one SGLang request are not supported")
+            kwargs["return_logprob"] = True
+            kwargs["top_logprobs_num"] = k
+        return original_request(*args, **kwargs)
+
+    @functools.wraps(original_generate)
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        k = rollout_topk(self.config)
+        if k is None or kwargs.get("bootstrap_room") is not None:  # PD prefill half: no generated tokens
+            return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        warn_truncated_sampling(sampling_params, None)
+        manager = self.tokenizer_manager
+        if not getattr(manager.generate_request, "__verl_dppo_capture__", False):
+            manager.generate_request = _capturing(manager.generate_request)
+        holder: dict = {}
+        k_token, capture_token = _REQUEST_K.set(k), _CAPTURE.set(holder)
+        try:
+            result = await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        finally:
+            _REQUEST_K.reset(k_token)
+            _CAPTURE.reset(capture_token)
+        output = holder.get("output")
+        if output is not None and result.token_ids:
+            top = (output.get("meta_info", {}) or {}).get("output_top_logprobs") or []
+            if len(top) != len(result.token_ids):
+                raise RolloutTopKError(
+                    f"SGLang returned top log-probs for {len(top)} of {len(result.token_ids)} generated tokens"
+                )
+            ids, lps = extract_sglang_topk(top, k)
+            result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+        return result
+
+    generate.__verl_dppo_topk__ = True
+    module.GenerateReqInput = GenerateReqInput
+    server_cls.generate = generate
