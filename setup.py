@@ -7,7 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["verl_dppo", "verl_dppo.*"]),
+    # The recipes live in recipes/ at the top of the checkout and install as verl_dppo.recipes (Hydra configs).
+    packages=find_packages(include=["verl_dppo", "verl_dppo.*"]) + ["verl_dppo.recipes"],
+    package_dir={"verl_dppo.recipes": "recipes"},
+    package_data={"verl_dppo.recipes": ["*.yaml", "*.md", "setup/*.yaml", "method/*.yaml"]},
     include_package_data=True,
     install_requires=[
         "verl==0.9.1",

@@ -1,0 +1,160 @@
+"""`verl-dppo recipes | run | data`: list the paper's recipes, launch one on Ray, prepare its data.
+
+    verl-dppo recipes
+    verl-dppo run SETUP --method METHOD [--dry-run] [hydra overrides ...]
+    verl-dppo data NAME --out DIR [--hub-id ID | --from-file PATH]
+
+`run` composes the recipe on verl's own ppo_trainer.yaml (verl_dppo.compose), validates it with verl's
+`validate_config` and dataclass conversions, and calls what `python -m verl.trainer.main_ppo` calls:
+`run_ppo(config, TaskRunnerV1)` (Ray: RAY_ADDRESS names an existing cluster, else a local one starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_USAGE = 2
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets options and Hydra overrides mix in any order (`run S a=1 --dry-run b=2`): plain argparse would stop
+    filling the overrides list at the first option after it."""
+
+    _inside = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._inside:
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
+def _print_error(message: str) -> int:
+    print(f"verl-dppo: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from verl_dppo.compose import RecipeError, list_recipes
+
+    try:
+        recipes = list_recipes()
+    except RecipeError as error:
+        return _print_error(str(error))
+    for group, title in (("setup", "Setups"), ("method", "Methods")):
+        print(f"{title} ({'verl-dppo run SETUP' if group == 'setup' else '--method METHOD'}):")
+        width = max(len(info.name) for info in recipes[group])
+        for info in recipes[group]:
+            print(f"  {info.name:<{width}}  {info.figure}")
+            if args.verbose and info.summary:
+                print(f"  {'':<{width}}  {info.summary}")
+        print()
+    print("Any setup runs with any method. Paths come from DPPO_ROOT (default ~/dppo); see recipes/README.md.")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from verl_dppo.compose import (
+        RecipeError,
+        check_paths,
+        compose_recipe,
+        resolved_yaml,
+        stdout_to_stderr,
+        validate_recipe,
+    )
+
+    try:
+        with stdout_to_stderr():
+            config = compose_recipe(args.setup, args.method, args.overrides)
+            validate_recipe(config)
+        problems = check_paths(config)
+    except RecipeError as error:
+        return _print_error(str(error))
+
+    if args.dry_run:
+        for problem in problems:
+            print(f"verl-dppo: warning: {problem}", file=sys.stderr)
+        sys.stdout.write(resolved_yaml(config))
+        sys.stdout.flush()
+        return 0
+    if problems:
+        return _print_error("the run cannot start:\n  - " + "\n  - ".join(problems))
+    return _launch(config)
+
+
+def _launch(config) -> int:
+    from omegaconf import OmegaConf
+
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.utils.device import auto_set_device
+
+    # Resolve on the driver: ${oc.env:DPPO_ROOT} and the paths checked above are the ones every Ray node uses.
+    OmegaConf.resolve(config)
+    auto_set_device(config)
+    address = os.environ.get("RAY_ADDRESS")
+    print(
+        f"verl-dppo: launching {config.dppo.setup} + {config.dppo.method} ({config.trainer.nnodes} node(s) x "
+        f"{config.trainer.n_gpus_per_node} GPU(s)) on "
+        + (f"the Ray cluster at RAY_ADDRESS={address}" if address else "a new local Ray instance"),
+        file=sys.stderr,
+    )
+    if not config.trainer.use_v1:
+        return _print_error("verl-dppo runs on verl's v1 trainer: remove trainer.use_v1=False")
+    run_ppo(config, task_runner_class=TaskRunnerV1)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from verl_dppo.data import DataError, prepare
+
+    try:
+        path, rows = prepare(args.name, args.out, hub_id=args.hub_id, from_file=args.from_file, split=args.split)
+    except DataError as error:
+        return _print_error(str(error))
+    print(f"wrote {rows} rows to {path}")
+    return 0
+
+
+def add_command(commands) -> None:
+    from verl_dppo.data import DATASETS
+
+    recipes = commands.add_parser("recipes", help="list the paper's setups and methods, with the figure each reproduces")
+    recipes.add_argument("-v", "--verbose", action="store_true", help="also print each recipe's one-line summary")
+    recipes.set_defaults(handler=cmd_recipes)
+
+    run = commands.add_parser(
+        "run",
+        help="compose a recipe on verl's config, validate it, and launch verl.trainer.main_ppo on Ray",
+        description="Compose SETUP + METHOD on verl's ppo_trainer.yaml, apply the Hydra overrides, validate with "
+        "verl's own checks, then launch verl.trainer.main_ppo on Ray (RAY_ADDRESS names an existing cluster).",
+    )
+    run.__class__ = _IntermixedParser
+    run.add_argument("setup", help="a setup from `verl-dppo recipes` (model, data, lengths, parallelism)")
+    run.add_argument("--method", required=True, help="a method from `verl-dppo recipes` (loss mode and options)")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="do everything but the launch: print the fully resolved config as YAML on stdout (no GPU needed)",
+    )
+    run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.nnodes=4 data.train_batch_size=128")
+    run.set_defaults(handler=cmd_run)
+
+    data = commands.add_parser(
+        "data",
+        help="download a data set and write it as parquet in verl's RL-dataset schema",
+        description="Write DIR/NAME.parquet in the schema of verl's RLHFDataset and reward functions. "
+        + "; ".join(f"{name}: {spec.description}" for name, spec in DATASETS.items()),
+    )
+    data.add_argument("name", choices=sorted(DATASETS), help="which data set")
+    data.add_argument("--out", required=True, help="output folder (the recipes read $DPPO_ROOT/data)")
+    data.add_argument("--hub-id", default=None, help="Hugging Face dataset id to read instead of the default")
+    data.add_argument("--split", default=None, help="dataset split (default: the data set's usual split)")
+    data.add_argument(
+        "--from-file", default=None, help="convert a local parquet/json/jsonl copy instead of downloading"
+    )
+    data.set_defaults(handler=cmd_data)
