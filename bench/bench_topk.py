@@ -125,16 +125,34 @@ def bench_divergence(n: int, vocab: int, k: int, device: torch.device, repeat: i
 
 
 def bench_extraction(tokens: int, k: int, repeat: int) -> dict:
-    from verl_dppo.adapter.topk_rollout import extract_vllm_topk, per_token_loop_vllm_topk, vllm_shaped_logprobs
+    from verl_dppo.adapter.topk_rollout import (
+        extract_vllm_topk,
+        flat_from_dicts,
+        per_token_loop_vllm_topk,
+        vllm_shaped_logprobs,
+    )
 
     logprobs, token_ids = vllm_shaped_logprobs(tokens, k, vocab=151_936, seed=0)
-    fast = timed(lambda: extract_vllm_topk(logprobs, token_ids, k), torch.device("cpu"), repeat)
-    slow = timed(lambda: per_token_loop_vllm_topk(logprobs, token_ids, k), torch.device("cpu"), repeat)
-    ids_a, lp_a = extract_vllm_topk(logprobs, token_ids, k)
+    flat = flat_from_dicts(logprobs, token_ids, k)
+    cpu = torch.device("cpu")
+    slow = timed(lambda: per_token_loop_vllm_topk(logprobs, token_ids, k), cpu, repeat)
+    fast_dict = timed(lambda: extract_vllm_topk(logprobs, token_ids, k), cpu, repeat)
+    fast_flat = timed(lambda: extract_vllm_topk(flat, token_ids, k), cpu, repeat)
     ids_b, lp_b = per_token_loop_vllm_topk(logprobs, token_ids, k)
-    same = bool((ids_a == ids_b).all() and (lp_a == lp_b).all())
-    return {"tokens": tokens, "K": k, "vectorised_s": fast, "per_token_loop_s": slow, "speedup": slow / fast,
-            "identical": same}
+    same = all(
+        bool((ids == ids_b).all() and (lps == lp_b).all())
+        for ids, lps in (extract_vllm_topk(logprobs, token_ids, k), extract_vllm_topk(flat, token_ids, k))
+    )
+    return {
+        "tokens": tokens,
+        "K": k,
+        "per_token_loop_s (dict positions)": slow,
+        "vectorised_s (dict positions)": fast_dict,
+        "vectorised_s (FlatLogprobs)": fast_flat,
+        "speedup (dict positions)": slow / fast_dict,
+        "speedup (FlatLogprobs)": slow / fast_flat,
+        "identical": same,
+    }
 
 
 def main() -> None:

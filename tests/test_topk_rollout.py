@@ -25,6 +25,7 @@ from verl_dppo.adapter.topk_rollout import (
     _Logprob,
     extract_sglang_topk,
     extract_vllm_topk,
+    flat_from_dicts,
     per_token_loop_vllm_topk,
     vllm_shaped_logprobs,
 )
@@ -43,6 +44,9 @@ def test_vllm_vectorised_extraction_equals_per_token_loop(k):
     for row, (entries, token) in enumerate(zip(positions, sampled)):
         assert (token in ids[row]) == (len(entries) == k)
     assert (np.diff(lps, axis=1) <= 0).all()
+    # the same positions as vLLM's FlatLogprobs (sampled entry first, not de-duplicated)
+    flat_ids, flat_lps = extract_vllm_topk(flat_from_dicts(positions, sampled, k), sampled, k)
+    assert np.array_equal(flat_ids, ref_ids) and np.array_equal(flat_lps, ref_lps)
 
 
 def test_vllm_extraction_refuses_a_reply_without_k_logprobs():

@@ -63,36 +63,45 @@ def rollout_topk(rollout_config: Any) -> Optional[int]:
 def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """mu's top-K per generated token from vLLM's `CompletionOutput.logprobs`, without a per-token Python loop.
 
-    With `SamplingParams(logprobs=K)` vLLM returns, per position, {token_id: Logprob(logprob, rank, decoded_token)}
-    holding the K most likely tokens plus the sampled one: K entries when the sampled token is among them, K + 1
-    when it is not. All entries are flattened in one pass (C-level iterators), the sampled token's extra entry
-    dropped with a vectorised mask, and rows ordered by rank with one argsort.
+    With `SamplingParams(logprobs=K)` vLLM builds each position from (sampled token, top-K by rank), the sampled
+    token first: as a dict {token_id: Logprob(logprob, rank, decoded_token)} that holds K entries when the sampled
+    token is among the top-K and K + 1 when it is not, or as a `FlatLogprobs` (flat lists + start/end indices).
+    Rows with K + 1 entries drop their first (the sampled token, checked); no per-token sort, no per-token loop:
+    dict entries are flattened with C-level iterators, FlatLogprobs' lists are read as arrays directly.
     """
     n_tokens = len(position_logprobs)
     if n_tokens == 0:
         return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
     if len(token_ids) < n_tokens:
         raise RolloutTopKError(f"{n_tokens} log-prob positions for {len(token_ids)} generated tokens")
-    counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n_tokens)
+    if hasattr(position_logprobs, "start_indices"):  # vLLM's FlatLogprobs
+        starts = np.asarray(position_logprobs.start_indices, dtype=np.int64)[:n_tokens]
+        counts = np.asarray(position_logprobs.end_indices, dtype=np.int64)[:n_tokens] - starts
+        if starts[0] != 0 or not np.array_equal(starts[1:], (starts + counts)[:-1]):
+            raise RolloutTopKError("FlatLogprobs positions are not contiguous")
+        total = int(counts.sum())
+        ids = np.asarray(position_logprobs.token_ids[:total], dtype=np.int64)
+        logprobs = np.asarray(position_logprobs.logprobs[:total], dtype=np.float64)
+    else:
+        counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n_tokens)
+        total = int(counts.sum())
+        ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
+        entries = chain.from_iterable(map(methodcaller("values"), position_logprobs))
+        logprobs = np.fromiter(map(attrgetter("logprob"), entries), dtype=np.float64, count=total)
     if not bool(((counts == k) | (counts == k + 1)).all()):
         bad = counts[(counts != k) & (counts != k + 1)]
         raise RolloutTopKError(
             f"vLLM returned {int(bad[0])} log-probs at a position, expected K={k} or K+1: the request did not ask "
             f"for logprobs=K (is the verl-dppo plugin installed in the rollout servers' environment?)"
         )
-    total = int(counts.sum())
-    ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
-    entries = list(chain.from_iterable(map(methodcaller("values"), position_logprobs)))
-    logprobs = np.fromiter(map(attrgetter("logprob"), entries), dtype=np.float64, count=total)
-    ranks = np.fromiter((r if r is not None else 0 for r in map(attrgetter("rank"), entries)), np.int64, count=total)
-    row = np.repeat(np.arange(n_tokens), counts)
-    sampled = np.asarray(token_ids[:n_tokens], dtype=np.int64)[row]
-    drop = (counts[row] == k + 1) & (ids == sampled)
-    if int(drop.sum()) != int((counts == k + 1).sum()):
-        raise RolloutTopKError("a position holds K+1 log-probs but none of them is the sampled token")
-    keep = ~drop
-    ids, logprobs, ranks = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k), ranks[keep].reshape(n_tokens, k)
-    order = np.argsort(ranks if bool((ranks > 0).all()) else -logprobs, axis=1, kind="stable")
+    extra_rows = np.nonzero(counts == k + 1)[0]
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])[extra_rows]
+    if not np.array_equal(ids[first], np.asarray(token_ids[:n_tokens], dtype=np.int64)[extra_rows]):
+        raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
+    keep = np.ones(total, dtype=bool)
+    keep[first] = False
+    ids, logprobs = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k)
+    order = np.argsort(-logprobs, axis=1, kind="stable")  # rank order (most likely first)
     return np.take_along_axis(ids, order, 1), np.take_along_axis(logprobs, order, 1).astype(np.float32)
 
 
@@ -164,6 +173,39 @@ def vllm_shaped_logprobs(tokens: int, k: int, vocab: int, seed: int = 0, inside_
     return positions, sampled_ids
 
 
+@dataclass
+class _FlatLogprobs:
+    """Field for field vLLM's `FlatLogprobs` (flat lists, sampled token first per position, no de-duplication)."""
+
+    start_indices: list
+    end_indices: list
+    token_ids: list
+    logprobs: list
+    ranks: list
+    decoded_tokens: list
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+def flat_from_dicts(positions: Sequence[dict], sampled_ids: Sequence[int], k: int) -> _FlatLogprobs:
+    """The FlatLogprobs vLLM builds for the same positions: sampled entry first, then the top-K, no de-duplication
+    (a sampled token inside the top-K appears twice: K + 1 entries on every position)."""
+    flat = _FlatLogprobs([], [], [], [], [], [])
+    for entries, sampled in zip(positions, sampled_ids):
+        flat.start_indices.append(len(flat.token_ids))
+        items = list(entries.items())
+        if len(items) == k:  # the dict merged the sampled token into its top-K entry
+            items = [items[0]] + items
+        for token, lp in items:
+            flat.token_ids.append(token)
+            flat.logprobs.append(lp.logprob)
+            flat.ranks.append(lp.rank)
+            flat.decoded_tokens.append(lp.decoded_token)
+        flat.end_indices.append(len(flat.token_ids))
+    return flat
+
+
 # ------------------------------------------------------------------------------------------------ server patches
 
 _REQUEST_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("verl_dppo_request_k", default=None)
@@ -215,6 +257,8 @@ def patch_vllm_server(module: Any) -> None:
         k = _REQUEST_K.get()
         if k is not None:
             kwargs["logprobs"] = k  # verl forces 0 (sampled token only); K returns the top-K plus the sampled token
+            if "flat_logprobs" in getattr(original_sampling_params, "__struct_fields__", ()):
+                kwargs.setdefault("flat_logprobs", True)  # newer vLLM: flat lists, read as arrays (no objects)
         return original_sampling_params(*args, **kwargs)
 
     @functools.wraps(original_generate)
