@@ -142,6 +142,7 @@ def _loss_registered(loss_mode: str) -> bool:
 
 def validate_recipe(config: Any) -> None:
     """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change."""
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -185,14 +186,28 @@ def validate_recipe(config: Any) -> None:
                 "check where the rollout engine is installed, or change the setting that needs it "
                 "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA)."
             ) from None
-        except (AssertionError, ValueError, TypeError, OmegaConfBaseException) as error:
-            raise RecipeError(f"verl rejects the config ({name}): {error}") from None
+        except (AssertionError, ValueError, TypeError, HydraException, OmegaConfBaseException) as error:
+            cause = error.__cause__ if isinstance(error, HydraException) and error.__cause__ else error
+            raise RecipeError(f"verl rejects the config ({name}): {cause}") from None
     if not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
         raise RecipeError(
             "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
             "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
         )
     _check_anchor(config)
+    _check_topk_rollout(config)
+
+
+def _check_topk_rollout(config: Any) -> None:
+    """The Top-K modes' driver-side rollout check (it runs again at launch), on a copy: the config stays as composed."""
+    import copy
+
+    from verl_dppo.adapter.topk_agent_loop import sync_rollout_config
+
+    try:
+        sync_rollout_config(copy.deepcopy(config))
+    except ValueError as error:
+        raise RecipeError(str(error)) from None
 
 
 def _missing_paths(node: Any, prefix: str) -> list[str]:
