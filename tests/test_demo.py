@@ -1,0 +1,172 @@
+"""The demo's pieces at tiny size: warm-up band, bf16 rollout copy, each method through verl's real ppo_loss,
+verl file-logger rows, valid PNGs, and the command line end to end (a few steps, two processes)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import verl  # noqa: F401  (loads the plugin)
+from verl_dppo.cli import main
+from verl_dppo.demo import task
+from verl_dppo.demo.figures import draw_all
+from verl_dppo.demo.methods import METHODS, actor_config, runnable_methods
+from verl_dppo.demo.policy import RolloutEngine, build_policy, sequence_log_probs
+from verl_dppo.demo.rl import train_method
+from verl_dppo.demo.settings import DemoSettings
+from verl_dppo.demo.warmup import sampled_success, warm_start
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = dict(steps=2, prompts_per_step=4, samples_per_prompt=4, mini_batches=2, micro_batch_size=4, val_every=1)
+
+
+@pytest.fixture(scope="module")
+def warm():
+    torch.set_num_threads(1)
+    return warm_start(seed=0, target_accuracy=0.3, n_train=32, n_val=32, n_candidates=160, probe_samples=8)
+
+
+def test_warm_up_reaches_the_sanity_band(warm):
+    # Sec. 5's sanity set: problems the initial model solves 20-80% of the time.
+    assert warm.probe_accuracy >= 0.3
+    assert 0.2 <= warm.train_success_rate <= 0.8
+    assert len(warm.train_problems) > 0
+    assert not set(map(tuple, warm.train_problems)) & set(map(tuple, warm.val_problems))
+    policy = build_policy(0)
+    policy.load_state_dict(warm.policy_state)
+    rate = sampled_success(RolloutEngine(policy), warm.train_problems, 16, torch.Generator().manual_seed(1)).mean()
+    assert 0.15 <= rate <= 0.85  # a fresh sample of the kept set is still in the regime
+
+
+def test_rollout_copy_is_bf16_and_close_to_the_fp32_learner(warm):
+    policy = build_policy(0)
+    policy.load_state_dict(warm.policy_state)
+    digits = warm.train_problems[:16]
+    prompts = task.encode_prompts(digits)
+    for precision, low, high in (("bf16-emulated", 1e-6, 0.05), ("fp32", 0.0, 1e-6)):
+        engine = RolloutEngine(policy, precision)
+        responses, mu = engine.generate(prompts, 1.0, torch.Generator().manual_seed(0))
+        ids = torch.cat([prompts, responses], dim=1)
+        mask = torch.cat([torch.ones_like(prompts), task.response_mask(responses)], dim=1)
+        with torch.no_grad():
+            pi, _ = sequence_log_probs(policy, ids, mask)
+        pi = pi[:, task.PROMPT_LEN - 1 : -1]
+        valid = task.response_mask(responses).bool()
+        gap = (pi.exp() - mu.exp()).abs()[valid].max().item()
+        assert low <= gap <= high, (precision, gap)
+    emulated = RolloutEngine(policy, "bf16-emulated")
+    weights = next(emulated.model.parameters())
+    assert torch.equal(weights, weights.to(torch.bfloat16).float())  # weights hold bf16 values
+
+
+def test_actor_config_is_verls_own_dataclass():
+    from verl.workers.config import FSDPActorConfig
+
+    from verl_dppo import DPPOLossConfig
+
+    by_name = {m.name: m for m in METHODS}
+    config = actor_config(by_name["grpo_clip"], 32, 8, 4, 32, 1e-3, 1.0)
+    assert isinstance(config, FSDPActorConfig) and isinstance(config.policy_loss, DPPOLossConfig)
+    assert (config.clip_ratio_low, config.clip_ratio_high, config.ppo_mini_batch_size) == (0.2, 0.28, 8)
+    assert math.isinf(actor_config(by_name["pg_is"], 32, 8, 4, 32, 1e-3, 1.0).policy_loss.ratio_cap)
+    with pytest.raises(ValueError, match="multiple of --mini-batches"):
+        actor_config(by_name["pg_is"], 30, 8, 4, 32, 1e-3, 1.0)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if not m.needs_rollout_topk], ids=lambda m: m.name)
+def test_each_method_trains_through_verls_ppo_loss(warm, tmp_path, method):
+    settings = DemoSettings(**{**TINY, "mini_batches": 1, "micro_batch_size": 16, "steps": 1})
+    result = train_method(method, settings, warm, str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / f"{method.name}.jsonl").read_text().splitlines()]
+    step = rows[1]["data"]
+    # actor/pg_loss is written by verl's ppo_loss; actor/dppo/* by our registered loss behind the wrapper.
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/dppo/masked_frac_neg", "actor/dppo/masked_entropy_mean",
+            "training/rollout_probs_diff_mean", "critic/advantages/mean"} <= set(step)
+    # The histogram's blocked tokens (zero gradient despite A != 0) are exactly the loss's masked fraction.
+    blocked = sum(result["blocked_by_prob"])
+    n_tokens = 16 * step["response_length/mean"]
+    assert blocked == pytest.approx(step["actor/pg_clipfrac"] * n_tokens, abs=1e-6)
+    if method.name == "pg_is":
+        assert blocked == 0 and step["actor/pg_clipfrac"] == 0.0
+    assert step["training/rollout_probs_diff_mean"] > 0  # mu from the bf16 copy, pi from the fp32 learner
+
+
+def test_jsonl_rows_are_verl_file_logger_rows(warm, tmp_path):
+    from verl.utils.tracking import FileLogger
+
+    method = runnable_methods(["dppo_binary_tv"])[0]
+    train_method(method, DemoSettings(**TINY), warm, str(tmp_path))
+    lines = (tmp_path / "dppo_binary_tv.jsonl").read_bytes().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert all(set(row) == {"step", "data"} for row in rows)
+    assert all(isinstance(v, (int, float)) for row in rows for v in row["data"].values())
+    assert "val-core/digit_sum/acc/mean@1" in rows[0]["data"] and "val-core/digit_sum/acc/mean@1" in rows[2]["data"]
+    assert rows[2]["data"]["training/global_step"] == 2
+    # Byte for byte what verl's own FileLogger writes for the same row.
+    reference = tmp_path / "reference.jsonl"
+    import os
+
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(reference)
+    logger = FileLogger("p", "e")
+    logger.log(rows[1]["data"], step=1)
+    logger.finish()
+    del os.environ["VERL_FILE_LOGGER_PATH"]
+    assert reference.read_bytes().splitlines()[0] == lines[1]
+
+
+def test_same_seed_same_run(warm, tmp_path):
+    method = runnable_methods(["grpo_clip"])[0]
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    for out in (first, second):
+        train_method(method, DemoSettings(**TINY), warm, str(out))
+    strip = lambda path: [{k: v for k, v in json.loads(l)["data"].items() if not k.startswith("timing_s/")}
+                          for l in path.read_text().splitlines()]
+    assert strip(first / "grpo_clip.jsonl") == strip(second / "grpo_clip.jsonl")
+
+
+def test_figures_are_valid_pngs(warm, tmp_path):
+    results = [train_method(m, DemoSettings(**TINY), warm, str(tmp_path)) for m in runnable_methods()]
+    paths = draw_all(str(tmp_path), results)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["reward.png", "mismatch.png", "masked.png", "blocked_probs.png"]
+    import matplotlib.image
+
+    for path in paths:
+        with open(path, "rb") as handle:
+            assert handle.read(8) == PNG_SIGNATURE
+        assert matplotlib.image.imread(path).shape[0] > 100
+
+
+def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
+    from verl_dppo.demo import runner
+
+    # The CLI at a tiny size: the DemoSettings defaults are what `make demo` runs; shrink them for the test.
+    tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
+    monkeypatch.setattr(runner, "DemoSettings", lambda: tiny)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--steps", "2", "--methods", "pg_is,dppo_binary_kl", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| pg_is |" in printed and "| dppo_binary_kl |" in printed and "collapsed" in printed
+    for name in ("pg_is.jsonl", "dppo_binary_kl.jsonl", "reward.png", "mismatch.png", "masked.png",
+                 "blocked_probs.png", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert [m["method"] for m in summary["methods"]] == ["pg_is", "dppo_binary_kl"]
+    # `verl-dppo plot` draws the demo's logs like any verl run.
+    assert main(["plot", str(out / "pg_is.jsonl"), str(out / "dppo_binary_kl.jsonl"), "-o", str(out / "p.png")]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "ppo_typo"], "unknown demo method(s) ['ppo_typo']"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["demo", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,127 @@
+"""`verl-dppo plot` on hand-written verl file-logger logs: the format of verl/utils/tracking.py::FileLogger
+(`{"step": s, "data": {...}}` per line), validation metrics every N steps, a run cut off mid-line, bad input."""
+
+import json
+
+import pytest
+
+from verl_dppo import plot
+from verl_dppo.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_log(path, steps=20, val_every=5, truncate=False, score=lambda s: s / 20):
+    lines = []
+    for step in range(1, steps + 1):
+        data = {"critic/score/mean": score(step), "actor/pg_clipfrac": 0.01 * (step % 3),
+                "response_length/mean": 100.0 + step, "actor/dppo/mismatch_tv_mean": 1e-3,
+                "perf/note": "strings are skipped"}
+        if step % val_every == 0:
+            data["val-core/math/acc/mean@1"] = step / 40
+        lines.append(json.dumps({"step": step, "data": data}))
+    text = "\n".join(lines) + "\n"
+    if truncate:
+        text += '{"step": 21, "data": {"critic/score/me'
+    path.write_text(text)
+    return path
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 5000
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path, capsys):
+    log = write_log(tmp_path / "run.jsonl", truncate=True)
+    run = plot.load_run(str(log))
+    assert sorted(run.series["critic/score/mean"]) == list(range(1, 21))
+    assert any("cut short" in w for w in run.warnings)
+    assert main(["plot", str(log), "-o", str(tmp_path / "fig.png")]) == 0
+    assert "line 21 is cut short" in capsys.readouterr().err
+    assert_png(tmp_path / "fig.png")
+
+
+def test_sparse_metric_keeps_only_its_logged_steps(tmp_path):
+    run = plot.load_run(str(write_log(tmp_path / "run.jsonl", val_every=5)))
+    assert run.series["val-core/math/acc/mean@1"] == {5: 0.125, 10: 0.25, 15: 0.375, 20: 0.5}
+    assert "perf/note" not in run.series  # non-numeric values are not metrics
+    metrics, _ = plot.select_metrics([run], None)
+    assert metrics[:2] == ["critic/score/mean", "val-core/math/acc/mean@1"]
+
+
+def test_overlay_two_runs_with_metric_list_and_wildcard(tmp_path, capsys):
+    a = write_log(tmp_path / "a.jsonl", score=lambda s: 0.5)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    first = write_log(tmp_path / "x" / "run.jsonl")
+    second = write_log(tmp_path / "y" / "run.jsonl", score=lambda s: 0.3)
+    out = tmp_path / "figs" / "cmp.png"
+    assert main(["plot", str(first), str(second), str(a), "-o", str(out),
+                 "--metrics", "critic/score/mean,val-core/*", "--smooth", "3"]) == 0
+    assert "2 panel(s), 3 run(s)" in capsys.readouterr().out
+    assert_png(out)
+    assert plot._label_runs([str(first), str(second)]) == ["x/run", "y/run"]
+
+
+def test_a_resumed_run_keeps_the_latest_value_of_a_step(tmp_path):
+    log = tmp_path / "run.jsonl"
+    rows = [{"step": 1, "data": {"critic/score/mean": 0.1}}, {"step": 2, "data": {"critic/score/mean": 0.2}},
+            {"step": 2, "data": {"critic/score/mean": 0.25}}]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert plot.load_run(str(log)).series["critic/score/mean"] == {1: 0.1, 2: 0.25}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "the file is empty"),
+        ("\n\n", "the file is empty"),
+        ('[1, 2]\n{"a": 1}\n', "not verl file-logger rows"),
+        ('{"step": 1, "data": {"x": "text"}}\n', "no numeric metric"),
+        ('{"step": 1, "dat', "no complete verl file-logger row"),
+    ],
+)
+def test_unusable_logs_give_one_line_errors(tmp_path, capsys, content, message):
+    log = tmp_path / "run.jsonl"
+    log.write_text(content)
+    assert main(["plot", str(log), "-o", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_cli_error_paths(tmp_path, capsys):
+    log = write_log(tmp_path / "run.jsonl")
+    cases = [
+        (["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "f.png")], "no such file"),
+        (["plot", str(tmp_path), "-o", str(tmp_path / "f.png")], "is a directory"),
+        (["plot", str(log), "-o", str(tmp_path / "f.txt")], "ending in one of"),
+        (["plot", str(log), "-o", str(tmp_path / "f.png"), "--metrics", "critic/score/maen"],
+         "did you mean critic/score/mean"),
+        (["plot", str(log), "-o", str(tmp_path / "f.png"), "--smooth", "0"], "--smooth must be >= 1"),
+        (["plot", str(log), "-o", str(tmp_path / "f.png"), "--labels", "a,b"], "--labels names 2 run(s)"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_partly_missing_metrics_warn_and_draw_the_rest(tmp_path, capsys):
+    log = write_log(tmp_path / "run.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.4}}) + "\n")
+    out = tmp_path / "f.png"
+    assert main(["plot", str(log), str(other), "-o", str(out), "--metrics", "critic/score/mean,actor/pg_clipfrac,nope"]) == 0
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "actor/pg_clipfrac: not logged by other" in err
+    assert_png(out)
+
+
+def test_no_default_metric_present_names_the_available_ones(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"step": 1, "data": {"my/metric": 1.0}}) + "\n")
+    assert main(["plot", str(log), "-o", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err
+    assert "choose some with --metrics" in err and "my/metric" in err

@@ -1,0 +1,93 @@
+"""The methods the demo compares: one row each, a verl loss mode and its settings.
+
+To add a method (e.g. a Top-K mode once the rollout can hand over top-K log-probs), add one `Method` row:
+the demo runs every row whose loss mode is registered in verl's POLICY_LOSS_REGISTRY after `import verl`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# verl's clip_ratio_c default (3.0) would truncate the ratio pi/mu; the paper's runs use 10000 (off). Sec. 5.4.
+NO_TRUNCATION = 10000.0
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    """Run name: the JSONL file stem and the legend label."""
+    loss_mode: str
+    """actor_rollout_ref.actor.policy_loss.loss_mode."""
+    description: str
+    policy_loss: dict[str, Any] = field(default_factory=dict)
+    """Extra DPPOLossConfig fields (+actor_rollout_ref.actor.policy_loss.<key>=...)."""
+    actor: dict[str, Any] = field(default_factory=dict)
+    """Extra ActorConfig fields (actor_rollout_ref.actor.<key>=...)."""
+    needs_rollout_topk: bool = False
+    """True for modes that need the rollout's top-K log-probs, which the demo's rollout does not produce yet."""
+
+
+METHODS = (
+    Method("pg_is", "pg_is", "PG-IS: no trust region, no truncation", {"ratio_cap": float("inf")}),
+    Method(
+        "grpo_clip",
+        "grpo_clip",
+        "GRPO Clip-Higher, ratio in [0.8, 1.28]",
+        actor={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+    ),
+    Method("dppo_binary_tv", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15", {"delta_low": 0.15, "delta_high": 0.15}),
+    Method("dppo_binary_kl", "dppo_binary_kl", "DPPO-Binary-KL, delta 0.05", {"delta_low": 0.05, "delta_high": 0.05}),
+)
+
+
+def runnable_methods(names: list[str] | None = None) -> list[Method]:
+    """The methods to run: `names` in order (all registered ones when empty). Unknown names raise ValueError."""
+    import verl  # noqa: F401  (loads the plugin: registers the loss modes)
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    by_name = {method.name: method for method in METHODS}
+    if names:
+        unknown = [name for name in names if name not in by_name]
+        if unknown:
+            raise ValueError(f"unknown demo method(s) {unknown}; choose from {sorted(by_name)}")
+        chosen = [by_name[name] for name in names]
+    else:
+        chosen = list(METHODS)
+    missing = [m.loss_mode for m in chosen if m.loss_mode not in POLICY_LOSS_REGISTRY]
+    if missing and names:
+        raise ValueError(f"loss mode(s) {missing} are not registered in verl: run `verl-dppo doctor`")
+    return [m for m in chosen if m.loss_mode in POLICY_LOSS_REGISTRY and not m.needs_rollout_topk]
+
+
+def actor_config(method: Method, prompts_per_step: int, samples_per_prompt: int, mini_batches: int,
+                 micro_batch_size: int, lr: float, grad_clip: float):
+    """The verl `FSDPActorConfig` a Hydra run would build for this method (via verl's omega_conf_to_dataclass)."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    if prompts_per_step % mini_batches:
+        raise ValueError(f"--prompts-per-step ({prompts_per_step}) must be a multiple of --mini-batches ({mini_batches})")
+    mini_batch_prompts = prompts_per_step // mini_batches
+    if (mini_batch_prompts * samples_per_prompt) % micro_batch_size:
+        raise ValueError(
+            f"a mini-batch holds {mini_batch_prompts * samples_per_prompt} sequences, not a multiple of "
+            f"--micro-batch-size ({micro_batch_size})"
+        )
+    config = {
+        "_target_": "verl.workers.config.FSDPActorConfig",
+        "strategy": "fsdp",
+        "rollout_n": samples_per_prompt,
+        "ppo_mini_batch_size": mini_batch_prompts,
+        "ppo_micro_batch_size_per_gpu": micro_batch_size,
+        "ppo_epochs": 1,
+        "clip_ratio_c": NO_TRUNCATION,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+        "use_kl_loss": False,
+        "grad_clip": grad_clip,
+        "optim": {"_target_": "verl.workers.config.FSDPOptimizerConfig", "lr": lr, "weight_decay": 0.01},
+        "policy_loss": {"_target_": "verl_dppo.DPPOLossConfig", "loss_mode": method.loss_mode, **method.policy_loss},
+        **method.actor,
+    }
+    return omega_conf_to_dataclass(OmegaConf.create(config))

@@ -1,0 +1,174 @@
+"""Orchestration: warm-up once, train the methods in parallel processes, draw the figures, print the table."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from typing import Optional, TextIO
+
+from verl_dppo.demo.settings import DemoSettings
+
+_progress_queue = None
+
+
+def _init_worker(queue) -> None:
+    global _progress_queue
+    _progress_queue = queue
+    import torch
+
+    # One thread per process: results do not depend on how many methods run at once.
+    torch.set_num_threads(1)
+    logging.getLogger("verl_dppo").setLevel(logging.ERROR)  # the resolved options are in the table instead
+
+
+def _train_one(job: tuple) -> dict:
+    method_name, settings_dict, warm_path, out_dir = job
+    try:
+        import torch
+
+        from verl_dppo.demo.methods import runnable_methods
+        from verl_dppo.demo.rl import train_method
+
+        settings = DemoSettings(**settings_dict)
+        (method,) = runnable_methods([method_name])
+        warm = torch.load(warm_path, weights_only=False)
+
+        def on_step(step: int, score: float) -> None:
+            if _progress_queue is not None:
+                _progress_queue.put((method_name, step, score))
+
+        return train_method(method, settings, warm, out_dir, on_step)
+    except Exception as error:  # reported by the parent with the method's name
+        return {"method": method_name, "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()}
+
+
+def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: TextIO = sys.stdout) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from verl_dppo.demo.figures import draw_all
+    from verl_dppo.demo.methods import runnable_methods
+    from verl_dppo.demo.warmup import warm_start
+
+    start = time.perf_counter()
+    methods = runnable_methods(settings.methods or None)
+    os.makedirs(out_dir, exist_ok=True)
+    torch.set_num_threads(1)
+    print(f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps, "
+          f"{settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples, "
+          f"{settings.mini_batches} mini-batch updates per step, lr {settings.lr:g}, "
+          f"rollout {settings.rollout_precision}, seed {settings.seed} -> {out_dir}", file=stream)
+
+    warm_bar = tqdm(total=settings.warmup_max_steps, desc="warm-up (supervised)", disable=not progress,
+                    leave=False, file=stream)
+
+    def warm_progress(step: int, accuracy: float) -> None:
+        warm_bar.n = step
+        warm_bar.set_postfix(sampled_acc=f"{accuracy:.2f}")
+
+    warm = warm_start(settings.seed, settings.hidden_size, settings.num_layers, settings.rollout_precision,
+                      target_accuracy=settings.warmup_target, max_supervised_steps=settings.warmup_max_steps,
+                      n_train=settings.n_train, n_val=settings.n_val, progress=warm_progress)
+    warm_bar.close()
+    print(f"warm-up: {warm.supervised_steps} supervised steps, sampled accuracy {warm.probe_accuracy:.2f}; "
+          f"sanity set of {len(warm.train_problems)} problems solved {warm.train_success_rate:.0%} of the time "
+          f"on average ({warm.seconds:.0f} s)", file=stream)
+    warm_path = os.path.join(out_dir, "warmup.pt")
+    torch.save(warm, warm_path)
+
+    jobs = [(m.name, settings.to_dict(), warm_path, out_dir) for m in methods]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    bars = {m.name: tqdm(total=settings.steps, desc=f"{m.name:<15}", position=i, disable=not progress,
+                         file=stream, mininterval=0.5) for i, m in enumerate(methods)}
+    results = []
+    workers = max(1, min(settings.workers, len(jobs)))
+    with context.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
+        pending = pool.map_async(_train_one, jobs, chunksize=1)
+        while True:
+            _drain(queue, bars)
+            if pending.ready():
+                _drain(queue, bars)
+                break
+            time.sleep(0.2)
+        results = pending.get()
+    for bar in bars.values():
+        bar.close()
+
+    failed = [r for r in results if "error" in r]
+    good = [r for r in results if "error" not in r]
+    if good:
+        figures = draw_all(out_dir, good)
+        _write_summary(out_dir, settings, warm, results, time.perf_counter() - start)
+        print(table(good, settings), file=stream)
+        print("figures: " + ", ".join(os.path.basename(f) for f in figures), file=stream)
+        print(f"logs (verl file-logger format): {', '.join(r['method'] + '.jsonl' for r in good)}", file=stream)
+    for result in failed:
+        print(f"{result['method']} FAILED: {result['error']}\n{result['traceback']}", file=sys.stderr)
+    print(f"total time {time.perf_counter() - start:.0f} s", file=stream)
+    return 1 if failed else 0
+
+
+def _drain(queue, bars) -> None:
+    import queue as queue_module
+
+    while True:
+        try:
+            name, step, score = queue.get_nowait()
+        except queue_module.Empty:
+            return
+        bar = bars[name]
+        bar.update(step - bar.n)
+        bar.set_postfix(reward=f"{score:.2f}", refresh=False)
+
+
+def table(results: list[dict], settings: DemoSettings) -> str:
+    """The final table, markdown so it pastes into a README."""
+    lines = [
+        f"| method | final reward (last {results[0]['final_window']} steps) | lowest 20-step reward | collapsed "
+        "| masked fraction | blocked updates with mu < 0.2 | time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        low_bins = sum(1 for edge in r["prob_bins"][1:] if edge <= 0.2 + 1e-9)
+        updates, blocked = sum(r["updates_by_prob"][:low_bins]), sum(r["blocked_by_prob"][:low_bins])
+        low_rate = f"{blocked / updates:.1%}" if updates else "n/a"
+        lines.append(
+            f"| {r['method']} | {r['final_reward']:.2f} (start {r['initial_reward']:.2f}) | "
+            f"{r['lowest_window_reward']:.2f} | {'YES' if r['collapsed'] else 'no'} | {r['masked_frac']:.2%} | {low_rate} | {r['seconds']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def _write_summary(out_dir, settings, warm, results, seconds) -> None:
+    import json
+
+    summary = {
+        "settings": settings.to_dict(),
+        "warmup": {"supervised_steps": warm.supervised_steps, "probe_accuracy": warm.probe_accuracy,
+                   "train_success_rate": warm.train_success_rate, "n_train": len(warm.train_problems)},
+        "methods": results,
+        "seconds": seconds,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=1)
+
+
+def main_from_args(args) -> int:
+    methods = [name.strip() for name in args.methods.split(",") if name.strip()]
+    settings = replace(DemoSettings(), steps=args.steps, seed=args.seed, lr=args.lr, mini_batches=args.mini_batches,
+                       methods=methods, rollout_precision=args.rollout_precision, workers=args.workers)
+    if settings.steps < 1:
+        print("verl-dppo demo: error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return run_demo(settings, args.out, progress=not args.no_progress)
+    except (ValueError, RuntimeError) as error:  # settings or warm-up problems: one line, the setting to change
+        print(f"verl-dppo demo: error: {error}", file=sys.stderr)
+        return 2

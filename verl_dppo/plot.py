@@ -1,0 +1,268 @@
+"""`verl-dppo plot`: draw verl run logs (trainer.logger=['console','file']) side by side, one panel per metric.
+
+verl's file logger (verl/utils/tracking.py, `FileLogger`) writes one JSON object per line:
+`{"step": <int>, "data": {"<metric>": <number>, ...}}`. Validation metrics arrive every `test_freq` steps only,
+and a run that is still going (or was killed) may end in a half-written line: both are normal and handled.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+DEFAULT_METRICS = (
+    "critic/score/mean",
+    "val-core/*",
+    "response_length/mean",
+    "actor/pg_clipfrac",
+    "actor/dppo/mismatch_tv_mean",
+    "actor/dppo/masked_frac_pos",
+    "actor/dppo/masked_frac_neg",
+    "actor/dppo/bad_update_frac",
+    "actor/dppo/masked_rollout_prob_mean",
+    "training/rollout_probs_diff_mean",
+)
+"""Drawn when --metrics is not given (those present in at least one run; patterns use shell-style wildcards)."""
+
+MAX_DEFAULT_PANELS = 12
+
+
+class PlotError(Exception):
+    """A problem with the user's input: reported as one line, never as a traceback."""
+
+
+@dataclass
+class Run:
+    path: str
+    label: str
+    series: dict[str, dict[int, float]] = field(default_factory=dict)
+    """metric -> {step: value}; a later row for the same step overrides an earlier one, as in a resumed run."""
+    warnings: list[str] = field(default_factory=list)
+
+    def metrics(self) -> set[str]:
+        return set(self.series)
+
+    def n_steps(self) -> int:
+        """How many distinct steps logged anything."""
+        return len(set().union(*(set(points) for points in self.series.values())))
+
+
+def _number(value) -> Optional[float]:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None  # strings, lists, null: not plottable
+
+
+def load_run(path: str, label: Optional[str] = None) -> Run:
+    """Read one verl file-logger JSONL. Raises PlotError for a file that cannot be a verl log."""
+    if not os.path.exists(path):
+        raise PlotError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise PlotError(f"{path}: is a directory; pass the run's .jsonl file")
+    run = Run(path=path, label=label or os.path.splitext(os.path.basename(path))[0])
+    try:
+        with open(path, "rb") as handle:
+            lines = handle.read().decode("utf-8", errors="replace").splitlines()
+    except OSError as error:
+        raise PlotError(f"{path}: cannot read it ({error.strerror})") from None
+    numbered = [(number, line.strip()) for number, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise PlotError(f"{path}: the file is empty (a run that has not logged a step yet?)")
+    bad_lines = []
+    for position, (number, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if position == len(numbered) - 1:
+                run.warnings.append(f"{path}: line {number} is cut short (run still writing, or killed); skipped it")
+            else:
+                bad_lines.append(number)
+            continue
+        if not (isinstance(row, dict) and "step" in row and isinstance(row.get("data"), dict)):
+            bad_lines.append(number)
+            continue
+        step = _number(row["step"])
+        if step is None:
+            bad_lines.append(number)
+            continue
+        for name, value in row["data"].items():
+            number_value = _number(value)
+            if number_value is not None:
+                run.series.setdefault(name, {})[int(step)] = number_value
+    if bad_lines:
+        shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
+        message = f"{path}: {len(bad_lines)} line(s) are not verl file-logger rows {{\"step\": s, \"data\": {{...}}}}"
+        if len(bad_lines) == len(numbered) or not run.series:
+            raise PlotError(message + " (no usable row: is this a log written with trainer.logger=['file']?)")
+        run.warnings.append(f"{message}; skipped lines {shown}")
+    if not run.series:
+        if run.warnings:  # the only row was cut short
+            raise PlotError(f"{path}: no complete verl file-logger row yet (the only line is cut short)")
+        raise PlotError(f"{path}: no numeric metric in any row")
+    return run
+
+
+def _label_runs(paths: Sequence[str]) -> list[str]:
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    labels = []
+    for path, stem in zip(paths, stems):
+        if stems.count(stem) > 1:  # same file name in different run folders: name the folder too
+            stem = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), stem)
+        labels.append(stem)
+    return labels
+
+
+def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> tuple[list[str], list[str]]:
+    """Resolve metric names/patterns against the runs: (metrics to draw, warnings). Raises PlotError if none."""
+    available = sorted(set().union(*(run.metrics() for run in runs)))
+    patterns = list(requested) if requested else list(DEFAULT_METRICS)
+    chosen, warnings, missing = [], [], []
+    for pattern in patterns:
+        matches = [m for m in available if fnmatch.fnmatchcase(m, pattern)] if any(c in pattern for c in "*?[") \
+            else [pattern] if pattern in available else []
+        if not matches:
+            missing.append(pattern)
+        chosen.extend(m for m in matches if m not in chosen)
+    if requested and missing:
+        hints = []
+        for name in missing:
+            import difflib
+
+            close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
+            hints.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        message = "metric(s) not found in any run: " + "; ".join(hints)
+        if not chosen:
+            raise PlotError(message + _available_hint(available))
+        warnings.append(message + "; drawing the others")
+    if not chosen:
+        raise PlotError("none of the default metrics is in these runs; choose some with --metrics"
+                        + _available_hint(available))
+    if not requested and len(chosen) > MAX_DEFAULT_PANELS:
+        warnings.append(f"showing the first {MAX_DEFAULT_PANELS} of {len(chosen)} default metrics; use --metrics")
+        chosen = chosen[:MAX_DEFAULT_PANELS]
+    for name in chosen:
+        absent = [run.label for run in runs if name not in run.series]
+        if absent:
+            warnings.append(f"{name}: not logged by {', '.join(absent)}")
+    return chosen, warnings
+
+
+def _available_hint(available: Sequence[str]) -> str:
+    shown = ", ".join(available[:15]) + (f", ... ({len(available)} in all)" if len(available) > 15 else "")
+    return f". Available: {shown}"
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return values
+    out = []
+    for end in range(1, len(values) + 1):  # trailing moving average, ignoring NaN
+        finite = [v for v in values[max(0, end - window) : end] if math.isfinite(v)]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out
+
+
+def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int = 1, title: Optional[str] = None,
+         dpi: int = 100) -> None:
+    """One panel per metric, one line per run; a metric logged at a few steps only is drawn with markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(metrics))
+    rows = math.ceil(len(metrics) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, metric in enumerate(metrics):
+        axis = axes[index // columns][index % columns]
+        for run_index, run in enumerate(runs):
+            points = run.series.get(metric)
+            if not points:
+                continue
+            steps = sorted(points)
+            values = [points[s] for s in steps]
+            # Logged every N steps (validation): markers, and no smoothing across its few points.
+            sparse = len(steps) <= max(1, run.n_steps() // 2)
+            color = colors[run_index % len(colors)]
+            if sparse:
+                axis.plot(steps, values, "o-", color=color, label=run.label, markersize=3.5, linewidth=1.2)
+            else:
+                if smooth > 1:
+                    axis.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
+                axis.plot(steps, _smooth(values, smooth), color=color, label=run.label, linewidth=1.3)
+        axis.set_title(metric, fontsize=9)
+        axis.set_xlabel("step", fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3)
+    for index in range(len(metrics), rows * columns):
+        axes[index // columns][index % columns].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if not handles:
+        for axis in axes.flat:
+            handles, labels = axis.get_legend_handles_labels()
+            if handles:
+                break
+    figure.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5) or 1, fontsize=8, frameon=False)
+    if title:
+        figure.suptitle(title, fontsize=11)
+    figure.tight_layout(rect=(0, 0.06 if rows == 1 else 0.035, 1, 1))
+    figure.savefig(output, dpi=dpi)
+    plt.close(figure)
+
+
+_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def run(paths: Sequence[str], output: str, metrics: Optional[str] = None, smooth: int = 1,
+        labels: Optional[str] = None, title: Optional[str] = None, err=None, out=None) -> int:
+    err, out = err or sys.stderr, out or sys.stdout
+    try:
+        if not output.lower().endswith(_FORMATS):
+            raise PlotError(f"-o {output}: give a file name ending in one of {', '.join(_FORMATS)}")
+        if smooth < 1:
+            raise PlotError(f"--smooth must be >= 1, got {smooth}")
+        names = [label.strip() for label in labels.split(",")] if labels else _label_runs(paths)
+        if len(names) != len(paths):
+            raise PlotError(f"--labels names {len(names)} run(s) but {len(paths)} log file(s) were given")
+        runs = [load_run(path, name) for path, name in zip(paths, names)]
+        requested = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        chosen, warnings = select_metrics(runs, requested)
+        for warning in [w for r in runs for w in r.warnings] + warnings:
+            print(f"warning: {warning}", file=err)
+        directory = os.path.dirname(os.path.abspath(output))
+        os.makedirs(directory, exist_ok=True)
+        draw(runs, chosen, output, smooth=smooth, title=title)
+    except PlotError as error:
+        print(f"verl-dppo plot: error: {error}", file=err)
+        return 2
+    except OSError as error:
+        print(f"verl-dppo plot: error: cannot write {output}: {error.strerror or error}", file=err)
+        return 2
+    print(f"wrote {output}: {len(chosen)} panel(s), {len(runs)} run(s)", file=out)
+    return 0
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser(
+        "plot",
+        help="draw verl run logs (trainer.logger=['file'] JSONL) side by side",
+        description="Overlay verl file-logger runs, one panel per metric. Default metrics: "
+        + ", ".join(DEFAULT_METRICS) + " (those present).",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="verl file-logger logs ({\"step\", \"data\"} rows)")
+    parser.add_argument("-o", "--output", required=True, metavar="FIG.png", help="figure to write (.png/.pdf/.svg)")
+    parser.add_argument("--metrics", default=None, metavar="M1,M2",
+                        help="comma-separated metric names or wildcards (e.g. 'actor/dppo/*')")
+    parser.add_argument("--smooth", type=int, default=1, metavar="N", help="trailing moving average over N steps")
+    parser.add_argument("--labels", default=None, metavar="A,B", help="legend names, one per run (default: file names)")
+    parser.add_argument("--title", default=None, help="figure title")
+    parser.set_defaults(handler=lambda args: run(args.runs, args.output, args.metrics, args.smooth, args.labels,
+                                                 args.title))
