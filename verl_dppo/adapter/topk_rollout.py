@@ -270,14 +270,9 @@ def patch_vllm_server(module: Any) -> None:
         engine = self.engine
         if not getattr(engine.generate, "__verl_dppo_capture__", False):
             engine.generate = _capturing(engine.generate)
-        holder: dict = {}
-        k_token, capture_token = _REQUEST_K.set(k), _CAPTURE.set(holder)
-        try:
-            result = await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        finally:
-            _REQUEST_K.reset(k_token)
-            _CAPTURE.reset(capture_token)
-        final = holder.get("output")
+        result, final = await _generate_capturing(
+            original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
+        )
         if final is not None and final.outputs and result.token_ids:
             ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
             result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
@@ -286,6 +281,19 @@ def patch_vllm_server(module: Any) -> None:
     generate.__verl_dppo_topk__ = True
     module.SamplingParams = SamplingParams
     server_cls.generate = generate
+
+
+async def _generate_capturing(original_generate, k: int, *args, **kwargs):
+    """Run a server's original `generate` with K requested and the engine's final output captured (per request:
+    context variables follow the request's task). Returns (verl's TokenOutput, the engine's final output or None)."""
+    holder: dict = {}
+    k_token, capture_token = _REQUEST_K.set(k), _CAPTURE.set(holder)
+    try:
+        result = await original_generate(*args, **kwargs)
+    finally:
+        _REQUEST_K.reset(k_token)
+        _CAPTURE.reset(capture_token)
+    return result, holder.get("output")
 
 
 def patch_sglang_server(module: Any) -> None:
@@ -314,14 +322,9 @@ def patch_sglang_server(module: Any) -> None:
         manager = self.tokenizer_manager
         if not getattr(manager.generate_request, "__verl_dppo_capture__", False):
             manager.generate_request = _capturing(manager.generate_request)
-        holder: dict = {}
-        k_token, capture_token = _REQUEST_K.set(k), _CAPTURE.set(holder)
-        try:
-            result = await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        finally:
-            _REQUEST_K.reset(k_token)
-            _CAPTURE.reset(capture_token)
-        output = holder.get("output")
+        result, output = await _generate_capturing(
+            original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
+        )
         if output is not None and result.token_ids:
             top = (output.get("meta_info", {}) or {}).get("output_top_logprobs") or []
             if len(top) != len(result.token_ids):

@@ -1,0 +1,123 @@
+"""Run verl 0.9.1's real `vLLMHttpServer.generate` (its source, unmodified) against a stand-in vLLM engine, with
+the plugin's Top-K patch installed by the import hook; print what the server returns, as JSON.
+
+vLLM does not install on a CPU machine: every `vllm.*` module is a stub whose attributes are dummy classes, except
+`SamplingParams`, which records its arguments, and the engine, which answers like vLLM's AsyncLLM (per-position
+dicts {token_id: Logprob} with the sampled token first and the top-`logprobs` entries by rank).
+Usage: python vllm_server.py K  (K = 0: plugin not asked for Top-K).
+"""
+
+import asyncio
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+from dataclasses import dataclass
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "vllm" or fullname.startswith("vllm."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.24.0"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _StubFinder())
+
+# verl.third_party.vllm asks the package metadata for vLLM's version: answer with the release verl 0.9.1 pins.
+import importlib.metadata as _metadata  # noqa: E402
+
+_real_version = _metadata.version
+_metadata.version = lambda name: "0.24.0" if name == "vllm" else _real_version(name)
+
+
+class SamplingParams:
+    def __init__(self, max_tokens=None, logprobs=None, prompt_logprobs=None, **kwargs):
+        self.max_tokens, self.logprobs, self.prompt_logprobs, self.extra = max_tokens, logprobs, prompt_logprobs, kwargs
+
+
+import vllm  # noqa: E402  (the stub)
+
+vllm.SamplingParams = SamplingParams
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str = ""
+
+
+VOCAB_TOP = [[5, 9, 2, 7, 1], [3, 4, 8, 6, 0], [11, 12, 13, 14, 15]]  # top-5 ids per position, by rank
+SAMPLED = [9, 20, 11]  # inside, outside, inside the top-K
+
+
+class Engine:
+    def __init__(self):
+        self.seen_logprobs = None
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        k = sampling_params.logprobs
+        self.seen_logprobs = k
+        positions = []
+        for top, sampled in zip(VOCAB_TOP, SAMPLED):
+            entries = {sampled: Logprob(-3.0 if sampled not in top else -0.5 - top.index(sampled), 99)}
+            for rank, token in enumerate(top[: (k or 0)]):
+                entries[token] = Logprob(-0.5 - rank, rank + 1)
+            positions.append(entries)
+        output = types.SimpleNamespace(token_ids=list(SAMPLED), logprobs=positions if k is not None else None,
+                                       finish_reason="stop", routed_experts=None)
+        yield types.SimpleNamespace(outputs=[output], prompt_logprobs=None, num_cached_tokens=0)
+
+
+import verl  # noqa: E402,F401  (loads the plugin: its import hook patches the server module below)
+from omegaconf import OmegaConf  # noqa: E402
+
+from verl.workers.rollout.vllm_rollout import vllm_async_server as server_module  # noqa: E402
+
+
+def main(k: int) -> None:
+    server = object.__new__(server_module.vLLMHttpServer)
+    custom = {"dppo_topk": k} if k else {}
+    server.config = OmegaConf.create({
+        "max_model_len": 64, "response_length": 8, "prompt_length": 8, "full_determinism": False,
+        "enable_rollout_routing_replay": False, "mtp": None, "custom": custom, "logprobs_mode": "processed_logprobs",
+    })
+    server.model_config = types.SimpleNamespace(processor=None, lora_rank=0, lora={})
+    server.engine = Engine()
+    server.replica_rank, server.global_steps, server._admitting = 0, 1, 0
+    server._submission_paused, server._rejecting = False, False
+    server._disaggregation_role, server._pd_decode_peers = None, None
+    result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": 1.0}, "req-0"))
+    extra = result.extra_fields
+    print(json.dumps({
+        "patched": bool(getattr(server_module.vLLMHttpServer.generate, "__verl_dppo_topk__", False)),
+        "engine_logprobs": server.engine.seen_logprobs,
+        "token_ids": list(result.token_ids),
+        "log_probs": result.log_probs,
+        "topk_ids": extra["dppo_topk_ids"].tolist() if "dppo_topk_ids" in extra else None,
+        "topk_logprobs": extra["dppo_topk_logprobs"].tolist() if "dppo_topk_logprobs" in extra else None,
+    }))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

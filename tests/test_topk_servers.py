@@ -1,0 +1,34 @@
+"""The rollout servers' Top-K patches inside verl 0.9.1's real server code: `vLLMHttpServer.generate` runs
+unmodified (in a subprocess, against a stand-in vLLM engine: tests/probes/), patched by the plugin's import hook."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBES = os.path.join(os.path.dirname(__file__), "probes")
+
+
+def probe(script: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, os.path.join(PROBES, script), *args], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_server_requests_k_and_returns_the_top_k_of_every_token():
+    out = probe("vllm_server.py", "3")
+    assert out["patched"] and out["engine_logprobs"] == 3  # verl forces logprobs=0; the patch asks for K
+    assert out["token_ids"] == [9, 20, 11]
+    assert out["log_probs"] == [-1.5, -3.0, -0.5]  # verl's own sampled-token log-probs are unchanged
+    # Rank order; the sampled token 20 (outside the top-3) is not in its row; 9 and 11 (inside) are.
+    assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
+    assert out["topk_logprobs"] == [[-0.5, -1.5, -2.5]] * 3
+
+
+def test_vllm_server_is_untouched_without_top_k():
+    out = probe("vllm_server.py", "0")
+    assert out["engine_logprobs"] == 0 and out["topk_ids"] is None
+    assert out["log_probs"] == [-1.5, -3.0, -0.5]
