@@ -1,5 +1,6 @@
-"""The rollout servers' Top-K patches inside verl 0.9.1's real server code: `vLLMHttpServer.generate` runs
-unmodified (in a subprocess, against a stand-in vLLM engine: tests/probes/), patched by the plugin's import hook."""
+"""The rollout servers' Top-K patches inside verl 0.9.1's real server code: `vLLMHttpServer.generate` and
+`SGLangHttpServer.generate` run unmodified, each in a subprocess against a stand-in engine (tests/probes/),
+patched by the plugin's import hook."""
 
 import json
 import os
@@ -32,3 +33,16 @@ def test_vllm_server_is_untouched_without_top_k():
     out = probe("vllm_server.py", "0")
     assert out["engine_logprobs"] == 0 and out["topk_ids"] is None
     assert out["log_probs"] == [-1.5, -3.0, -0.5]
+
+
+def test_sglang_server_requests_k_and_returns_the_top_k_of_every_token():
+    out = probe("sglang_server.py", "3")
+    assert out["patched"] and out["top_logprobs_num"] == 3
+    assert out["token_ids"] == [9, 20, 11] and out["log_probs"] == [-1.5, -3.0, -0.5]
+    assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
+    assert out["topk_logprobs"] == [[-0.5, -1.5, -2.5]] * 3
+
+
+def test_sglang_server_is_untouched_without_top_k():
+    out = probe("sglang_server.py", "0")
+    assert out["top_logprobs_num"] is None and out["topk_ids"] is None

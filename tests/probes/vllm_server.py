@@ -8,46 +8,16 @@ Usage: python vllm_server.py K  (K = 0: plugin not asked for Top-K).
 """
 
 import asyncio
-import importlib.abc
-import importlib.machinery
 import json
+import os
 import sys
 import types
 from dataclasses import dataclass
 
+sys.path.insert(0, os.path.dirname(__file__))
+import stubs  # noqa: E402
 
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = type(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, value)
-        return value
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path, target=None):
-        if fullname == "vllm" or fullname.startswith("vllm."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.24.0"
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-sys.meta_path.insert(0, _StubFinder())
-
-# verl.third_party.vllm asks the package metadata for vLLM's version: answer with the release verl 0.9.1 pins.
-import importlib.metadata as _metadata  # noqa: E402
-
-_real_version = _metadata.version
-_metadata.version = lambda name: "0.24.0" if name == "vllm" else _real_version(name)
+stubs.install("vllm")
 
 
 class SamplingParams:

@@ -1,0 +1,47 @@
+"""Stand-ins for engines that do not install on a CPU machine (vLLM, SGLang): every module under the given
+package names imports, and each attribute it is asked for is a dummy class. verl's own server modules then import,
+unmodified, and their methods run against the stand-in engines the probes provide."""
+
+import importlib.abc
+import importlib.machinery
+import importlib.metadata as _metadata
+import types
+
+FAKE_VERSIONS = {"vllm": "0.24.0", "sglang": "0.5.12"}  # the releases verl 0.9.1's extras pin
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages):
+        self.packages = tuple(packages)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] in self.packages:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = FAKE_VERSIONS.get(spec.name.split(".")[0], "0")
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install(*packages: str) -> None:
+    """Stub `packages`; verl asks the package metadata for their versions too: answer with the pinned releases."""
+    import sys
+
+    sys.meta_path.insert(0, _StubFinder(packages))
+    real_version = _metadata.version
+    _metadata.version = lambda name: FAKE_VERSIONS[name] if name in packages else real_version(name)
