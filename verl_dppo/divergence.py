@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["binary_tv", "binary_kl", "ratio_deviation", "log1mexp"]
+__all__ = ["binary_tv", "binary_kl", "ratio_deviation", "log1mexp", "topk_divergence"]
 
 _LN2 = math.log(2.0)
 
@@ -74,7 +74,11 @@ def ratio_deviation(anchor_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> t
     return torch.expm1(pi_logprob - anchor_logprob).abs()
 
 
-# Top-K divergences, Eq. (15)/(16): kept in their own module (chunked over the vocabulary), exported from here.
-from verl_dppo.topk import topk_divergence  # noqa: E402
+def __getattr__(name):
+    # Top-K divergences, Eq. (15)/(16): their own module (chunked over the vocabulary), exported from here lazily
+    # because verl_dppo.topk builds on this module's log1mexp.
+    if name == "topk_divergence":
+        from verl_dppo.topk import topk_divergence
 
-__all__ += ["topk_divergence"]
+        return topk_divergence
+    raise AttributeError(f"module 'verl_dppo.divergence' has no attribute {name!r}")

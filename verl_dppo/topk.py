@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from verl_dppo.divergence import log1mexp
+
 __all__ = ["topk_divergence", "TopKInputError", "DEFAULT_CHUNK_BYTES", "MASS_TOLERANCE"]
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20
@@ -32,17 +34,8 @@ DEFAULT_CHUNK_BYTES = 8 * 2**20
 MASS_TOLERANCE = 1e-3
 """mu's kept mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
 
-_LN2 = math.log(2.0)
-
-
 class TopKInputError(ValueError):
     """The rollout's top-K statistics are malformed (duplicates, ids outside the vocabulary, mass > 1)."""
-
-
-def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    # log(1 - exp(logp)) for logp <= 0 (Maechler 2012); -inf at logp = 0.
-    logp = logp.clamp(max=0.0)
-    return torch.where(logp > -_LN2, torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
 
 
 def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask) -> None:
@@ -162,8 +155,8 @@ def topk_divergence(
             f"the rollout's top-K probabilities sum to {worst:.4f} > 1: they are not log-probs of one distribution "
             "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
         )
-    log_other_mu = _log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside _log1mexp)
-    log_other_pi = _log1mexp(torch.logsumexp(pi_lp, dim=1))
+    log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
+    log_other_pi = log1mexp(torch.logsumexp(pi_lp, dim=1))
 
     mu_p, pi_p = mu_lp.exp(), pi_lp.exp()
     other_mu, other_pi = log_other_mu.exp(), log_other_pi.exp()
