@@ -113,7 +113,8 @@ def test_partly_missing_metrics_warn_and_draw_the_rest(tmp_path, capsys):
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"step": 1, "data": {"critic/score/mean": 0.4}}) + "\n")
     out = tmp_path / "f.png"
-    assert main(["plot", str(log), str(other), "-o", str(out), "--metrics", "critic/score/mean,actor/pg_clipfrac,nope"]) == 0
+    metrics = "critic/score/mean,actor/pg_clipfrac,nope"
+    assert main(["plot", str(log), str(other), "-o", str(out), "--metrics", metrics]) == 0
     err = capsys.readouterr().err
     assert "'nope'" in err and "actor/pg_clipfrac: not logged by other" in err
     assert_png(out)

@@ -257,7 +257,8 @@ def add_command(commands) -> None:
         description="Overlay verl file-logger runs, one panel per metric. Default metrics: "
         + ", ".join(DEFAULT_METRICS) + " (those present).",
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="verl file-logger logs ({\"step\", \"data\"} rows)")
+    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl",
+                        help="verl file-logger logs ({\"step\", \"data\"} rows)")
     parser.add_argument("-o", "--output", required=True, metavar="FIG.png", help="figure to write (.png/.pdf/.svg)")
     parser.add_argument("--metrics", default=None, metavar="M1,M2",
                         help="comma-separated metric names or wildcards (e.g. 'actor/dppo/*')")

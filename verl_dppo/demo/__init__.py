@@ -26,7 +26,7 @@ def add_command(commands) -> None:
         "demo",
         help="CPU sanity test: PG-IS vs GRPO vs DPPO on a tiny LM, logs + figures in minutes",
         description="Train a tiny LM with each method side by side on CPU and write verl-format logs, figures "
-        "and a table to --out. Seeded and reproducible; ~4-6 minutes on 2 cores with the defaults.",
+        "and a table to --out. Seeded and reproducible; ~2-5 minutes on 2 cores with the defaults.",
     )
     parser.add_argument("--out", default="out/demo", help="output folder (default: out/demo)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help=f"RL steps per method ({defaults.steps})")

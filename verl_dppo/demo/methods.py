@@ -67,7 +67,9 @@ def actor_config(method: Method, prompts_per_step: int, samples_per_prompt: int,
     from verl.utils.config import omega_conf_to_dataclass
 
     if prompts_per_step % mini_batches:
-        raise ValueError(f"--prompts-per-step ({prompts_per_step}) must be a multiple of --mini-batches ({mini_batches})")
+        raise ValueError(
+            f"--prompts-per-step ({prompts_per_step}) must be a multiple of --mini-batches ({mini_batches})"
+        )
     mini_batch_prompts = prompts_per_step // mini_batches
     if (mini_batch_prompts * samples_per_prompt) % micro_batch_size:
         raise ValueError(

@@ -141,7 +141,8 @@ def table(results: list[dict], settings: DemoSettings) -> str:
         low_rate = f"{blocked / updates:.1%}" if updates else "n/a"
         lines.append(
             f"| {r['method']} | {r['final_reward']:.2f} (start {r['initial_reward']:.2f}) | "
-            f"{r['lowest_window_reward']:.2f} | {'YES' if r['collapsed'] else 'no'} | {r['masked_frac']:.2%} | {low_rate} | {r['seconds']:.0f} s |"
+            f"{r['lowest_window_reward']:.2f} | {'YES' if r['collapsed'] else 'no'} | {r['masked_frac']:.2%} | "
+            f"{low_rate} | {r['seconds']:.0f} s |"
         )
     return "\n".join(lines)
 
