@@ -147,7 +147,8 @@ def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
     tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
     monkeypatch.setattr(runner, "DemoSettings", lambda: tiny)
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--steps", "2", "--methods", "pg_is,dppo_binary_kl", "--no-progress"]) == 0
+    argv = ["demo", "--out", str(out), "--steps", "2", "--mini-batches", "2", "--methods", "pg_is,dppo_binary_kl"]
+    assert main([*argv, "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| pg_is |" in printed and "| dppo_binary_kl |" in printed and "collapsed" in printed
     for name in ("pg_is.jsonl", "dppo_binary_kl.jsonl", "reward.png", "mismatch.png", "masked.png",
@@ -164,6 +165,7 @@ def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
     [
         (["--methods", "ppo_typo"], "unknown demo method(s) ['ppo_typo']"),
         (["--steps", "0"], "--steps must be >= 1"),
+        (["--mini-batches", "5"], "must be a multiple of --mini-batches (5)"),
     ],
 )
 def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):

@@ -53,11 +53,14 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     from tqdm import tqdm
 
     from verl_dppo.demo.figures import draw_all
-    from verl_dppo.demo.methods import runnable_methods
+    from verl_dppo.demo.methods import actor_config, runnable_methods
     from verl_dppo.demo.warmup import warm_start
 
     start = time.perf_counter()
     methods = runnable_methods(settings.methods or None)
+    for method in methods:  # batch-size problems surface here, before the warm-up, as one-line errors
+        actor_config(method, settings.prompts_per_step, settings.samples_per_prompt, settings.mini_batches,
+                     settings.micro_batch_size, settings.lr, settings.grad_clip)
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(1)
     print(f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps, "
