@@ -80,8 +80,8 @@ def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int]
         if starts[0] != 0 or not np.array_equal(starts[1:], (starts + counts)[:-1]):
             raise RolloutTopKError("FlatLogprobs positions are not contiguous")
         total = int(counts.sum())
-        ids = np.asarray(position_logprobs.token_ids[:total], dtype=np.int64)
-        logprobs = np.asarray(position_logprobs.logprobs[:total], dtype=np.float64)
+        ids = np.fromiter(position_logprobs.token_ids, dtype=np.int64, count=total)
+        logprobs = np.fromiter(position_logprobs.logprobs, dtype=np.float32, count=total)
     else:
         counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n_tokens)
         total = int(counts.sum())
@@ -94,15 +94,26 @@ def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int]
             f"vLLM returned {int(bad[0])} log-probs at a position, expected K={k} or K+1: the request did not ask "
             f"for logprobs=K (is the verl-dppo plugin installed in the rollout servers' environment?)"
         )
-    extra_rows = np.nonzero(counts == k + 1)[0]
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])[extra_rows]
-    if not np.array_equal(ids[first], np.asarray(token_ids[:n_tokens], dtype=np.int64)[extra_rows]):
-        raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
-    keep = np.ones(total, dtype=bool)
-    keep[first] = False
-    ids, logprobs = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k)
-    order = np.argsort(-logprobs, axis=1, kind="stable")  # rank order (most likely first)
-    return np.take_along_axis(ids, order, 1), np.take_along_axis(logprobs, order, 1).astype(np.float32)
+    sampled = np.fromiter(token_ids, dtype=np.int64, count=n_tokens)
+    if total == n_tokens * (k + 1):  # every position holds K + 1 (always so for FlatLogprobs): a plain reshape
+        ids, logprobs = ids.reshape(n_tokens, k + 1), logprobs.reshape(n_tokens, k + 1)
+        if not np.array_equal(ids[:, 0], sampled):
+            raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
+        ids, logprobs = ids[:, 1:], logprobs[:, 1:]
+    else:
+        extra_rows = np.nonzero(counts == k + 1)[0]
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])[extra_rows]
+        if not np.array_equal(ids[first], sampled[extra_rows]):
+            raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
+        keep = np.ones(total, dtype=bool)
+        keep[first] = False
+        ids, logprobs = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k)
+    # Rank order (most likely first). vLLM lists the top-K by rank already, but a dict moves a sampled token that is
+    # among them to the front: sort only when some row is out of order.
+    if k > 1 and not bool((logprobs[:, :-1] >= logprobs[:, 1:]).all()):
+        order = np.argsort(-logprobs, axis=1, kind="stable")
+        ids, logprobs = np.take_along_axis(ids, order, 1), np.take_along_axis(logprobs, order, 1)
+    return ids, logprobs.astype(np.float32)
 
 
 def per_token_loop_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int):
@@ -194,9 +205,10 @@ def flat_from_dicts(positions: Sequence[dict], sampled_ids: Sequence[int], k: in
     flat = _FlatLogprobs([], [], [], [], [], [])
     for entries, sampled in zip(positions, sampled_ids):
         flat.start_indices.append(len(flat.token_ids))
-        items = list(entries.items())
-        if len(items) == k:  # the dict merged the sampled token into its top-K entry
-            items = [items[0]] + items
+        # vLLM's flat layout: the sampled entry, then the top-K by rank (the dict may hold the sampled token once).
+        top = sorted(((token, lp) for token, lp in entries.items() if len(entries) == k or token != sampled),
+                     key=lambda item: item[1].rank)
+        items = [(sampled, entries[sampled])] + top
         for token, lp in items:
             flat.token_ids.append(token)
             flat.logprobs.append(lp.logprob)
