@@ -24,8 +24,8 @@ from verl.utils.metric import AggregationType, Metric
 from verl_dppo.adapter.anchoring import DPPO_MODES, current_extras
 from verl_dppo.adapter.config import resolve_options
 from verl_dppo.adapter.topk_actor import check_anchor, divergence_from_extras
-from verl_dppo.divergence import binary_kl, binary_tv, ratio_deviation
-from verl_dppo.trust_region import truncated_ratio, trust_region_keep
+from verl_dppo.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
+from verl_dppo.trust_region import trust_region_blocked
 
 __all__ = ["LOSS_MODES", "LossMode", "dppo_policy_loss", "finalize_metrics", "register_all"]
 
@@ -78,10 +78,6 @@ def _check_shapes(**tensors: Optional[torch.Tensor]) -> None:
         )
 
 
-def _ratio_of(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    return numerator / denominator.clamp(min=1)
-
-
 def dppo_policy_loss(
     mode: LossMode,
     old_log_prob: torch.Tensor,
@@ -127,30 +123,45 @@ def dppo_policy_loss(
         )
     # mu: the policy that generated the data. Without the hook, old_log_prob is mu (bypass mode / direct call).
     mu_log_prob = rollout_log_prob if rollout_log_prob is not None else old_log_prob
-    anchor_log_prob = old_log_prob if options.anchor == "recompute" else mu_log_prob
+    anchored_on_mu = options.anchor == "rollout"
 
     response = response_mask.bool()
     pi = log_prob.detach().float()
     mu = mu_log_prob.detach().float()
-    anchor = anchor_log_prob.detach().float()
+    anchor = mu if anchored_on_mu else old_log_prob.detach().float()
     adv = advantages.detach().float()
+    # One scalar transfer picks the path: the sum of every input is finite iff all of them are. The common,
+    # all-finite case then needs no masking of its inputs at all.
+    probe = pi.sum() + mu.sum() + adv.sum() + (0.0 if anchored_on_mu else anchor.sum())
+    sanitized = not bool(torch.isfinite(probe))
+    if sanitized:
+        pi, mu, anchor, adv, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv, anchored_on_mu)
+    else:
+        valid = response
 
-    # A token whose mu or anchor log-prob is NaN/inf (e.g. -inf: probability 0 under the engine) has no finite
-    # ratio: it is dropped from the update and counted in actor/dppo/dropped_frac.
-    valid = response & torch.isfinite(mu) & torch.isfinite(anchor)
-    zeros = torch.zeros_like(pi)
-    pi = torch.where(valid, pi, zeros)
-    mu = torch.where(valid, mu, zeros)
-    anchor = torch.where(valid, anchor, zeros)
+    log_ratio = pi - mu
+    ratio = torch.exp(log_ratio)  # r_t = pi / mu, always against the rollout policy
+    weight = ratio.clamp(max=options.ratio_cap)
+    mu_floored, pi_floored = floor_logprob(mu), floor_logprob(pi)
+    mu_prob, pi_prob = torch.exp(mu_floored), torch.exp(pi_floored)
+    drop = mu_prob - pi_prob  # mu(a_t) - pi(a_t)
+    mismatch_tv = drop.abs()  # Eq. (13) against mu
+    mismatch_kl = binary_kl_floored(mu_floored, pi_floored, mu_prob)  # Eq. (14) against mu
 
+    log_ratio_to_anchor = log_ratio if anchored_on_mu else pi - anchor
     if mode.topk:
         divergence = divergence_from_extras(mode.name, extras, options.anchor, valid)
+    elif mode.divergence is None:
+        divergence = None
+    elif anchored_on_mu:  # the mismatch statistics above are already D against the anchor
+        divergence = {binary_tv: mismatch_tv, binary_kl: mismatch_kl}.get(mode.divergence)
+        if divergence is None:
+            divergence = (ratio - 1.0).abs()  # ratio_deviation, from the ratio at hand
     else:
-        divergence = mode.divergence(anchor, pi) if mode.divergence is not None else None
-    mu_prob = torch.exp(mu)
-    keep = trust_region_keep(
+        divergence = mode.divergence(anchor, pi)
+    blocked = trust_region_blocked(
         adv,
-        pi - anchor,
+        log_ratio_to_anchor,
         divergence,
         options.delta_low,
         options.delta_high,
@@ -158,82 +169,126 @@ def dppo_policy_loss(
         relax_below=options.relax_below,
         relax_side=options.relax_side,
     )
-    weight = truncated_ratio(pi, mu, options.ratio_cap)
-    coefficient = torch.where(valid & keep, -adv * weight, zeros)
-    # where() (not a product) keeps a non-finite log-prob outside the loss from reaching the gradient as NaN.
-    loss_mat = coefficient * torch.where(valid, log_prob.float(), zeros)
+    coefficient = (adv * weight).mul_((~blocked).float()).neg_()  # -M_t * min(r_t, C) * A_t
+    log_pi = log_prob.float()
+    if sanitized:  # a dropped token contributes nothing, not even a NaN gradient
+        log_pi = log_pi.masked_fill(~valid, 0.0)
+    loss_mat = coefficient * log_pi
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = agg_loss(loss_mat=loss_mat, loss_mask=response, loss_agg_mode=loss_agg_mode, **global_batch_info)
 
-    # Diagnostics: reduced on device, one host transfer for all of them.
-    anchored_on_mu = options.anchor == "rollout" and divergence is not None
-    mismatch_kl = divergence if anchored_on_mu and mode.divergence is binary_kl else binary_kl(mu, pi)
-    fvalid = valid.float()
-    blocked = valid & ~keep
-    fblocked = blocked.float()
-    positive, negative = (adv > 0) & valid, (adv < 0) & valid
-    n_valid = fvalid.sum()
-    pi_prob = torch.exp(pi)
-    mismatch = (pi_prob - mu_prob).abs() * fvalid
-    stats = {
-        "actor/pg_clipfrac": _ratio_of(fblocked.sum(), n_valid),
-        "actor/ppo_kl": _ratio_of(((anchor - pi) * fvalid).sum(), n_valid),
-        "actor/pg_clipfrac_lower": _ratio_of(((weight >= options.ratio_cap) & valid).float().sum(), n_valid),
-        "actor/dppo/masked_frac_pos": _ratio_of((blocked & positive).float().sum(), positive.float().sum()),
-        "actor/dppo/masked_frac_neg": _ratio_of((blocked & negative).float().sum(), negative.float().sum()),
-        "actor/dppo/mismatch_tv_mean": _ratio_of(mismatch.sum(), n_valid),
-        "actor/dppo/mismatch_tv_max": mismatch.max() if mismatch.numel() else zeros.sum(),
-        "actor/dppo/mismatch_kl_mean": _ratio_of((mismatch_kl * fvalid).sum(), n_valid),
-        "actor/dppo/bad_update_frac": _ratio_of(
-            (negative & (mu_prob - pi_prob > BAD_UPDATE_DROP)).float().sum(), n_valid
-        ),
-        "actor/dppo/masked_rollout_prob_mean": _ratio_of((mu_prob * fblocked).sum(), fblocked.sum()),
-        "actor/dppo/dropped_frac": _ratio_of((response & ~valid).float().sum(), response.float().sum()),
-    }
-    if entropy is not None:
-        stats["actor/dppo/masked_entropy_mean"] = _ratio_of(
-            (torch.where(blocked, entropy.float(), zeros)).sum(), fblocked.sum()
-        )
-    checks = {
-        "n_response": response.float().sum(),
-        "nonfinite_pi": (response & ~torch.isfinite(log_prob.detach())).float().sum(),
-        "nonfinite_adv": (response & ~torch.isfinite(advantages.detach())).float().sum(),
-        "anchor_differs": ((old_log_prob.detach() != mu_log_prob.detach()) & valid).float().sum()
-        if options.anchor == "recompute"
-        else zeros.sum(),
-    }
-    names = list(stats) + list(checks)
-    values = dict(zip(names, torch.stack([*stats.values(), *checks.values()]).tolist()))
-    metrics = {name: values[name] for name in stats}
-
-    if values["nonfinite_pi"] > 0:
-        raise FloatingPointError(
-            f"{mode.name}: the current policy's log-probs are NaN/inf at {int(values['nonfinite_pi'])} response "
-            "tokens; the actor's forward pass produced non-finite values (check the learning rate, gradient "
-            "clipping and mixed-precision settings)."
-        )
-    if values["nonfinite_adv"] > 0:
-        raise FloatingPointError(
-            f"{mode.name}: the advantages are NaN/inf at {int(values['nonfinite_adv'])} response tokens; check "
-            "the reward function and algorithm.adv_estimator."
-        )
-    if options.anchor == "recompute" and values["anchor_differs"] == 0 and values["n_response"] > 0:
+    stats = _diagnostics(
+        response=response,
+        valid=valid,
+        blocked=blocked & valid,
+        adv=adv,
+        truncated=ratio >= options.ratio_cap,
+        mu_prob=mu_prob,
+        drop=drop,
+        mismatch_tv=mismatch_tv,
+        mismatch_kl=mismatch_kl,
+        log_ratio_to_anchor=log_ratio_to_anchor,
+        entropy=entropy,
+        anchor_differs=None if anchored_on_mu else (old_log_prob.detach() != mu_log_prob.detach()) & valid,
+    )
+    metrics = {name: value for name, value in stats.items() if name.startswith("actor/")}
+    if not anchored_on_mu and stats["anchor_differs"] == 0 and stats["n_response"] > 0:
         raise ValueError(
             f"{mode.name} with policy_loss.anchor='recompute': old_log_probs equal the rollout log-probs, so the "
             "recomputed anchor does not exist; set algorithm.rollout_correction.bypass_mode=False (or use "
             "anchor='rollout')."
         )
-    if metrics["actor/dppo/dropped_frac"] > 0:
-        _warn_once(
-            "dropped",
-            f"{mode.name}: some response tokens have a NaN/inf rollout or anchor log-prob (e.g. probability 0 "
-            "under the rollout engine); they are left out of the update (actor/dppo/dropped_frac).",
-        )
-    if values["n_response"] == 0:
+    if stats["n_response"] == 0:
         # Empty responses: verl's local normalisers would divide 0 by 0. Nothing to learn from: a zero loss that
         # still reaches the parameters, so backward() works.
-        loss = torch.where(response, log_prob.float(), zeros).sum() * 0.0
+        loss = log_prob.float().masked_fill(~response, 0.0).sum() * 0.0
     return loss, metrics
+
+
+def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu):
+    """The rare path: some input is NaN/inf. Errors for the current policy and the advantages (on response
+    tokens); a token whose mu or anchor log-prob is NaN/inf (e.g. -inf: probability 0 under the engine) has no
+    finite ratio: it is dropped from the update and counted in actor/dppo/dropped_frac. Values outside the
+    response are zeroed, whatever they are."""
+    valid = response & torch.isfinite(mu)
+    if not anchored_on_mu:
+        valid &= torch.isfinite(anchor)
+    bad_pi, bad_adv, dropped = torch.stack(
+        [(response & ~torch.isfinite(pi)).sum(), (response & ~torch.isfinite(adv)).sum(), (response & ~valid).sum()]
+    ).tolist()
+    if bad_pi:
+        raise FloatingPointError(
+            f"{mode_name}: the current policy's log-probs are NaN/inf at {bad_pi} response tokens; the actor's "
+            "forward pass produced non-finite values (check the learning rate, gradient clipping and "
+            "mixed-precision settings)."
+        )
+    if bad_adv:
+        raise FloatingPointError(
+            f"{mode_name}: the advantages are NaN/inf at {bad_adv} response tokens; check the reward function "
+            "and algorithm.adv_estimator."
+        )
+    if dropped:
+        _warn_once(
+            "dropped",
+            f"{mode_name}: some response tokens have a NaN/inf rollout or anchor log-prob (e.g. probability 0 "
+            "under the rollout engine); they are left out of the update (actor/dppo/dropped_frac).",
+        )
+    outside = ~valid
+    pi, mu, adv = pi.masked_fill(outside, 0.0), mu.masked_fill(outside, 0.0), adv.masked_fill(outside, 0.0)
+    anchor = mu if anchored_on_mu else anchor.masked_fill(outside, 0.0)
+    return pi, mu, anchor, adv, valid
+
+
+def _diagnostics(response, valid, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
+                 log_ratio_to_anchor, entropy, anchor_differs) -> dict[str, float]:
+    """Every diagnostic reduced on device to a few scalars, read back in one host transfer."""
+    valid_f, blocked_f = valid.float().view(-1), blocked.float().view(-1)
+    positive, negative = adv > 0, adv < 0
+    flat = [  # counts, over the same tokens the loss uses
+        response, valid, blocked,
+        positive & valid, blocked & positive,
+        negative & valid, blocked & negative,
+        negative & valid & (drop > BAD_UPDATE_DROP), truncated & valid,
+    ]
+    if anchor_differs is not None:
+        flat.append(anchor_differs)
+    counts = torch.stack(flat).view(len(flat), -1).sum(dim=1).float()
+    sums = torch.stack([
+        torch.dot(mismatch_tv.view(-1), valid_f),
+        torch.dot(mismatch_kl.view(-1), valid_f),
+        torch.dot(log_ratio_to_anchor.view(-1), valid_f),
+        torch.dot(mu_prob.view(-1), blocked_f),
+        torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
+        (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
+    ])
+    values = torch.cat([counts, sums]).tolist()
+    (n_response, n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated), rest = (
+        values[:9], values[9:]
+    )
+    n_anchor_differs = rest.pop(0) if anchor_differs is not None else None
+    tv_sum, kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max = rest
+
+    def frac(numerator: float, denominator: float) -> float:
+        return numerator / denominator if denominator > 0 else 0.0
+
+    stats = {
+        "actor/pg_clipfrac": frac(n_blocked, n_valid),
+        "actor/ppo_kl": -frac(log_ratio_sum, n_valid),
+        "actor/pg_clipfrac_lower": frac(n_truncated, n_valid),
+        "actor/dppo/masked_frac_pos": frac(n_blocked_pos, n_pos),
+        "actor/dppo/masked_frac_neg": frac(n_blocked_neg, n_neg),
+        "actor/dppo/mismatch_tv_mean": frac(tv_sum, n_valid),
+        "actor/dppo/mismatch_tv_max": tv_max,
+        "actor/dppo/mismatch_kl_mean": frac(kl_sum, n_valid),
+        "actor/dppo/bad_update_frac": frac(n_bad, n_valid),
+        "actor/dppo/masked_rollout_prob_mean": frac(masked_mu_sum, n_blocked),
+        "actor/dppo/dropped_frac": frac(n_response - n_valid, n_response),
+        "n_response": n_response,
+        "anchor_differs": n_anchor_differs,
+    }
+    if entropy is not None:
+        stats["actor/dppo/masked_entropy_mean"] = frac(masked_entropy_sum, n_blocked)
+    return stats
 
 
 def finalize_metrics(metrics: dict) -> dict:
