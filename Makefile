@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) bench/bench_loss.py
+	$(PY) bench/bench_loss.py --repeats 25
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -16,7 +16,6 @@ COMMAND_MODULES = (
     "verl_dppo.demo",  # demo
     "verl_dppo.plot",  # plot
     "verl_dppo.launch",  # recipes, run, data
-    "verl_dppo.patching",  # patch
 )
 
 
