@@ -20,7 +20,15 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from verl_dppo import cli
 from verl_dppo.adapter.config import resolve_options
-from verl_dppo.compose import RecipeError, check_paths, compose_recipe, list_recipes, recipes_dir, validate_recipe
+from verl_dppo.compose import (
+    RecipeError,
+    check_paths,
+    check_supported,
+    compose_recipe,
+    list_recipes,
+    recipes_dir,
+    validate_recipe,
+)
 
 RECIPES = list_recipes()
 SETUPS = [info.name for info in RECIPES["setup"]]
@@ -212,6 +220,16 @@ def test_run_refuses_to_launch_without_its_data_and_says_how_to_get_it(monkeypat
     assert f"verl-dppo data math-sanity --out {tmp_path}/data" in err
     assert "model.path" not in err  # the model exists; only the data is missing
     assert check_paths(compose_recipe("sanity_1p5b", "pg_is"))  # and a dry run only warns
+
+
+def test_run_refuses_top_k_on_megatron_and_a_dry_run_warns(monkeypatch, tmp_path, capsys):
+    # Top-K on the Megatron engine would stop at the first actor update: `run` refuses it up front.
+    assert "FSDP engine only" in check_supported(recipe("moe_base", "dppo_topk_tv"))[0]
+    assert check_supported(recipe("dense_8b", "dppo_topk_kl")) == []
+    assert check_supported(recipe("moe_base", "dppo_binary_tv")) == []
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    assert cli.main(["run", "moe_base", "--method", "dppo_topk_kl"]) == 2
+    assert "dppo_topk_kl runs on the FSDP engine only" in capsys.readouterr().err
 
 
 def test_recipes_command_lists_each_recipe_with_its_figure(capsys):

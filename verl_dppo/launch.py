@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from verl_dppo.compose import (
         RecipeError,
         check_paths,
+        check_supported,
         compose_recipe,
         resolved_yaml,
         stdout_to_stderr,
@@ -72,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides)
             validate_recipe(config)
-        problems = check_paths(config)
+        problems = check_supported(config) + check_paths(config)
     except RecipeError as error:
         return _print_error(str(error))
 
