@@ -8,9 +8,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # The recipes live in recipes/ at the top of the checkout and install as verl_dppo.recipes (Hydra configs).
-    packages=find_packages(include=["verl_dppo", "verl_dppo.*"]) + ["verl_dppo.recipes"],
+    packages=find_packages(include=["verl_dppo", "verl_dppo.*"])
+    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method"],
     package_dir={"verl_dppo.recipes": "recipes"},
-    package_data={"verl_dppo.recipes": ["*.yaml", "*.md", "setup/*.yaml", "method/*.yaml"]},
+    package_data={
+        "verl_dppo.recipes": ["*.yaml", "*.md"],
+        "verl_dppo.recipes.setup": ["*.yaml"],
+        "verl_dppo.recipes.method": ["*.yaml"],
+    },
     include_package_data=True,
     install_requires=[
         "verl==0.9.1",
