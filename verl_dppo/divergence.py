@@ -13,7 +13,15 @@ import math
 
 import torch
 
-__all__ = ["binary_tv", "binary_kl", "ratio_deviation", "log1mexp", "topk_divergence"]
+__all__ = [
+    "binary_tv",
+    "binary_kl",
+    "binary_kl_floored",
+    "floor_logprob",
+    "ratio_deviation",
+    "log1mexp",
+    "topk_divergence",
+]
 
 _LN2 = math.log(2.0)
 _TINY = torch.finfo(torch.float32).tiny
