@@ -75,7 +75,7 @@ def test_actor_config_is_verls_own_dataclass():
         actor_config(by_name["pg_is"], 30, 8, 4, 32, 1e-3, 1.0)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if not m.needs_rollout_topk], ids=lambda m: m.name)
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 def test_each_method_trains_through_verls_ppo_loss(warm, tmp_path, method):
     settings = DemoSettings(**{**TINY, "mini_batches": 1, "micro_batch_size": 16, "steps": 1})
     result = train_method(method, settings, warm, str(tmp_path))
@@ -172,3 +172,33 @@ def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     assert main(["demo", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
+    # The demo's Top-K rows: mu's top-k from the rollout copy, D from the learner's logits (Eq. 15/16), laid out
+    # like the engine's logits hook output. Binary <= Top-K per token, and ppo_loss reads them.
+    from verl_dppo.demo import task
+    from verl_dppo.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
+    from verl_dppo.demo.rl import topk_statistics, to_no_padding
+    from verl_dppo.divergence import binary_kl, binary_tv
+
+    policy = build_policy(0)
+    engine = RolloutEngine(policy, "bf16-emulated")
+    prompts = task.encode_prompts(task.all_problems()[:: 1250])
+    responses, mu, ids, lps = engine.generate_with_topk(prompts, 1.0, torch.Generator().manual_seed(0), k=4)
+    assert ids.shape == (8, task.RESPONSE_LEN, 4) and (lps[..., :-1] >= lps[..., 1:]).all()
+    mask = task.response_mask(responses)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    attention = torch.cat([torch.ones_like(prompts), mask], dim=1)
+    with torch.no_grad():
+        logits = policy(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()
+    stats = topk_statistics(logits, responses, mask, mu, ids, lps, attention)
+    pi, _ = log_probs_from_logits(logits, input_ids)
+    cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + task.RESPONSE_LEN)
+    binary = {"dppo_topk_tv": binary_tv(mu, pi[:, cols]), "dppo_topk_kl": binary_kl(mu, pi[:, cols])}
+    for key, value in stats.items():
+        full = torch.zeros_like(attention, dtype=torch.float32)
+        full[attention.bool()] = value
+        topk_values = full[:, cols][mask.bool()]
+        assert (binary[key][mask.bool()] <= topk_values + 1e-5).all() and topk_values.max() > 0
+    assert to_no_padding(torch.zeros_like(attention, dtype=torch.float32), attention).shape == value.shape

@@ -1,7 +1,7 @@
 """The methods the demo compares: one row each, a verl loss mode and its settings.
 
-To add a method (e.g. a Top-K mode once the rollout can hand over top-K log-probs), add one `Method` row:
-the demo runs every row whose loss mode is registered in verl's POLICY_LOSS_REGISTRY after `import verl`.
+To add a method, add one `Method` row: the demo runs every row whose loss mode is registered in verl's
+POLICY_LOSS_REGISTRY after `import verl`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 # verl's clip_ratio_c default (3.0) would truncate the ratio pi/mu; the paper's runs use 10000 (off). Sec. 5.4.
 NO_TRUNCATION = 10000.0
+TOPK = 4
+"""K of the demo's Top-K methods: mu's top-K comes from the rollout copy, as vLLM reports it with logprobs=K."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class Method:
     actor: dict[str, Any] = field(default_factory=dict)
     """Extra ActorConfig fields (actor_rollout_ref.actor.<key>=...)."""
     needs_rollout_topk: bool = False
-    """True for modes that need the rollout's top-K log-probs, which the demo's rollout does not produce yet."""
+    """True for the Top-K modes: the rollout reports mu's top-K per token and the loss gets Eq. (15)/(16)."""
 
 
 METHODS = (
@@ -38,6 +40,11 @@ METHODS = (
     ),
     Method("dppo_binary_tv", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15", {"delta_low": 0.15, "delta_high": 0.15}),
     Method("dppo_binary_kl", "dppo_binary_kl", "DPPO-Binary-KL, delta 0.05", {"delta_low": 0.05, "delta_high": 0.05}),
+    # K = 4 of a 64-token vocabulary (the paper: K = 20 of 151,936): Top-K stays a coarse view of mu, as it is there.
+    Method("dppo_topk_tv", "dppo_topk_tv", "DPPO-TopK-TV, K 4, delta 0.15",
+           {"delta_low": 0.15, "delta_high": 0.15, "topk": TOPK}, needs_rollout_topk=True),
+    Method("dppo_topk_kl", "dppo_topk_kl", "DPPO-TopK-KL, K 4, delta 0.05",
+           {"delta_low": 0.05, "delta_high": 0.05, "topk": TOPK}, needs_rollout_topk=True),
 )
 
 
@@ -57,7 +64,7 @@ def runnable_methods(names: list[str] | None = None) -> list[Method]:
     missing = [m.loss_mode for m in chosen if m.loss_mode not in POLICY_LOSS_REGISTRY]
     if missing and names:
         raise ValueError(f"loss mode(s) {missing} are not registered in verl: run `verl-dppo doctor`")
-    return [m for m in chosen if m.loss_mode in POLICY_LOSS_REGISTRY and not m.needs_rollout_topk]
+    return [m for m in chosen if m.loss_mode in POLICY_LOSS_REGISTRY]
 
 
 def actor_config(method: Method, prompts_per_step: int, samples_per_prompt: int, mini_batches: int,

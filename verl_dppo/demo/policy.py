@@ -92,8 +92,17 @@ class RolloutEngine:
         rollout_log_probs is mu(a_t | s_t) of the sampled token under the engine's own (bf16) logits at
         `temperature`; greedy decoding when temperature == 0. Positions after <eos> hold PAD with log-prob 0.
         """
+        responses, log_probs, _, _ = self.generate_with_topk(prompts, temperature, generator, k=0)
+        return responses, log_probs
+
+    @torch.no_grad()
+    def generate_with_topk(
+        self, prompts: torch.Tensor, temperature: float, generator: Optional[torch.Generator], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """`generate`, plus mu's top-k token ids and log-probs at each response position ([n, RESPONSE_LEN, k],
+        rank order; zeros after <eos>), as vLLM reports them with `logprobs=k`. k = 0: no top-k (None, None)."""
         sequences = prompts
-        tokens, log_probs = [], []
+        tokens, log_probs, topk_ids, topk_log_probs = [], [], [], []
         finished = torch.zeros(prompts.shape[0], dtype=torch.bool)
         for _ in range(RESPONSE_LEN):
             logits = self.logits(sequences)[:, -1]
@@ -108,9 +117,16 @@ class RolloutEngine:
             token_log_prob = torch.where(finished, torch.zeros_like(token_log_prob), token_log_prob)
             tokens.append(token)
             log_probs.append(token_log_prob)
+            if k > 0:
+                top = step_log_probs.topk(k, dim=-1)
+                topk_ids.append(top.indices.masked_fill(finished[:, None], 0))
+                topk_log_probs.append(top.values.masked_fill(finished[:, None], 0.0))
             finished |= token == EOS
             sequences = torch.cat([sequences, token[:, None]], dim=1)
-        return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
+        if k == 0:
+            return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), None, None
+        return (torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), torch.stack(topk_ids, dim=1),
+                torch.stack(topk_log_probs, dim=1))
 
 
 def sequence_log_probs(
@@ -122,6 +138,13 @@ def sequence_log_probs(
     engine output before `no_padding_2_padding` shifts it onto the response.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    return log_probs_from_logits(logits, input_ids, with_entropy)
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`sequence_log_probs` from logits already computed ([n, seq_len, V], fp32)."""
     log_softmax = torch.log_softmax(logits[:, :-1], dim=-1)
     next_token_log_probs = log_softmax.gather(2, input_ids[:, 1:, None]).squeeze(2)
     pad = torch.zeros_like(next_token_log_probs[:, :1])

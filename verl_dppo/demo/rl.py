@@ -24,7 +24,7 @@ import torch
 
 from verl_dppo.demo import task
 from verl_dppo.demo.methods import Method, actor_config
-from verl_dppo.demo.policy import RolloutEngine, build_policy, sequence_log_probs
+from verl_dppo.demo.policy import RolloutEngine, build_policy, log_probs_from_logits, sequence_log_probs
 from verl_dppo.demo.settings import DemoSettings
 from verl_dppo.demo.warmup import WarmStart
 
@@ -70,6 +70,31 @@ def micro_batch(prompts, responses, response_mask, old_log_probs, rollout_log_pr
 def to_no_padding(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[n, seq_len] -> [total_nnz]: the engine's remove-padding layout that ppo_loss reads back per response."""
     return values[attention_mask.bool()]
+
+
+def topk_statistics(logits, responses, response_mask, rollout_log_probs, topk_ids, topk_log_probs, attention_mask):
+    """What the plugin's logits hook hands the loss inside verl's engine (adapter.topk_actor) for dppo_topk_*:
+    per-token Top-K D_TV / D_KL (Eq. 15/16) of mu's top-k against the learner's logits, in the engine's
+    no-padding layout, under the model-output keys the anchoring hook reads."""
+    from verl_dppo.adapter.topk_actor import OUTPUT_KEYS
+    from verl_dppo.divergence import topk_divergence
+
+    n, length = responses.shape
+    cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)
+    tv, kl = topk_divergence(
+        logits[:, cols].reshape(n * length, -1),
+        topk_ids.reshape(n * length, -1),
+        topk_log_probs.reshape(n * length, -1),
+        responses.reshape(-1),
+        rollout_log_probs.reshape(-1),
+        mask=response_mask.reshape(-1).bool(),
+    )
+    statistics = {}
+    for name, value in (("tv", tv), ("kl", kl)):
+        full = torch.zeros(n, attention_mask.shape[1])
+        full[:, cols] = value.view(n, length)
+        statistics[OUTPUT_KEYS[name]] = to_no_padding(full, attention_mask)
+    return statistics
 
 
 def _scalar(value) -> float:
@@ -129,7 +154,10 @@ def train_method(
             prompts = task.encode_prompts(digits)
             engine.sync(policy)
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
-            responses, rollout_log_probs = engine.generate(prompts, settings.temperature, generator)
+            k = method.policy_loss.get("topk", 0) if method.needs_rollout_topk else 0
+            responses, rollout_log_probs, topk_ids, topk_log_probs = engine.generate_with_topk(
+                prompts, settings.temperature, generator, k
+            )
             gen_s = time.perf_counter() - step_start
 
             response_mask = task.response_mask(responses)
@@ -163,11 +191,16 @@ def train_method(
                     rows = slice(micro_first, micro_first + settings.micro_batch_size)
                     data = micro_batch(prompts[rows], responses[rows], response_mask[rows], old_log_probs[rows],
                                        rollout_log_probs[rows], advantages[rows], mini_tokens, mini_size)
-                    log_probs, entropy = sequence_log_probs(policy, input_ids[rows], attention_mask[rows],
-                                                            with_entropy=True)
+                    logits = policy(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                                    use_cache=False).logits.float()
+                    log_probs, entropy = log_probs_from_logits(logits, input_ids[rows], with_entropy=True)
                     log_probs.retain_grad()
                     log_probs_nnz = to_no_padding(log_probs, attention_mask[rows])
                     model_output = {"log_probs": log_probs_nnz, "entropy": to_no_padding(entropy, attention_mask[rows])}
+                    if topk_ids is not None:
+                        model_output.update(topk_statistics(logits.detach(), responses[rows], response_mask[rows],
+                                                            rollout_log_probs[rows], topk_ids[rows],
+                                                            topk_log_probs[rows], attention_mask[rows]))
                     loss, metrics = verl_losses.ppo_loss(config, model_output, data)
                     loss.backward()
                     for name, metric in metrics.items():
