@@ -222,14 +222,19 @@ def test_run_refuses_to_launch_without_its_data_and_says_how_to_get_it(monkeypat
     assert check_paths(compose_recipe("sanity_1p5b", "pg_is"))  # and a dry run only warns
 
 
-def test_run_refuses_top_k_on_megatron_and_a_dry_run_warns(monkeypatch, tmp_path, capsys):
-    # Top-K on the Megatron engine would stop at the first actor update: `run` refuses it up front.
-    assert "FSDP engine only" in check_supported(recipe("moe_base", "dppo_topk_tv"))[0]
+def test_run_refuses_top_k_where_the_logits_hook_cannot_run_and_a_dry_run_warns(monkeypatch, tmp_path, capsys):
+    # Top-K runs on both engines (Megatron: vocabulary-parallel reduction); settings under which the actor's logits
+    # hook cannot run would stop at the first actor update: `run` refuses them up front.
+    assert check_supported(recipe("moe_base", "dppo_topk_tv")) == []
     assert check_supported(recipe("dense_8b", "dppo_topk_kl")) == []
-    assert check_supported(recipe("moe_base", "dppo_binary_tv")) == []
+    dcp = "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True"
+    assert "dynamic_context_parallel=False" in check_supported(recipe("moe_base", "dppo_topk_tv", dcp))[0]
+    assert check_supported(recipe("moe_base", "dppo_binary_tv", dcp)) == []
+    fused = "actor_rollout_ref.model.use_fused_kernels=True"
+    assert "use_fused_kernels=False" in check_supported(recipe("dense_8b", "dppo_topk_kl", fused))[0]
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
-    assert cli.main(["run", "moe_base", "--method", "dppo_topk_kl"]) == 2
-    assert "dppo_topk_kl runs on the FSDP engine only" in capsys.readouterr().err
+    assert cli.main(["run", "moe_base", "--method", "dppo_topk_kl", fused]) == 2
+    assert "dppo_topk_kl needs the actor's logits" in capsys.readouterr().err
 
 
 def test_recipes_command_lists_each_recipe_with_its_figure(capsys):

@@ -274,18 +274,11 @@ def check_paths(config: Any) -> list[str]:
 
 
 def check_supported(config: Any) -> list[str]:
-    """Combinations verl-dppo does not run yet, each saying what to do; [] when none. They compose and pass verl's
+    """Combinations verl-dppo does not run, each saying what to do; [] when none. They compose and pass verl's
     checks, so a dry-run only warns, but `run` refuses them instead of failing at the first actor update."""
-    from verl_dppo.adapter.topk_actor import is_topk_mode
+    from verl_dppo.adapter.topk_actor import unsupported_settings
 
-    actor = config.actor_rollout_ref.actor
-    if is_topk_mode(actor.policy_loss.get("loss_mode")) and actor.get("strategy") == "megatron":
-        return [
-            f"{actor.policy_loss.loss_mode} runs on the FSDP engine only: Megatron hands the logits hook "
-            "vocabulary-parallel logits, whose Top-K reduction is not implemented yet. Use an FSDP setup "
-            "(dense_8b, sanity_1p5b, efficiency_1p7b) or the binary modes on this setup."
-        ]
-    return []
+    return unsupported_settings(config)
 
 
 def resolved_yaml(config: Any) -> str:

@@ -15,18 +15,30 @@ A'_t U {other}: Binary <= Top-K <= exact, for TV and KL alike.
 Memory: pi is needed only on the K + 1 ids of each row plus its log-normaliser log Z = logsumexp(logits). Both are
 computed in row chunks of a few MiB: a float32 [N, V] tensor (the 4.7 GB that a naive `log_softmax(logits.float())`
 allocates at N = 8192, V = 151,936) never exists. The small [N, K + 1] arithmetic runs in float64.
+
+Two entry points share everything but how log pi at the K + 1 ids is read (`divergence_at_slots` is the reduction):
+`topk_divergence` for logits holding the whole vocabulary (FSDP), `vocab_parallel_topk_divergence` for one
+tensor-parallel rank's vocabulary slice (Megatron): log Z from an all-reduced max and sum of exp, and each id's
+logit from the one rank that owns it (the others add 0).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from verl_dppo.divergence import log1mexp
 
-__all__ = ["topk_divergence", "TopKInputError", "DEFAULT_CHUNK_BYTES", "MASS_TOLERANCE"]
+__all__ = [
+    "topk_divergence",
+    "vocab_parallel_topk_divergence",
+    "divergence_at_slots",
+    "TopKInputError",
+    "DEFAULT_CHUNK_BYTES",
+    "MASS_TOLERANCE",
+]
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20
 """Float32 working set per chunk of rows (8 MiB = 13 rows of Qwen3's 151,936-token vocabulary)."""
@@ -76,19 +88,148 @@ def _validate_rows(topk_ids: torch.Tensor, sampled_ids: torch.Tensor, vocab_size
             )
 
 
-def _pi_logprobs_at(logits: torch.Tensor, rows: Optional[torch.Tensor], slot_ids: torch.Tensor, chunk_bytes: int):
-    """log pi(slot_ids) = logits[slot_ids] - logsumexp(logits), row chunk by row chunk, in float32 at least."""
-    n, vocab = (rows.numel() if rows is not None else logits.shape[0]), logits.shape[1]
+def _rows_per_chunk(chunk_bytes: int, work_dtype: torch.dtype, vocab: int) -> int:
+    return max(1, chunk_bytes // (torch.finfo(work_dtype).bits // 8 * vocab))
+
+
+def _row_blocks(logits: torch.Tensor, rows: Optional[torch.Tensor], chunk_bytes: int):
+    """(start, end, block in float32 at least) over the selected rows, a few MiB at a time."""
+    n = rows.numel() if rows is not None else logits.shape[0]
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(slot_ids.shape, dtype=work_dtype, device=logits.device)
-    step = max(1, chunk_bytes // (torch.finfo(work_dtype).bits // 8 * vocab))
+    step = _rows_per_chunk(chunk_bytes, work_dtype, logits.shape[1])
     for start in range(0, n, step):
         end = min(start + step, n)
         block = logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
-        block32 = block.to(work_dtype)
-        log_z = torch.logsumexp(block32, dim=-1, keepdim=True)
-        out[start:end] = block32.gather(1, slot_ids[start:end]) - log_z
+        yield start, end, block.to(work_dtype)
+
+
+def _pi_logprobs_at(logits: torch.Tensor, rows: Optional[torch.Tensor], slot_ids: torch.Tensor, chunk_bytes: int):
+    """log pi(slot_ids) = logits[slot_ids] - logsumexp(logits), row chunk by row chunk, in float32 at least."""
+    out = torch.empty(slot_ids.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    for start, end, block in _row_blocks(logits, rows, chunk_bytes):
+        log_z = torch.logsumexp(block, dim=-1, keepdim=True)
+        out[start:end] = block.gather(1, slot_ids[start:end]) - log_z
     return out
+
+
+def _vocab_parallel_pi_logprobs_at(
+    shard: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    slot_ids: torch.Tensor,
+    chunk_bytes: int,
+    vocab_start: int,
+    group: Any,
+):
+    """log pi(slot_ids) from this rank's vocabulary slice [vocab_start, vocab_start + V_local): three all-reduces
+    over `group` in all (max, then sum of exp and the owned logits together), whatever the number of chunks."""
+    import torch.distributed as dist
+
+    n, local_vocab = slot_ids.shape[0], shard.shape[1]
+    work_dtype = torch.promote_types(shard.dtype, torch.float32)
+    row_max = torch.empty(n, dtype=work_dtype, device=shard.device)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes):
+        row_max[start:end] = block.amax(dim=-1)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    # A row that is -inf everywhere keeps torch.logsumexp's convention (log Z = -inf), not NaN from -inf - -inf.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+    local_ids = slot_ids - vocab_start
+    owned = (local_ids >= 0) & (local_ids < local_vocab)
+    local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
+    # Column 0: this rank's share of sum exp(logits - max); columns 1..: the logits at the ids this rank owns, else 0.
+    partial = torch.zeros(n, 1 + slot_ids.shape[1], dtype=work_dtype, device=shard.device)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes):
+        partial[start:end, 0] = (block - row_max[start:end, None]).exp().sum(dim=-1)
+        at_ids = block.gather(1, local_ids[start:end])
+        partial[start:end, 1:] = torch.where(owned[start:end], at_ids, torch.zeros_like(at_ids))
+    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+    log_z = row_max + partial[:, 0].log()
+    return partial[:, 1:] - log_z[:, None]
+
+
+def divergence_at_slots(
+    mu_logprobs: torch.Tensor,
+    pi_logprobs: torch.Tensor,
+    dropped: torch.Tensor,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (15)/(16) per row from log mu and log pi at the slots of A'_t ([N, S] each; `dropped` slots are not in
+    A'_t): the reduction to A'_t U {other} and its TV and KL(mu' || pi'), in float64.
+
+    Raises:
+        TopKInputError: mu's log-probs are NaN/+inf, or its kept mass exceeds 1 + mass_tolerance.
+    """
+    neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=mu_logprobs.device)
+    mu_lp = torch.where(dropped, neg_inf, mu_logprobs.double())
+    if bool(torch.isnan(mu_lp).any()) or bool((mu_lp == math.inf).any()):
+        raise TopKInputError("the rollout's top-K log-probs contain NaN or +inf")
+    pi_lp = torch.where(dropped, neg_inf, pi_logprobs.double())
+
+    log_mass_mu = torch.logsumexp(mu_lp, dim=1)
+    if bool((log_mass_mu > math.log1p(mass_tolerance)).any()):
+        worst = float(log_mass_mu.max().exp())
+        raise TopKInputError(
+            f"the rollout's top-K probabilities sum to {worst:.4f} > 1: they are not log-probs of one distribution "
+            "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
+        )
+    log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
+    log_other_pi = log1mexp(torch.logsumexp(pi_lp, dim=1))
+
+    mu_p, pi_p = mu_lp.exp(), pi_lp.exp()
+    other_mu, other_pi = log_other_mu.exp(), log_other_pi.exp()
+    tv = 0.5 * ((mu_p - pi_p).abs().sum(dim=1) + (other_mu - other_pi).abs())
+    # 0 log 0 = 0; a kept token with mu > 0 and pi = 0 gives +inf, the true value.
+    kept_terms = torch.where(mu_p > 0, mu_p * (mu_lp - pi_lp), torch.zeros_like(mu_p)).sum(dim=1)
+    other_term = torch.where(other_mu > 0, other_mu * (log_other_mu - log_other_pi), torch.zeros_like(other_mu))
+    kl = (kept_terms + other_term).clamp(min=0.0)
+    return tv, kl
+
+
+PiReader = Callable[[Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+"""(rows or None for all, slot ids [n, S]) -> log pi at those ids, [n, S]."""
+
+
+def _topk_divergence(
+    logits: torch.Tensor,
+    vocab_size: int,
+    read_pi: PiReader,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    mass_tolerance: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    n = logits.shape[0]
+    tv = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    kl = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    rows = None
+    if mask is not None:
+        rows = mask.nonzero().squeeze(1)
+        if rows.numel() == n:
+            rows = None
+        elif rows.numel() == 0:
+            return tv, kl
+    pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+    topk_ids = pick(rollout_topk_ids).long()
+    sampled = pick(sampled_ids).long()
+    _validate_rows(topk_ids, sampled, vocab_size)
+
+    # A'_t as K + 1 slots: the top-K, then a_t; the last slot is dropped where a_t is already in the top-K.
+    slot_ids = torch.cat([topk_ids, sampled.unsqueeze(1)], dim=1)
+    dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
+    dropped[:, -1] = (topk_ids == sampled.unsqueeze(1)).any(dim=1)
+    mu_lp = torch.cat([pick(rollout_topk_logprobs), pick(rollout_sampled_logprobs).unsqueeze(1)], dim=1)
+    tv_rows, kl_rows = divergence_at_slots(mu_lp, read_pi(rows, slot_ids), dropped, mass_tolerance)
+
+    if rows is None:
+        tv.copy_(tv_rows)
+        kl.copy_(kl_rows)
+    else:
+        tv.index_copy_(0, rows, tv_rows.float())
+        kl.index_copy_(0, rows, kl_rows.float())
+    return tv, kl
 
 
 @torch.no_grad()
@@ -118,58 +259,72 @@ def topk_divergence(
     Raises:
         TopKInputError: ids outside [0, V), a row repeating an id, or mu's kept mass above 1 + mass_tolerance.
     """
-    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
-    n, vocab = logits.shape
-    tv = torch.zeros(n, dtype=torch.float32, device=logits.device)
-    kl = torch.zeros(n, dtype=torch.float32, device=logits.device)
-    rows = None
-    if mask is not None:
-        rows = mask.nonzero().squeeze(1)
-        if rows.numel() == n:
-            rows = None
-        elif rows.numel() == 0:
-            return tv, kl
-    pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-    topk_ids = pick(rollout_topk_ids).long()
-    sampled = pick(sampled_ids).long()
-    _validate_rows(topk_ids, sampled, vocab)
+    if logits.dim() != 2:
+        raise TopKInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    return _topk_divergence(
+        logits,
+        logits.shape[1],
+        lambda rows, slot_ids: _pi_logprobs_at(logits, rows, slot_ids, chunk_bytes),
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        mass_tolerance,
+    )
 
-    # A'_t as K + 1 slots: the top-K, then a_t; the last slot is dropped where a_t is already in the top-K.
-    slot_ids = torch.cat([topk_ids, sampled.unsqueeze(1)], dim=1)
-    sampled_in_topk = (topk_ids == sampled.unsqueeze(1)).any(dim=1)
-    drop = torch.zeros_like(slot_ids, dtype=torch.bool)
-    drop[:, -1] = sampled_in_topk
-    neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=logits.device)
 
-    mu_lp = torch.cat([pick(rollout_topk_logprobs), pick(rollout_sampled_logprobs).unsqueeze(1)], dim=1).double()
-    mu_lp = torch.where(drop, neg_inf, mu_lp)
-    if bool(torch.isnan(mu_lp).any()) or bool((mu_lp == math.inf).any()):
-        raise TopKInputError("the rollout's top-K log-probs contain NaN or +inf")
-    pi_lp = _pi_logprobs_at(logits, rows, slot_ids, chunk_bytes).double()
-    pi_lp = torch.where(drop, neg_inf, pi_lp)
+@torch.no_grad()
+def vocab_parallel_topk_divergence(
+    logits_shard: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: Any,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_divergence` for vocabulary-parallel logits: every rank of `group` calls it with the same rows and
+    its own slice of the vocabulary; all get the same two float32 [N] tensors (no gradient).
 
-    log_mass_mu = torch.logsumexp(mu_lp, dim=1)
-    if bool((log_mass_mu > math.log1p(mass_tolerance)).any()):
-        worst = float(log_mass_mu.max().exp())
+    Args:
+        logits_shard: [N, V_local] this rank's logits, the global ids [vocab_start, vocab_start + V_local).
+        vocab_start: first global token id of the slice.
+        vocab_size: global (padded) vocabulary size, the bound the ids are checked against.
+        group: the torch.distributed process group holding the slices (Megatron's tensor-parallel group).
+        rollout_topk_ids: [N, K] the rollout engine's K most likely token ids under mu (distinct per row).
+        rollout_topk_logprobs: [N, K] log mu of those ids.
+        sampled_ids: [N] the sampled token a_t (inside or outside the top-K).
+        rollout_sampled_logprobs: [N] log mu(a_t). Where a_t is among the top-K, the top-K entry is used.
+        mask: optional [N] bool; rows where it is False (prompt or padding positions) are neither read nor
+            validated and get D = 0.
+        chunk_bytes: float32 working set per row chunk; bounds the extra memory.
+        mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
+
+    Raises:
+        TopKInputError: ids outside [0, V), a row repeating an id, or mu's kept mass above 1 + mass_tolerance.
+    """
+    if logits_shard.dim() != 2:
+        raise TopKInputError(f"logits_shard must be a float [N, V_local] tensor, got {tuple(logits_shard.shape)}")
+    if not 0 <= vocab_start <= vocab_size - logits_shard.shape[1]:
         raise TopKInputError(
-            f"the rollout's top-K probabilities sum to {worst:.4f} > 1: they are not log-probs of one distribution "
-            "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
+            f"vocabulary slice [{vocab_start}, {vocab_start + logits_shard.shape[1]}) lies outside [0, {vocab_size})"
         )
-    log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
-    log_other_pi = log1mexp(torch.logsumexp(pi_lp, dim=1))
+    return _topk_divergence(
+        logits_shard,
+        vocab_size,
+        lambda rows, slot_ids: _vocab_parallel_pi_logprobs_at(
+            logits_shard, rows, slot_ids, chunk_bytes, vocab_start, group
+        ),
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        mass_tolerance,
+    )
 
-    mu_p, pi_p = mu_lp.exp(), pi_lp.exp()
-    other_mu, other_pi = log_other_mu.exp(), log_other_pi.exp()
-    tv_rows = 0.5 * ((mu_p - pi_p).abs().sum(dim=1) + (other_mu - other_pi).abs())
-    # 0 log 0 = 0; a kept token with mu > 0 and pi = 0 gives +inf, the true value.
-    kept_terms = torch.where(mu_p > 0, mu_p * (mu_lp - pi_lp), torch.zeros_like(mu_p)).sum(dim=1)
-    other_term = torch.where(other_mu > 0, other_mu * (log_other_mu - log_other_pi), torch.zeros_like(other_mu))
-    kl_rows = (kept_terms + other_term).clamp(min=0.0)
-
-    if rows is None:
-        tv.copy_(tv_rows)
-        kl.copy_(kl_rows)
-    else:
-        tv.index_copy_(0, rows, tv_rows.float())
-        kl.index_copy_(0, rows, kl_rows.float())
-    return tv, kl

@@ -72,13 +72,14 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
 
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
-    def ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None):
+    def ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None, data_format=None):
         loss_mode = config.policy_loss.get("loss_mode", "vanilla")
         if student_logits is not None:
-            # The engine's logits hook (`distillation_use_topk`), turned on for the dppo_topk_* modes only.
+            # The engine's logits hook (`distillation_use_topk`), turned on for the dppo_topk_* modes only; Megatron's
+            # engine also passes data_format ("thd" / "bshd") with its vocabulary-parallel logits.
             from verl_dppo.adapter.topk_actor import logits_processor
 
-            return logits_processor(config, student_logits, data)
+            return logits_processor(config, student_logits, data, data_format=data_format)
         if loss_mode not in DPPO_MODES:
             return original(config, model_output, data, dp_group)
         token = _EXTRAS.set(_extract(model_output, data))

@@ -15,7 +15,9 @@ specific. So, without touching verl's code:
    `topk_divergence` (chunked; no float32 [nnz, V] tensor). It returns `dppo_topk_tv` / `dppo_topk_kl`.
 3. The loss call then reads them back (anchoring `_extract` -> `BatchExtras.topk_tv/topk_kl`) as D of Eq. (12).
 
-Megatron's engine hands the hook vocabulary-parallel logits; its reduction is not implemented: refused clearly.
+verl's Megatron engine (`MegatronEngineWithLMHead._lm_head_logits_processor`) calls the same hook with
+vocabulary-parallel logits and a `data_format`; `topk_megatron` splits the fields like verl's Megatron distillation
+and reduces across the tensor-parallel group. Step 1 is the same for both engines (one `TrainingWorker`).
 """
 
 from __future__ import annotations
@@ -119,23 +121,12 @@ def _slice_for_sequence_parallel(tensors: list[torch.Tensor]) -> list[torch.Tens
     return [slice_input_tensor(t.unsqueeze(0), dim=1).squeeze(0) for t in tensors]
 
 
-def logits_processor(config: Any, student_logits: torch.Tensor, data: Any) -> dict[str, torch.Tensor]:
-    """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl} as (1, local_nnz) float32."""
-    loss_mode = _policy_loss_get(config, "loss_mode")
-    if not is_topk_mode(loss_mode):
-        raise RuntimeError(f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {sorted(TOPK_MODES)} use it")
-    if getattr(config, "strategy", "fsdp") == "megatron":
-        raise NotImplementedError(
-            f"{loss_mode} is implemented for the FSDP engine only (Megatron hands the hook vocabulary-parallel "
-            "logits): set actor_rollout_ref.actor.strategy=fsdp (or fsdp2)"
-        )
-    for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
-        if key not in data.keys():
-            raise ValueError(f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}")
-    k = configured_topk(config)
-    logits = student_logits.squeeze(0)
-    if isinstance(logits, torch.distributed.tensor.DTensor):
-        logits = logits.full_tensor()
+def packed_rollout_fields(loss_mode: str, k: int, data: Any, device: torch.device):
+    """The rollout's per-token fields laid out on the full packed token stream (prompt positions masked out): the
+    row at position p holds the statistics of the token that the logits at p predict (the engine's left shift).
+
+    Returns (topk_ids [nnz, K] long, topk_logprobs [nnz, K] float32, sampled_ids [nnz] long,
+    sampled_logprobs [nnz] float32, mask [nnz] bool), nnz = the micro-batch's packed length."""
     topk_ids = _jagged_values(data, TOPK_IDS)
     topk_logprobs = _jagged_values(data, TOPK_LOGPROBS)
     if topk_ids.dim() != 2 or topk_ids.shape[1] != k:
@@ -144,20 +135,14 @@ def logits_processor(config: Any, student_logits: torch.Tensor, data: Any) -> di
             f"token but policy_loss.topk={k}; the rollout and the loss must use the same K (set only "
             "actor_rollout_ref.actor.policy_loss.topk; the plugin passes it to the rollout)"
         )
-
-    # Lay the response-aligned fields out on the full packed stream (prompt positions masked out).
     global_nnz = int(data["input_ids"].offsets()[-1])
-    positions, response_lens = _packed_layout(data, global_nnz)
+    positions, _ = _packed_layout(data, global_nnz)
     if topk_ids.shape[0] != positions.numel():
         raise ValueError(
             f"{loss_mode}: {topk_ids.shape[0]} rows of {TOPK_IDS} for {positions.numel()} response tokens; the "
             "top-K fields must be aligned with `responses` (one row per response token)"
         )
-    device = logits.device
     positions = positions.to(device)
-    response_mask = _jagged_values(data, "response_mask").to(device).bool()
-    sampled = _jagged_values(data, "responses").to(device)
-    sampled_lp = _jagged_values(data, "rollout_log_probs").to(device)
     full_ids = torch.zeros(global_nnz, k, dtype=torch.long, device=device)
     full_lp = torch.zeros(global_nnz, k, dtype=torch.float32, device=device)
     full_sampled = torch.zeros(global_nnz, dtype=torch.long, device=device)
@@ -165,13 +150,34 @@ def logits_processor(config: Any, student_logits: torch.Tensor, data: Any) -> di
     full_mask = torch.zeros(global_nnz, dtype=torch.bool, device=device)
     full_ids[positions] = topk_ids.to(device).long()
     full_lp[positions] = topk_logprobs.to(device).float()
-    full_sampled[positions] = sampled.long()
-    full_sampled_lp[positions] = sampled_lp.float()
-    full_mask[positions] = response_mask
+    full_sampled[positions] = _jagged_values(data, "responses").to(device).long()
+    full_sampled_lp[positions] = _jagged_values(data, "rollout_log_probs").to(device).float()
+    full_mask[positions] = _jagged_values(data, "response_mask").to(device).bool()
+    return full_ids, full_lp, full_sampled, full_sampled_lp, full_mask
 
-    full_ids, full_lp, full_sampled, full_sampled_lp, full_mask = _slice_for_sequence_parallel(
-        [full_ids, full_lp, full_sampled, full_sampled_lp, full_mask]
-    )
+
+def logits_processor(
+    config: Any, student_logits: torch.Tensor, data: Any, data_format: Optional[str] = None
+) -> dict[str, torch.Tensor]:
+    """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl}, float32, shaped like the logits'
+    leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`."""
+    loss_mode = _policy_loss_get(config, "loss_mode")
+    if not is_topk_mode(loss_mode):
+        raise RuntimeError(f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {sorted(TOPK_MODES)} use it")
+    for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
+        if key not in data.keys():
+            raise ValueError(f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}")
+    k = configured_topk(config)
+    if data_format is not None:
+        from verl_dppo.adapter.topk_megatron import megatron_logits_processor
+
+        return megatron_logits_processor(loss_mode, k, student_logits, data, data_format)
+
+    logits = student_logits.squeeze(0)
+    if isinstance(logits, torch.distributed.tensor.DTensor):
+        logits = logits.full_tensor()
+    fields = packed_rollout_fields(loss_mode, k, data, logits.device)
+    full_ids, full_lp, full_sampled, full_sampled_lp, full_mask = _slice_for_sequence_parallel(list(fields))
     if full_mask.shape[0] != logits.shape[0]:
         raise ValueError(
             f"{loss_mode}: {logits.shape[0]} logit rows for {full_mask.shape[0]} packed tokens; static packing "
@@ -225,6 +231,47 @@ def _topk_loss_mode(loss_fn: Any) -> Optional[str]:
     return mode
 
 
+def _fused_kernels_problem(mode: str) -> str:
+    return (
+        f"{mode} needs the actor's logits, which fused kernels never materialise: set "
+        "actor_rollout_ref.model.use_fused_kernels=False"
+    )
+
+
+def _pad_to_length_problem(mode: str, megatron: bool) -> str:
+    engine_key = "actor_rollout_ref.actor.megatron" if megatron else "actor_rollout_ref.actor.fsdp_config"
+    return (
+        f"{mode}: static packing shifts the logits against the rollout's top-K rows: set "
+        f"{engine_key}.pad_to_length=False"
+    )
+
+
+def _dynamic_cp_problem(mode: str) -> str:
+    return (
+        f"{mode}: dynamic context parallelism schedules micro-batches without the logits hook (verl refuses "
+        "distillation there too): set actor_rollout_ref.actor.megatron.dynamic_context_parallel=False"
+    )
+
+
+def unsupported_settings(config: Any) -> list[str]:
+    """What in a composed run config (actor_rollout_ref...) keeps a Top-K mode's logits hook from running; [] when
+    nothing does or the loss is not Top-K. `prepare_train_batch` refuses the same settings at the first update."""
+    arr = config.actor_rollout_ref
+    mode = arr.actor.policy_loss.get("loss_mode")
+    if not is_topk_mode(mode):
+        return []
+    megatron = arr.actor.get("strategy") == "megatron"
+    engine = arr.actor.get("megatron" if megatron else "fsdp_config", None) or {}
+    problems = []
+    if arr.model.get("use_fused_kernels", False):
+        problems.append(_fused_kernels_problem(mode))
+    if engine.get("pad_to_length", False):
+        problems.append(_pad_to_length_problem(mode, megatron))
+    if megatron and engine.get("dynamic_context_parallel", False):
+        problems.append(_dynamic_cp_problem(mode))
+    return problems
+
+
 def prepare_train_batch(worker: Any, data: Any) -> None:
     """Turn the engine's logits hook on for a Top-K mode, refusing settings under which it cannot work."""
     mode = _topk_loss_mode(getattr(worker, "loss_fn", None))
@@ -237,15 +284,16 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     if use_fused is None:
         use_fused = getattr(engine_config, "use_fused_kernels", False)
     if use_fused:
-        raise ValueError(
-            f"{mode} needs the actor's logits, which fused kernels never materialise: set "
-            "actor_rollout_ref.model.use_fused_kernels=False"
-        )
+        raise ValueError(_fused_kernels_problem(mode))
+    megatron = getattr(engine_config, "strategy", None) == "megatron"
     if getattr(engine_config, "pad_to_length", False):
-        raise ValueError(
-            f"{mode}: static packing shifts the logits against the rollout's top-K rows: set "
-            "actor_rollout_ref.actor.fsdp_config.pad_to_length=False"
-        )
+        raise ValueError(_pad_to_length_problem(mode, megatron))
+    if megatron and getattr(engine_config, "dynamic_context_parallel", False):
+        raise ValueError(_dynamic_cp_problem(mode))
+    if megatron:
+        from verl_dppo.adapter.topk_megatron import check_context_parallel_layout
+
+        check_context_parallel_layout(mode, engine_config, getattr(worker, "engine", None))
     missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
     if missing:
         raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")

@@ -1,0 +1,234 @@
+"""Top-K DPPO on Megatron's vocabulary-parallel logits, without Megatron: two CPU processes in a gloo group, each
+holding half of the vocabulary, stand for two tensor-parallel ranks.
+
+1. `vocab_parallel_topk_divergence` (all-reduced max / sum of exp, owner-only gather) equals the unsharded
+   `topk_divergence` on the same logits, row for row (Eq. 15/16 reduction shared by both).
+2. The engine's hook (verl's wrapped `ppo_loss(student_logits=..., data=..., data_format=...)`, as
+   `MegatronEngineWithLMHead._lm_head_logits_processor` calls it) lays the rollout's fields out like verl's own
+   `preprocess_thd_engine` / `preprocess_bshd_engine` lay out the input ids: its output, gathered back with
+   `postprocess_*_engine` and read by `no_padding_2_padding`, matches a float64 brute-force reference per response
+   token. `megatron.core` is replaced by a few functions (TP rank/size/group, CP size 1) and a PackedSeqParams
+   record: verl's real `verl.models.mcore.util` runs on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB, K, TP = 64, 4, 2
+
+
+def _spawn(target, *args) -> None:
+    """Run `target(rank, init_file, *args)` on TP gloo ranks; a failure on any rank fails the test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(target, args=(os.path.join(tmp, "init"), *args), nprocs=TP, join=True)
+
+
+def _init(rank: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
+
+
+def _random_rows(seed: int, rows: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, VOCAB, generator=gen) * 3).to(dtype)
+    mu_logp = torch.log_softmax(logits.double() + torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64), -1)
+    topk_lp, topk_ids = mu_logp.topk(K, dim=-1)
+    sampled = torch.randint(0, VOCAB, (rows,), generator=gen)
+    sampled[::3] = topk_ids[::3, 1]  # some a_t inside the top-K, most outside; ids on both halves of the vocabulary
+    sampled_lp = mu_logp.gather(1, sampled[:, None]).squeeze(1)
+    mask = torch.rand(rows, generator=gen) > 0.25
+    return logits, topk_ids, topk_lp.float(), sampled, sampled_lp.float(), mask
+
+
+def _math_rank(rank: int, init_file: str) -> None:
+    from verl_dppo.topk import TopKInputError, topk_divergence, vocab_parallel_topk_divergence
+
+    _init(rank, init_file)
+    half = VOCAB // TP
+    # float64 logits: agreement to rounding of the reduction itself; float32/bf16: log Z summed in two halves
+    # rounds differently from one logsumexp (a few 1e-7 in log pi).
+    cases = ((torch.float64, 300, 1e-10), (torch.float32, 2**20, 1e-4), (torch.bfloat16, 1, 1e-4))
+    for dtype, chunk_bytes, tol in cases:
+        logits, ids, lp, sampled, sampled_lp, mask = _random_rows(seed=7, rows=37, dtype=dtype)
+        shard = logits[:, rank * half : (rank + 1) * half]
+        for row_mask in (None, mask):
+            got = vocab_parallel_topk_divergence(
+                shard, rank * half, VOCAB, None, ids, lp, sampled, sampled_lp, mask=row_mask, chunk_bytes=chunk_bytes
+            )
+            want = topk_divergence(logits, ids, lp, sampled, sampled_lp, mask=row_mask)
+            for g, w in zip(got, want):
+                assert g.dtype == torch.float32 and g.shape == (37,)
+                where = f"{dtype} chunk {chunk_bytes} rank {rank}"
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol / 10, msg=lambda m: f"{where}: {m}")
+    # Checked before any collective, on data every rank holds: all ranks raise, none waits on the others.
+    bad = ids.clone()
+    bad[0, 0] = VOCAB
+    with pytest.raises(TopKInputError, match="outside the vocabulary"):
+        vocab_parallel_topk_divergence(shard, rank * half, VOCAB, None, bad, lp, sampled, sampled_lp)
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_topk_divergence_equals_unsharded():
+    _spawn(_math_rank)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _stub_megatron(tp_rank: int, tp_size: int, tp_group) -> None:
+    """Just what verl.models.mcore.util and the hook read from megatron.core; util itself is imported as is (its
+    package __init__, which builds Megatron models, is skipped)."""
+    import verl
+
+    parallel_state = types.ModuleType("megatron.core.parallel_state")
+    parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank
+    parallel_state.get_tensor_model_parallel_world_size = lambda: tp_size
+    parallel_state.get_tensor_model_parallel_group = lambda: tp_group
+    parallel_state.get_context_parallel_world_size = lambda: 1
+    parallel_state.get_context_parallel_rank = lambda: 0
+    parallel_state.get_context_parallel_group = lambda: None
+    packed = types.ModuleType("megatron.core.packed_seq_params")
+    packed.PackedSeqParams = type("PackedSeqParams", (), {"__init__": lambda self, **kw: self.__dict__.update(kw)})
+    core = types.ModuleType("megatron.core")
+    core.parallel_state, core.packed_seq_params = parallel_state, packed
+    megatron = types.ModuleType("megatron")
+    megatron.core = core
+    mcore = types.ModuleType("verl.models.mcore")
+    mcore.__path__ = [os.path.join(os.path.dirname(verl.__file__), "models", "mcore")]
+    sys.modules.update({"megatron": megatron, "megatron.core": core, "megatron.core.parallel_state": parallel_state,
+                        "megatron.core.packed_seq_params": packed, "verl.models.mcore": mcore})
+
+
+def _nested(rows):
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+
+def _micro_batch(prompt_lens, response_lens, seed):
+    """A v1 micro-batch (jagged fields) plus the policy's full-vocabulary logits per sequence and mu per token."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(p + r, VOCAB, generator=gen) * 2 for p, r in zip(prompt_lens, response_lens)]
+    noise = [torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) for r in response_lens]
+    mu_logp = [torch.log_softmax(l[p - 1 : p - 1 + r].double() + n, -1)
+               for l, n, p, r in zip(logits, noise, prompt_lens, response_lens)]
+    prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
+    responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
+    for resp, mu in zip(responses, mu_logp):
+        resp[::3] = mu[::3].argmax(-1)  # a_t inside the top-K at every third token
+    masks = [torch.ones(r, dtype=torch.int64) for r in response_lens]
+    masks[0][1] = 0
+    topk = [m.topk(K, dim=-1) for m in mu_logp]
+    rollout_lp = [m.gather(1, resp[:, None]).squeeze(1).float() for m, resp in zip(mu_logp, responses)]
+    data = TensorDict(
+        {
+            "input_ids": _nested(torch.cat([p, r]) for p, r in zip(prompts, responses)),
+            "prompts": _nested(prompts),
+            "responses": _nested(responses),
+            "response_mask": _nested(masks),
+            "rollout_log_probs": _nested(rollout_lp),
+            "rollout_topk_ids": _nested(t.indices for t in topk),
+            "rollout_topk_logprobs": _nested(t.values.float() for t in topk),
+        },
+        batch_size=[len(prompt_lens)],
+    )
+    tu.assign_non_tensor(data, distillation_use_topk=True)
+    return data, _nested(logits), mu_logp
+
+
+def _hook_rank(rank: int, init_file: str) -> None:
+    _init(rank, init_file)
+    own_group = [dist.new_group([r]) for r in range(TP)][rank]
+    for tp_size in (1, TP):
+        tp_rank = rank if tp_size == TP else 0
+        _stub_megatron(tp_rank, tp_size, dist.group.WORLD if tp_size == TP else own_group)
+        for data_format in ("thd", "bshd"):
+            _check_hook(tp_rank, tp_size, data_format, f"TP={tp_size} {data_format} rank {rank}")
+    dist.destroy_process_group()
+
+
+def _check_hook(tp_rank, tp_size, data_format, where):
+    import verl.workers.utils.losses as verl_losses
+    from verl.models.mcore.util import (
+        postprocess_bshd_engine,
+        postprocess_thd_engine,
+        preprocess_bshd_engine,
+        preprocess_thd_engine,
+    )
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from helpers import actor_config
+    from test_topk_divergence import reference_topk
+
+    prompt_lens, response_lens = [3, 4, 2], [5, 1, 6]  # odd lengths: TP=2 pads every sequence
+    data, full_logits, mu_logp = _micro_batch(prompt_lens, response_lens, seed=11)
+    # The logits as Megatron's model returns them: the input ids' layout (verl's own split), this rank's vocabulary.
+    if data_format == "thd":
+        logits, packed_seq_params, _ = preprocess_thd_engine(full_logits, pre_process=True)
+    else:
+        logits, attention_mask, _ = preprocess_bshd_engine(full_logits, pre_process=True)
+    local = VOCAB // tp_size
+    logits = logits[..., tp_rank * local : (tp_rank + 1) * local].contiguous()
+    if data_format == "bshd":  # Megatron's [s, b, v] output seen as (b, s, v): rows are read in memory order
+        logits = logits.transpose(0, 1).contiguous().transpose(0, 1)
+
+    hook = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_topk_kl", topk=K))
+    output = hook(student_logits=logits, data=data, data_format=data_format)
+    for statistic, key in (("tv", "dppo_topk_tv"), ("kl", "dppo_topk_kl")):
+        value = output[key]
+        assert value.dtype == torch.float32 and value.shape == logits.shape[:2], where
+        if data_format == "thd":
+            value = postprocess_thd_engine(value, packed_seq_params, data["input_ids"], len(prompt_lens))
+        else:
+            value = postprocess_bshd_engine(value, attention_mask)
+        per_token = no_padding_2_padding(value, data)
+        for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+            pi = torch.softmax(full_logits[i].double(), -1)
+            for t in range(r):
+                masked = int(data["response_mask"][i][t]) == 0
+                tv, kl = reference_topk(mu_logp[i][t].exp().tolist(), pi[p - 1 + t].tolist(), K,
+                                        int(data["responses"][i][t]))
+                want = 0.0 if masked else (tv if statistic == "tv" else kl)
+                assert per_token[i, t].item() == pytest.approx(want, rel=1e-4, abs=1e-6), f"{where} {key} [{i},{t}]"
+
+
+def test_megatron_logits_hook_matches_reference_thd_and_bshd_tp1_and_tp2():
+    _spawn(_hook_rank)
+
+
+def test_train_batch_turns_the_hook_on_for_the_megatron_engine_and_names_its_settings():
+    """The same `TrainingWorker.train_batch` patch serves both engines; Megatron's refusals name its own keys."""
+    import verl.workers.utils.losses as verl_losses
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreEngineConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    from helpers import actor_config
+    from verl_dppo.adapter.topk_actor import prepare_train_batch
+
+    worker = object.__new__(TrainingWorker)
+    worker.loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_topk_tv", topk=K))
+    worker.engine_config = McoreEngineConfig()
+    data, _, _ = _micro_batch([3], [4], seed=0)
+    tu.assign_non_tensor(data, distillation_use_topk=False)
+    prepare_train_batch(worker, data)
+    assert tu.get_non_tensor_data(data, "distillation_use_topk", False) is True
+    for setting in ("dynamic_context_parallel", "pad_to_length"):
+        worker.engine_config = McoreEngineConfig(**{setting: True}, max_seqlen_per_dp_cp_rank=64)
+        with pytest.raises(ValueError, match=f"actor_rollout_ref.actor.megatron.{setting}=False"):
+            prepare_train_batch(worker, data)
+    worker.engine_config = McoreEngineConfig(context_parallel_size=2)
+    worker.engine = types.SimpleNamespace(tf_config=types.SimpleNamespace(experimental_attention_variant="dsv4_hybrid"))
+    with pytest.raises(ValueError, match="context_parallel_size=1"):
+        prepare_train_batch(worker, data)

@@ -1,0 +1,102 @@
+"""Top-K DPPO on verl 0.9.1's Megatron engine: the logits hook with vocabulary-parallel logits.
+
+`MegatronEngineWithLMHead._lm_head_logits_processor` calls the worker's loss function as
+`loss_fn(student_logits=logits, data=micro_batch, data_format="thd" | "bshd")` when the micro-batch carries
+`distillation_use_topk=True` (set by `topk_actor.prepare_train_batch`, the same `TrainingWorker.train_batch` patch
+as for FSDP). The logits are (1, T / cp, V / tp) for THD (the packed stream, each sequence padded to the TP x CP
+alignment) or (bsz, S / cp, V / tp) for BSHD, already divided by the temperature. verl then gathers each returned
+(bsz, seqlen / cp) tensor across context parallelism (`postprocess_thd_engine` / `postprocess_bshd_engine`) into a
+jagged per-sequence tensor, the layout of `log_probs`, which the loss call reads back.
+
+So, like verl's own Megatron distillation loss (`trainer/distillation/megatron/losses.py`): lay the rollout's
+fields out on each full sequence, split them with the very functions that split the input ids
+(`preprocess_thd_engine` / `preprocess_bshd_engine`), and reduce across the tensor-parallel group
+(`verl_dppo.topk.vocab_parallel_topk_divergence`: all-reduced max and sum of exp, each id's logit from its owner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_dppo.adapter.topk_actor import OUTPUT_KEYS, packed_rollout_fields
+from verl_dppo.topk import vocab_parallel_topk_divergence
+
+__all__ = ["megatron_logits_processor", "check_context_parallel_layout"]
+
+
+def check_context_parallel_layout(mode: str, engine_config: Any, engine: Any) -> None:
+    """The hook splits like verl's zigzag CP layout; models whose attention needs the contiguous one are refused."""
+    tf_config = getattr(engine, "tf_config", None)
+    if (
+        getattr(tf_config, "experimental_attention_variant", None) == "dsv4_hybrid"
+        and getattr(engine_config, "context_parallel_size", 1) > 1
+    ):
+        raise ValueError(
+            f"{mode}: this model's contiguous context-parallel layout is not the zigzag split the hook mirrors: set "
+            "actor_rollout_ref.actor.megatron.context_parallel_size=1"
+        )
+
+
+def _split_like_input_ids(values: torch.Tensor, data: Any, data_format: str) -> torch.Tensor:
+    """Packed [nnz, ...] -> the local (bsz | 1, seqlen / cp, ...) block that the engine's split gives input_ids."""
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+    from verl.utils import tensordict_utils as tu
+
+    nested = torch.nested.nested_tensor_from_jagged(values, data["input_ids"].offsets())
+    if data_format == "thd":
+        return preprocess_thd_engine(nested, pre_process=True)[0]
+    if data_format == "bshd":
+        forced = tu.get_non_tensor_data(data, key="forced_max_seqlen", default=None)
+        return preprocess_bshd_engine(nested, pre_process=True, forced_max_seqlen=forced)[0]
+    raise ValueError(f"unknown Megatron data_format {data_format!r} (verl 0.9.1 uses 'thd' or 'bshd')")
+
+
+def megatron_logits_processor(
+    loss_mode: str, k: int, logits: torch.Tensor, data: Any, data_format: str
+) -> dict[str, torch.Tensor]:
+    """{dppo_topk_tv, dppo_topk_kl} as float32 tensors shaped like `logits.shape[:2]`."""
+    from megatron.core import parallel_state as mpu
+
+    ids, logprobs, sampled, sampled_logprobs, mask = packed_rollout_fields(loss_mode, k, data, logits.device)
+    # Three splits, not five: a_t rides as column K of the ids and log-probs.
+    slot_ids = _split_like_input_ids(torch.cat([ids, sampled[:, None]], dim=1), data, data_format)
+    slot_logprobs = _split_like_input_ids(torch.cat([logprobs, sampled_logprobs[:, None]], dim=1), data, data_format)
+    mask = _split_like_input_ids(mask.to(torch.int8), data, data_format).bool()
+    if tuple(mask.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"{loss_mode}: Megatron's logits are {tuple(logits.shape[:2])} tokens but the rollout's fields split to "
+            f"{tuple(mask.shape)}: the engine pads differently (FP8 padding or pad_to_length); disable "
+            "actor_rollout_ref.actor.megatron.pad_to_length and FP8 training for Top-K"
+        )
+
+    # Rows in the logits' memory order, so that flattening them is a view (Megatron's logits may be [s, b, v]
+    # transposed to (b, s, v); a copy would be the full (b, s, V / tp) tensor again).
+    transposed = not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous()
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        t = t.transpose(0, 1) if transposed else t
+        return t.reshape(-1, *t.shape[2:])
+
+    local_vocab = logits.shape[-1]
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    slot_ids, slot_logprobs = rows(slot_ids), rows(slot_logprobs)
+    tv, kl = vocab_parallel_topk_divergence(
+        rows(logits),
+        vocab_start=tp_rank * local_vocab,
+        vocab_size=tp_size * local_vocab,
+        group=mpu.get_tensor_model_parallel_group(),
+        rollout_topk_ids=slot_ids[:, :k],
+        rollout_topk_logprobs=slot_logprobs[:, :k],
+        sampled_ids=slot_ids[:, k],
+        rollout_sampled_logprobs=slot_logprobs[:, k],
+        mask=rows(mask),
+    )
+    lead = (logits.shape[1], logits.shape[0]) if transposed else tuple(logits.shape[:2])
+
+    def shaped(t: torch.Tensor) -> torch.Tensor:
+        t = t.view(lead)
+        return t.transpose(0, 1).contiguous() if transposed else t
+
+    return {OUTPUT_KEYS["tv"]: shaped(tv), OUTPUT_KEYS["kl"]: shaped(kl)}
