@@ -179,7 +179,7 @@ def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
     # like the engine's logits hook output. Binary <= Top-K per token, and ppo_loss reads them.
     from verl_dppo.demo import task
     from verl_dppo.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
-    from verl_dppo.demo.rl import topk_statistics, to_no_padding
+    from verl_dppo.demo.rl import topk_statistics
     from verl_dppo.divergence import binary_kl, binary_tv
 
     policy = build_policy(0)
@@ -201,4 +201,3 @@ def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
         full[attention.bool()] = value
         topk_values = full[:, cols][mask.bool()]
         assert (binary[key][mask.bool()] <= topk_values + 1e-5).all() and topk_values.max() > 0
-    assert to_no_padding(torch.zeros_like(attention, dtype=torch.float32), attention).shape == value.shape
