@@ -6,7 +6,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
-EXPECTED_MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is")
+EXPECTED_MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is", "dppo_topk_tv", "dppo_topk_kl")
 _PACKAGES = ("verl", "torch", "ray", "transformers", "vllm", "sglang", "verl-dppo")
 
 
