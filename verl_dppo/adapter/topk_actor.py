@@ -302,15 +302,13 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
 
 def patch_engine_workers(module: Any) -> None:
     """Wrap `TrainingWorker.train_batch` (keeps verl's `@register` metadata through functools.wraps)."""
-    worker_cls = module.TrainingWorker
-    original = worker_cls.train_batch
-    if getattr(original, "__verl_dppo_topk__", False):
-        return
+    from verl_dppo.adapter.topk_import_hook import patch_once
 
-    @functools.wraps(original)
-    def train_batch(self, data, *args, **kwargs):
-        prepare_train_batch(self, data)
-        return original(self, data, *args, **kwargs)
+    def make(original):
+        def train_batch(self, data, *args, **kwargs):
+            prepare_train_batch(self, data)
+            return original(self, data, *args, **kwargs)
 
-    train_batch.__verl_dppo_topk__ = True
-    worker_cls.train_batch = train_batch
+        return train_batch
+
+    patch_once(module.TrainingWorker, "train_batch", make)

@@ -21,7 +21,6 @@ length; tool loop: only the first turn's are kept), so the top-K rows are not ca
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
 from typing import Any, Optional
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from verl_dppo.adapter.topk_actor import TOPK_IDS, TOPK_LOGPROBS, is_topk_mode
+from verl_dppo.adapter.topk_import_hook import patch_once
 from verl_dppo.adapter.topk_rollout import CUSTOM_KEY, EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
 
 __all__ = [
@@ -164,50 +164,34 @@ def align_topk_to_response(response_ids, response_mask, turns: list) -> Optional
 
 
 def patch_llm_server(module: Any) -> None:
-    manager_cls = module.LLMServerManager
-    if not getattr(manager_cls.__init__, "__verl_dppo_topk__", False):
-        original_init = manager_cls.__init__
-
-        @functools.wraps(original_init)
+    def make_init(original_init):
         def __init__(self, config, *args, **kwargs):
             sync_rollout_config(config)
             original_init(self, config, *args, **kwargs)
 
-        __init__.__verl_dppo_topk__ = True
-        manager_cls.__init__ = __init__
+        return __init__
 
-    client_cls = module.LLMServerClient
-    if not getattr(client_cls.generate, "__verl_dppo_topk__", False):
-        original_generate = client_cls.generate
-
-        @functools.wraps(original_generate)
+    def make_generate(original_generate):
         async def generate(self, *args, **kwargs):
             output = await original_generate(self, *args, **kwargs)
             record_turn(output)
             return output
 
-        generate.__verl_dppo_topk__ = True
-        client_cls.generate = generate
+        return generate
+
+    patch_once(module.LLMServerManager, "__init__", make_init)
+    patch_once(module.LLMServerClient, "generate", make_generate)
 
 
 def patch_agent_loop(module: Any) -> None:
-    worker_cls = module.AgentLoopWorker
-    if not getattr(worker_cls._run_agent_loop, "__verl_dppo_topk__", False):
-        original_run = worker_cls._run_agent_loop
-
-        @functools.wraps(original_run)
+    def make_run(original_run):
         async def _run_agent_loop(self, *args, **kwargs):
             with trajectory():
                 return await original_run(self, *args, **kwargs)
 
-        _run_agent_loop.__verl_dppo_topk__ = True
-        worker_cls._run_agent_loop = _run_agent_loop
+        return _run_agent_loop
 
-    output_cls = module.AgentLoopOutput
-    if not getattr(output_cls.as_dict, "__verl_dppo_topk__", False):
-        original_as_dict = output_cls.as_dict
-
-        @functools.wraps(original_as_dict)
+    def make_as_dict(original_as_dict):
         def as_dict(self):
             output = original_as_dict(self)
             aligned = align_topk_to_response(self.response_ids, self.response_mask, _TURNS.get() or [])
@@ -215,24 +199,23 @@ def patch_agent_loop(module: Any) -> None:
                 output[TOPK_IDS], output[TOPK_LOGPROBS] = aligned
             return output
 
-        as_dict.__verl_dppo_topk__ = True
-        output_cls.as_dict = as_dict
+        return as_dict
+
+    patch_once(module.AgentLoopWorker, "_run_agent_loop", make_run)
+    patch_once(module.AgentLoopOutput, "as_dict", make_as_dict)
 
 
 def patch_padding_utils(module: Any) -> None:
-    original = module.construct_minimal_padding_template
-    if getattr(original, "__verl_dppo_topk__", False):
-        return
+    def make(original):
+        def construct_minimal_padding_template(source_td, source_tag, eos_token_id):
+            template_sample, template_tag = original(source_td, source_tag, eos_token_id)
+            length = template_sample["responses"].shape[0]
+            for key in (TOPK_IDS, TOPK_LOGPROBS):
+                value = template_sample.get(key, None)
+                if isinstance(value, torch.Tensor):
+                    template_sample[key] = value.new_zeros((length, *value.shape[1:]))
+            return template_sample, template_tag
 
-    @functools.wraps(original)
-    def construct_minimal_padding_template(source_td, source_tag, eos_token_id):
-        template_sample, template_tag = original(source_td, source_tag, eos_token_id)
-        length = template_sample["responses"].shape[0]
-        for key in (TOPK_IDS, TOPK_LOGPROBS):
-            value = template_sample.get(key, None)
-            if isinstance(value, torch.Tensor):
-                template_sample[key] = value.new_zeros((length, *value.shape[1:]))
-        return template_sample, template_tag
+        return construct_minimal_padding_template
 
-    construct_minimal_padding_template.__verl_dppo_topk__ = True
-    module.construct_minimal_padding_template = construct_minimal_padding_template
+    patch_once(module, "construct_minimal_padding_template", make)

@@ -7,14 +7,17 @@ wraps the module's loader so that `patch(module)` runs right after the module bo
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["when_imported"]
+__all__ = ["patch_once", "when_imported"]
+
+_PATCHED = "__verl_dppo_topk__"
 
 logger = logging.getLogger("verl_dppo")
 
@@ -76,3 +79,15 @@ def when_imported(name: str, patch: Callable) -> None:
         _PENDING.setdefault(name, []).append(patch)
         if _FINDER not in sys.meta_path:
             sys.meta_path.insert(0, _FINDER)
+
+
+def patch_once(owner: Any, name: str, make_replacement: Callable[[Callable], Callable]) -> bool:
+    """Replace `owner.name` with `make_replacement(original)` (keeping the original's metadata, e.g. verl's
+    `@register` attributes), unless it already is a replacement of ours. Returns whether it patched now."""
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED, False):
+        return False
+    replacement = functools.wraps(original)(make_replacement(original))
+    setattr(replacement, _PATCHED, True)
+    setattr(owner, name, replacement)
+    return True

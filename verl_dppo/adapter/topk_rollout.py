@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from verl_dppo.adapter.topk_import_hook import patch_once
+
 __all__ = [
     "CUSTOM_KEY",
     "EXTRA_IDS",
@@ -225,21 +227,23 @@ _CAPTURE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("verl_
 _warned: set[str] = set()
 
 
-def _capturing(async_gen_fn):
-    """Wrap an engine's async-generator method so the current request's last output is kept in _CAPTURE."""
-    if getattr(async_gen_fn, "__verl_dppo_capture__", False):
-        return async_gen_fn
+def _capture_outputs_of(engine: Any, name: str) -> None:
+    """Make the engine's async-generator method `name` keep the current request's last output in _CAPTURE (an
+    instance attribute: the engine object is created by the server, after the module is patched)."""
+    original = getattr(engine, name)
+    if getattr(original, "__verl_dppo_capture__", False):
+        return
 
-    @functools.wraps(async_gen_fn)
-    async def generate(*args, **kwargs):
+    @functools.wraps(original)
+    async def capturing(*args, **kwargs):
         holder = _CAPTURE.get()
-        async for output in async_gen_fn(*args, **kwargs):
+        async for output in original(*args, **kwargs):
             if holder is not None:
                 holder["output"] = output
             yield output
 
-    generate.__verl_dppo_capture__ = True
-    return generate
+    capturing.__verl_dppo_capture__ = True
+    setattr(engine, name, capturing)
 
 
 def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:
@@ -259,10 +263,6 @@ def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str])
 
 def patch_vllm_server(module: Any) -> None:
     """vLLMHttpServer.generate: logprobs=K on the request, the top-K of every generated token in extra_fields."""
-    server_cls = module.vLLMHttpServer
-    if getattr(server_cls.generate, "__verl_dppo_topk__", False):
-        return
-    original_generate = server_cls.generate
     original_sampling_params = module.SamplingParams
 
     def SamplingParams(*args, **kwargs):  # noqa: N802 (stands in for vLLM's class in this module only)
@@ -273,26 +273,25 @@ def patch_vllm_server(module: Any) -> None:
                 kwargs.setdefault("flat_logprobs", True)  # newer vLLM: flat lists, read as arrays (no objects)
         return original_sampling_params(*args, **kwargs)
 
-    @functools.wraps(original_generate)
-    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        k = rollout_topk(self.config)
-        if k is None:
-            return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        warn_truncated_sampling(sampling_params, self.config.get("logprobs_mode", None))
-        engine = self.engine
-        if not getattr(engine.generate, "__verl_dppo_capture__", False):
-            engine.generate = _capturing(engine.generate)
-        result, final = await _generate_capturing(
-            original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
-        )
-        if final is not None and final.outputs and result.token_ids:
-            ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
-            result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
-        return result
+    def make(original_generate):
+        async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+            k = rollout_topk(self.config)
+            if k is None:
+                return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+            warn_truncated_sampling(sampling_params, self.config.get("logprobs_mode", None))
+            _capture_outputs_of(self.engine, "generate")
+            result, final = await _generate_capturing(
+                original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
+            )
+            if final is not None and final.outputs and result.token_ids:
+                ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
+                result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+            return result
 
-    generate.__verl_dppo_topk__ = True
-    module.SamplingParams = SamplingParams
-    server_cls.generate = generate
+        return generate
+
+    if patch_once(module.vLLMHttpServer, "generate", make):
+        module.SamplingParams = SamplingParams
 
 
 async def _generate_capturing(original_generate, k: int, *args, **kwargs):
@@ -310,10 +309,6 @@ async def _generate_capturing(original_generate, k: int, *args, **kwargs):
 
 def patch_sglang_server(module: Any) -> None:
     """SGLangHttpServer.generate: top_logprobs_num=K on the request, the generation's top-K in extra_fields."""
-    server_cls = module.SGLangHttpServer
-    if getattr(server_cls.generate, "__verl_dppo_topk__", False):
-        return
-    original_generate = server_cls.generate
     original_request = module.GenerateReqInput
 
     def GenerateReqInput(*args, **kwargs):  # noqa: N802
@@ -325,28 +320,27 @@ def patch_sglang_server(module: Any) -> None:
             kwargs["top_logprobs_num"] = k
         return original_request(*args, **kwargs)
 
-    @functools.wraps(original_generate)
-    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        k = rollout_topk(self.config)
-        if k is None or kwargs.get("bootstrap_room") is not None:  # PD prefill half: no generated tokens
-            return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        warn_truncated_sampling(sampling_params, None)
-        manager = self.tokenizer_manager
-        if not getattr(manager.generate_request, "__verl_dppo_capture__", False):
-            manager.generate_request = _capturing(manager.generate_request)
-        result, output = await _generate_capturing(
-            original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
-        )
-        if output is not None and result.token_ids:
-            top = (output.get("meta_info", {}) or {}).get("output_top_logprobs") or []
-            if len(top) != len(result.token_ids):
-                raise RolloutTopKError(
-                    f"SGLang returned top log-probs for {len(top)} of {len(result.token_ids)} generated tokens"
-                )
-            ids, lps = extract_sglang_topk(top, k)
-            result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
-        return result
+    def make(original_generate):
+        async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+            k = rollout_topk(self.config)
+            if k is None or kwargs.get("bootstrap_room") is not None:  # PD prefill half: no generated tokens
+                return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+            warn_truncated_sampling(sampling_params, None)
+            _capture_outputs_of(self.tokenizer_manager, "generate_request")
+            result, output = await _generate_capturing(
+                original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
+            )
+            if output is not None and result.token_ids:
+                top = (output.get("meta_info", {}) or {}).get("output_top_logprobs") or []
+                if len(top) != len(result.token_ids):
+                    raise RolloutTopKError(
+                        f"SGLang returned top log-probs for {len(top)} of {len(result.token_ids)} generated tokens"
+                    )
+                ids, lps = extract_sglang_topk(top, k)
+                result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+            return result
 
-    generate.__verl_dppo_topk__ = True
-    module.GenerateReqInput = GenerateReqInput
-    server_cls.generate = generate
+        return generate
+
+    if patch_once(module.SGLangHttpServer, "generate", make):
+        module.GenerateReqInput = GenerateReqInput
