@@ -134,13 +134,92 @@ def test_recompute_anchor_without_rollout_log_probs_names_the_setting():
         direct("dppo_binary_kl", torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1, torch.ones(1, 1), config=config)
 
 
-def test_recompute_anchor_in_bypass_mode_names_the_setting():
-    # bypass_mode copies rollout_log_probs into old_log_probs: the "recomputed" anchor does not exist.
-    pi = torch.full((2, 3), -1.0)
-    mu = torch.full((2, 3), -1.2)
-    model_output, data, _ = v1_micro_batch(pi, mu, torch.ones(2, 3), [3, 2], rollout_log_prob=mu)
-    with pytest.raises(ValueError, match="algorithm.rollout_correction.bypass_mode=False"):
-        ppo_loss(actor_config("dppo_binary_kl", anchor="recompute"), model_output, data)
+@pytest.mark.parametrize("mode", ["dppo_binary_kl", "dppo_binary_tv", "grpo_clip"])
+def test_recompute_anchor_accepts_old_log_probs_equal_to_the_rollouts(mode):
+    # Issue 8.4: a short, fully confident response gives recomputed log-probs equal to the rollout's bit for bit
+    # (both 0.0). That is valid data, not bypass mode: the loss must not guess the configuration from it.
+    pi = torch.tensor([[-0.01, -0.02, 0.0], [-0.5, 0.0, 0.0]])
+    mu = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, 0.0]])
+    config = actor_config(mode, anchor="recompute", delta_low=0.15, delta_high=0.15, ratio_cap=10.0)
+    pi_leaf = pi.clone().requires_grad_()
+    model_output, data, values = v1_micro_batch(pi_leaf, mu, adv, [3, 2], rollout_log_prob=mu)
+    loss, metrics = ppo_loss(config, model_output, data)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(values.grad).all()
+    # The same tokens anchored on the rollout (old == mu here) give the same loss.
+    pi_leaf2 = pi.clone().requires_grad_()
+    model_output, data, _ = v1_micro_batch(pi_leaf2, mu, adv, [3, 2], rollout_log_prob=mu)
+    rollout_loss, _ = ppo_loss(actor_config(mode, delta_low=0.15, delta_high=0.15, ratio_cap=10.0),
+                               model_output, data)
+    assert loss.item() == pytest.approx(rollout_loss.item())
+
+
+def _run_config(mode="dppo_binary_kl", anchor="rollout", bypass=True, calculate=True, logprobs_mode=None,
+                temperature=1.0, name="vllm"):
+    rollout = {"name": name, "calculate_log_probs": calculate, "temperature": temperature}
+    if logprobs_mode is not None:
+        rollout["logprobs_mode"] = logprobs_mode
+    return OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": mode, "anchor": anchor}}, "rollout": rollout},
+        "algorithm": {"rollout_correction": {"bypass_mode": bypass}},
+    })
+
+
+def test_recompute_anchor_in_bypass_mode_is_refused_from_the_configuration():
+    # bypass_mode copies rollout_log_probs into old_log_probs: the "recomputed" anchor does not exist. Decided on
+    # the driver from the run's config (verl-dppo run, and the plugin's LLMServerManager patch at launch).
+    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+
+    with pytest.raises(RunConfigError, match="algorithm.rollout_correction.bypass_mode=False"):
+        check_run_config(_run_config(anchor="recompute", bypass=True))
+    assert check_run_config(_run_config(anchor="recompute", bypass=False)) == []
+    assert check_run_config(_run_config(mode="vanilla", anchor="recompute", bypass=True)) == []  # not ours
+
+
+def test_raw_logprobs_with_temperature_is_refused():
+    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+
+    with pytest.raises(RunConfigError, match="logprobs_mode=processed_logprobs"):
+        check_run_config(_run_config(logprobs_mode="raw_logprobs", temperature=0.7))
+    assert check_run_config(_run_config(logprobs_mode="raw_logprobs", temperature=1.0)) == []
+    assert check_run_config(_run_config(logprobs_mode="processed_logprobs", temperature=0.7)) == []
+
+
+def test_decoupled_anchor_without_rollout_log_probs_warns_once(caplog):
+    from verl_dppo.adapter import losses
+    from verl_dppo.adapter.run_config import check_run_config
+
+    warnings = check_run_config(_run_config(bypass=False, calculate=False))
+    assert len(warnings) == 1 and "actor_rollout_ref.rollout.calculate_log_probs=True" in warnings[0]
+    # The worker's side: a batch without rollout_log_probs, through verl's ppo_loss.
+    losses._warned.discard("no_rollout_log_probs")
+    pi, old = torch.full((2, 3), -1.0), torch.full((2, 3), -1.1)
+    with caplog.at_level("WARNING", logger="verl_dppo"):
+        for _ in range(3):
+            model_output, data, _ = v1_micro_batch(pi, old, torch.ones(2, 3), [3, 2])
+            ppo_loss(actor_config("dppo_binary_tv"), model_output, data)
+    hits = [r for r in caplog.records if "carries no rollout_log_probs" in r.getMessage()]
+    assert len(hits) == 1 and "calculate_log_probs=True" in hits[0].getMessage()
+
+
+@pytest.mark.parametrize("mode,cap", [("pg_is", math.inf), ("dppo_binary_tv", math.inf), ("grpo_clip", 1e30)])
+def test_huge_log_ratio_gives_a_finite_loss_and_gradient(mode, cap):
+    # Issue 8.6: log pi - log mu = 100 overflows exp() in float32 (r = inf); with no cap, one zero-advantage token
+    # in the micro-batch made the loss NaN (0 x inf). The ratio is bounded by exp(MAX_LOG_RATIO).
+    from verl_dppo.adapter.losses import MAX_LOG_RATIO
+
+    mu = torch.tensor([[-100.0, -100.0, -1.0, -0.5]])
+    pi = torch.tensor([[-0.001, -0.001, -1.2, -0.5]])
+    adv = torch.tensor([[1.0, 0.0, -1.0, 0.0]])
+    config = actor_config(mode, delta_low=0.15, delta_high=0.15, ratio_cap=cap)
+    loss, metrics, grad = direct(mode, mu, pi, adv, config=config)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    weight = math.exp(MAX_LOG_RATIO)
+    if mode == "pg_is":  # nothing masked: token 0's weight is the bound, token 2's the plain ratio
+        expected = -(weight * 1.0 * -0.001 + math.exp(-0.2) * -1.0 * -1.2) / 4
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert all(math.isfinite(v) for v in metrics.values())
 
 
 def test_config_none_is_an_error():

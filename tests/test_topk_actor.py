@@ -218,3 +218,36 @@ def test_train_batch_turns_the_hook_on_and_refuses_fused_kernels():
     tu.assign_non_tensor(bare, distillation_use_topk=False)
     prepare_train_batch(worker, bare)
     assert tu.get_non_tensor_data(bare, "distillation_use_topk", False) is False
+
+
+def _poke(data, key, seq, t, value, column=None):
+    """Set one token's rollout statistic inside a jagged field."""
+    rows = list(data[key].unbind())
+    row = rows[seq].clone()
+    if column is None:
+        row[t] = value
+    else:
+        row[t, column] = value
+    rows[seq] = row
+    data[key] = nested(rows)
+
+
+@pytest.mark.parametrize("mode", ["dppo_topk_tv", "dppo_topk_kl"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_rollout_statistics_drop_the_token_like_every_mode(model, mode, bad):
+    # Issue 8.5 / README "Bad input": a NaN/inf rollout log-prob drops the token and counts it in dropped_frac;
+    # the Top-K modes did raise TopKInputError in the engine hook instead. A NaN / +inf top-K entry is unusable too.
+    data, _ = micro_batch([3, 4], [5, 6], seed=2)
+    _poke(data, "rollout_log_probs", 0, 1, bad)
+    _poke(data, "rollout_topk_logprobs", 1, 2, math.nan if math.isnan(bad) else abs(bad), column=0)
+    config = actor_config(mode, topk=K, delta_low=0.05, delta_high=0.05, ratio_cap=10.0)
+    loss_fn, model_output = run_engine(model, data, config)
+    offsets = model_output["log_probs"].offsets()
+    leaf = model_output["log_probs"].values().detach().requires_grad_(True)
+    model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(leaf, offsets)
+    loss, metrics = loss_fn(model_output=model_output, data=data, dp_group=None)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(leaf.grad).all()
+    assert metrics["actor/dppo/dropped_frac"].aggregate() == pytest.approx(2 / 11)
+    # the two dropped tokens get no gradient (positions prompt_len - 1 + t in the packed stream)
+    assert leaf.grad[3 - 1 + 1] == 0.0 and leaf.grad[8 + 4 - 1 + 2] == 0.0

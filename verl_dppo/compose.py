@@ -228,14 +228,13 @@ def _quiet_warnings() -> Iterator[None]:
 
 
 def _check_anchor(config: Any) -> None:
-    """The anchor and verl's recompute pass must agree (the loss raises otherwise, but only at the first update)."""
-    anchor = config.actor_rollout_ref.actor.policy_loss.anchor
-    bypass = bool(config.algorithm.rollout_correction.bypass_mode)
-    if anchor == "recompute" and bypass:
-        raise RecipeError(
-            "policy_loss.anchor=recompute needs the recomputed old_log_probs, which bypass mode skips: set "
-            "algorithm.rollout_correction.bypass_mode=False (or policy_loss.anchor=rollout)."
-        )
+    """The run-level checks the plugin repeats at launch (anchor vs bypass mode, how the rollout computes mu)."""
+    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+
+    try:
+        check_run_config(config)
+    except RunConfigError as error:
+        raise RecipeError(str(error)) from None
     if not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise RecipeError(
             "the DPPO losses need the rollout engine's log-probs (mu): set "

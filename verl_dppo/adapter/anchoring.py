@@ -41,6 +41,8 @@ class BatchExtras:
     """Top-K D_TV (Eq. 15) per token, from the actor's logits hook (adapter.topk_actor); dppo_topk_* modes only."""
     topk_kl: Optional[torch.Tensor] = None
     """Top-K D_KL (Eq. 16) per token, from the same hook."""
+    ratio_parts: Optional[dict] = None
+    """Filled by the loss: each mean-type diagnostic as (numerator, denominator), for exact aggregation."""
 
 
 _EXTRAS: contextvars.ContextVar[Optional[BatchExtras]] = contextvars.ContextVar("verl_dppo_extras", default=None)
@@ -82,14 +84,15 @@ def _wrap(original: Callable) -> Callable:
             return logits_processor(config, student_logits, data, data_format=data_format)
         if loss_mode not in DPPO_MODES:
             return original(config, model_output, data, dp_group)
-        token = _EXTRAS.set(_extract(model_output, data))
+        extras = _extract(model_output, data)
+        token = _EXTRAS.set(extras)
         try:
             loss, metrics = original(config, model_output, data, dp_group)
         finally:
             _EXTRAS.reset(token)
-        from verl_dppo.adapter.losses import finalize_metrics
+        from verl_dppo.adapter.metrics import finalize_metrics
 
-        return loss, finalize_metrics(metrics)
+        return loss, finalize_metrics(metrics, extras.ratio_parts)
 
     setattr(ppo_loss, _WRAPPED_MARK, True)
     ppo_loss.__wrapped__ = original

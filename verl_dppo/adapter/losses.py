@@ -19,20 +19,25 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
-from verl.utils.metric import AggregationType, Metric
 
 from verl_dppo.adapter.anchoring import DPPO_MODES, current_extras
 from verl_dppo.adapter.config import resolve_options
+from verl_dppo.adapter.metrics import ratio_of
 from verl_dppo.adapter.topk_actor import check_anchor, divergence_from_extras
 from verl_dppo.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
 from verl_dppo.trust_region import trust_region_blocked
 
-__all__ = ["LOSS_MODES", "LossMode", "dppo_policy_loss", "finalize_metrics", "register_all"]
+__all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
 
 logger = logging.getLogger("verl_dppo")
 
 # The paper's "bad update" (Sec. 5.3): A < 0 and mu(a_t) - pi(a_t) > 0.5.
 BAD_UPDATE_DROP = 0.5
+
+MAX_LOG_RATIO = 20.0
+"""The importance ratio is computed as exp(min(log pi - log mu, 20)): r <= 4.85e8 whatever the cap, so that with
+`ratio_cap=inf` (PG-IS) a token whose log-ratio exceeds 88.7 gives a finite weight instead of r = inf (and a NaN
+loss from 0 x inf on a zero-advantage token). Any cap C below 4.85e8 (the paper's "off" value is 1e4) is unaffected."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,6 @@ LOSS_MODES = (
     LossMode("dppo_topk_tv", None, True, "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", topk=True),
     LossMode("dppo_topk_kl", None, True, "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", topk=True),
 )
-
-# Metrics that are maxima over tokens: verl would average them over micro-batches unless told otherwise.
-_MAX_METRICS = ("actor/dppo/mismatch_tv_max",)
 
 _logged_options: set[tuple[str, str]] = set()
 _warned: set[str] = set()
@@ -121,6 +123,14 @@ def dppo_policy_loss(
             "actor_rollout_ref.rollout.calculate_log_probs=True and algorithm.rollout_correction.bypass_mode=False "
             "(or use anchor='rollout')."
         )
+    if extras is not None and rollout_log_prob is None:
+        _warn_once(
+            "no_rollout_log_probs",
+            f"{mode.name}: the training batch carries no rollout_log_probs, so old_log_probs stand in for mu. With "
+            "algorithm.rollout_correction.bypass_mode=False those are the recomputed policy: the ratio and the trust "
+            "region are then anchored on it (the paper's unstable decoupled variant, Sec. 5.2), not on the rollout "
+            "policy: set actor_rollout_ref.rollout.calculate_log_probs=True.",
+        )
     # mu: the policy that generated the data. Without the hook, old_log_prob is mu (bypass mode / direct call).
     mu_log_prob = rollout_log_prob if rollout_log_prob is not None else old_log_prob
     anchored_on_mu = options.anchor == "rollout"
@@ -132,15 +142,21 @@ def dppo_policy_loss(
     adv = advantages.detach().float()
     # One scalar transfer picks the path: the sum of every input is finite iff all of them are. The common,
     # all-finite case then needs no masking of its inputs at all.
+    # Top-K modes: D from the logits hook, NaN where the rollout's top-K statistics of a token are unusable.
+    topk_d = divergence_from_extras(mode.name, extras, options.anchor, response) if mode.topk else None
     probe = pi.sum() + mu.sum() + adv.sum() + (0.0 if anchored_on_mu else anchor.sum())
+    if topk_d is not None:
+        probe = probe + topk_d.sum()
     sanitized = not bool(torch.isfinite(probe))
     if sanitized:
-        pi, mu, anchor, adv, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv, anchored_on_mu)
+        pi, mu, anchor, adv, topk_d, valid = _drop_nonfinite(
+            mode.name, response, pi, mu, anchor, adv, anchored_on_mu, topk_d
+        )
     else:
         valid = response
 
     log_ratio = pi - mu
-    ratio = torch.exp(log_ratio)  # r_t = pi / mu, always against the rollout policy
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
     weight = ratio.clamp(max=options.ratio_cap)
     mu_floored, pi_floored = floor_logprob(mu), floor_logprob(pi)
     mu_prob, pi_prob = torch.exp(mu_floored), torch.exp(pi_floored)
@@ -150,7 +166,7 @@ def dppo_policy_loss(
 
     log_ratio_to_anchor = log_ratio if anchored_on_mu else pi - anchor
     if mode.topk:
-        divergence = divergence_from_extras(mode.name, extras, options.anchor, valid)
+        divergence = topk_d
     elif mode.divergence is None:
         divergence = None
     elif anchored_on_mu:  # the mismatch statistics above are already D against the anchor
@@ -177,9 +193,9 @@ def dppo_policy_loss(
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = agg_loss(loss_mat=loss_mat, loss_mask=response, loss_agg_mode=loss_agg_mode, **global_batch_info)
 
-    stats = _diagnostics(
-        response=response,
+    metrics, ratio_parts = _diagnostics(
         valid=valid,
+        n_response=response.sum(),
         blocked=blocked & valid,
         adv=adv,
         truncated=ratio >= options.ratio_cap,
@@ -189,30 +205,29 @@ def dppo_policy_loss(
         mismatch_kl=mismatch_kl,
         log_ratio_to_anchor=log_ratio_to_anchor,
         entropy=entropy,
-        anchor_differs=None if anchored_on_mu else (old_log_prob.detach() != mu_log_prob.detach()) & valid,
     )
-    metrics = {name: value for name, value in stats.items() if name.startswith("actor/")}
-    if not anchored_on_mu and stats["anchor_differs"] == 0 and stats["n_response"] > 0:
-        raise ValueError(
-            f"{mode.name} with policy_loss.anchor='recompute': old_log_probs equal the rollout log-probs, so the "
-            "recomputed anchor does not exist; set algorithm.rollout_correction.bypass_mode=False (or use "
-            "anchor='rollout')."
-        )
-    if stats["n_response"] == 0:
+    if extras is not None:
+        # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
+        # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
+        extras.ratio_parts = ratio_parts
+    if ratio_parts["actor/dppo/dropped_frac"][1] == 0:
         # Empty responses: verl's local normalisers would divide 0 by 0. Nothing to learn from: a zero loss that
         # still reaches the parameters, so backward() works.
         loss = log_prob.float().masked_fill(~response, 0.0).sum() * 0.0
     return loss, metrics
 
 
-def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu):
+def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, topk_d=None):
     """The rare path: some input is NaN/inf. Errors for the current policy and the advantages (on response
-    tokens); a token whose mu or anchor log-prob is NaN/inf (e.g. -inf: probability 0 under the engine) has no
-    finite ratio: it is dropped from the update and counted in actor/dppo/dropped_frac. Values outside the
-    response are zeroed, whatever they are."""
+    tokens); a token whose mu or anchor log-prob is NaN/inf (e.g. -inf: probability 0 under the engine), or whose
+    rollout top-K statistics are (Top-K modes: the hook reports D = NaN), has no finite ratio or divergence: it is
+    dropped from the update and counted in actor/dppo/dropped_frac. Values outside the response are zeroed,
+    whatever they are."""
     valid = response & torch.isfinite(mu)
     if not anchored_on_mu:
         valid &= torch.isfinite(anchor)
+    if topk_d is not None:
+        valid &= ~torch.isnan(topk_d)
     bad_pi, bad_adv, dropped = torch.stack(
         [(response & ~torch.isfinite(pi)).sum(), (response & ~torch.isfinite(adv)).sum(), (response & ~valid).sum()]
     ).tolist()
@@ -236,24 +251,30 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu):
     outside = ~valid
     pi, mu, adv = pi.masked_fill(outside, 0.0), mu.masked_fill(outside, 0.0), adv.masked_fill(outside, 0.0)
     anchor = mu if anchored_on_mu else anchor.masked_fill(outside, 0.0)
-    return pi, mu, anchor, adv, valid
+    if topk_d is not None:
+        topk_d = topk_d.masked_fill(outside, 0.0)
+    return pi, mu, anchor, adv, topk_d, valid
 
 
-def _diagnostics(response, valid, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
-                 log_ratio_to_anchor, entropy, anchor_differs) -> dict[str, float]:
-    """Every diagnostic reduced on device to a few scalars, read back in one host transfer."""
+def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
+                 log_ratio_to_anchor, entropy) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """Every diagnostic reduced on device to a few scalars, read back in one host transfer.
+
+    Returns the metrics of this micro-batch, and each mean-type metric as (numerator, denominator): a mean over
+    a condition (A > 0, masked, ...) is a ratio of sums, and only the sums add up exactly over the micro-batches
+    and data-parallel ranks of a mini-batch (a mean of per-micro-batch ratios is biased whenever the micro-batches
+    differ in how many tokens meet the condition).
+    """
     valid_f, blocked_f = valid.float().view(-1), blocked.float().view(-1)
     positive, negative = adv > 0, adv < 0
-    flat = [  # counts, over the same tokens the loss uses
-        response, valid, blocked,
+    counts = torch.stack([
+        valid, blocked,
         positive & valid, blocked & positive,
         negative & valid, blocked & negative,
         negative & valid & (drop > BAD_UPDATE_DROP), truncated & valid,
-    ]
-    if anchor_differs is not None:
-        flat.append(anchor_differs)
-    counts = torch.stack(flat).view(len(flat), -1).sum(dim=1).float()
+    ]).view(8, -1).sum(dim=1).float()
     sums = torch.stack([
+        n_response.float(),
         torch.dot(mismatch_tv.view(-1), valid_f),
         torch.dot(mismatch_kl.view(-1), valid_f),
         torch.dot(log_ratio_to_anchor.view(-1), valid_f),
@@ -261,45 +282,26 @@ def _diagnostics(response, valid, blocked, adv, truncated, mu_prob, drop, mismat
         torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
         (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
     ])
-    values = torch.cat([counts, sums]).tolist()
-    (n_response, n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated), rest = (
-        values[:9], values[9:]
-    )
-    n_anchor_differs = rest.pop(0) if anchor_differs is not None else None
-    tv_sum, kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max = rest
+    (n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated, n_response, tv_sum,
+     kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max) = torch.cat([counts, sums]).tolist()
 
-    def frac(numerator: float, denominator: float) -> float:
-        return numerator / denominator if denominator > 0 else 0.0
-
-    stats = {
-        "actor/pg_clipfrac": frac(n_blocked, n_valid),
-        "actor/ppo_kl": -frac(log_ratio_sum, n_valid),
-        "actor/pg_clipfrac_lower": frac(n_truncated, n_valid),
-        "actor/dppo/masked_frac_pos": frac(n_blocked_pos, n_pos),
-        "actor/dppo/masked_frac_neg": frac(n_blocked_neg, n_neg),
-        "actor/dppo/mismatch_tv_mean": frac(tv_sum, n_valid),
-        "actor/dppo/mismatch_tv_max": tv_max,
-        "actor/dppo/mismatch_kl_mean": frac(kl_sum, n_valid),
-        "actor/dppo/bad_update_frac": frac(n_bad, n_valid),
-        "actor/dppo/masked_rollout_prob_mean": frac(masked_mu_sum, n_blocked),
-        "actor/dppo/dropped_frac": frac(n_response - n_valid, n_response),
-        "n_response": n_response,
-        "anchor_differs": n_anchor_differs,
+    parts = {
+        "actor/pg_clipfrac": (n_blocked, n_valid),
+        "actor/ppo_kl": (-log_ratio_sum, n_valid),
+        "actor/pg_clipfrac_lower": (n_truncated, n_valid),
+        "actor/dppo/masked_frac_pos": (n_blocked_pos, n_pos),
+        "actor/dppo/masked_frac_neg": (n_blocked_neg, n_neg),
+        "actor/dppo/mismatch_tv_mean": (tv_sum, n_valid),
+        "actor/dppo/mismatch_kl_mean": (kl_sum, n_valid),
+        "actor/dppo/bad_update_frac": (n_bad, n_valid),
+        "actor/dppo/masked_rollout_prob_mean": (masked_mu_sum, n_blocked),
+        "actor/dppo/dropped_frac": (n_response - n_valid, n_response),
     }
     if entropy is not None:
-        stats["actor/dppo/masked_entropy_mean"] = frac(masked_entropy_sum, n_blocked)
-    return stats
-
-
-def finalize_metrics(metrics: dict) -> dict:
-    """Give max-type diagnostics verl's MAX aggregation (ppo_loss wraps every loss metric as a MEAN)."""
-    for name in _MAX_METRICS:
-        metric = metrics.get(name)
-        if isinstance(metric, Metric) and metric.aggregation is not AggregationType.MAX:
-            maximum = Metric(aggregation=AggregationType.MAX)
-            maximum.extend(list(metric.values))
-            metrics[name] = maximum
-    return metrics
+        parts["actor/dppo/masked_entropy_mean"] = (masked_entropy_sum, n_blocked)
+    metrics = {name: ratio_of(*part) for name, part in parts.items()}
+    metrics["actor/dppo/mismatch_tv_max"] = tv_max
+    return metrics, parts
 
 
 def _make_loss_fn(mode: LossMode) -> Callable:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -156,6 +157,14 @@ def packed_rollout_fields(loss_mode: str, k: int, data: Any, device: torch.devic
     return full_ids, full_lp, full_sampled, full_sampled_lp, full_mask
 
 
+def unusable_rows(topk_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rows of `mask` whose rollout statistics give no divergence: log mu(a_t) NaN or +-inf (the loss drops such a
+    token for every mode, README "Bad input"), or a top-K log-prob NaN or +inf (-inf is a probability of 0, valid).
+    The hook leaves them out of the reduction and reports D = NaN there, so the loss drops them too."""
+    bad = ~torch.isfinite(sampled_logprobs) | torch.isnan(topk_logprobs).any(dim=-1) | (topk_logprobs == math.inf).any(dim=-1)
+    return bad & mask
+
+
 def logits_processor(
     config: Any, student_logits: torch.Tensor, data: Any, data_format: Optional[str] = None
 ) -> dict[str, torch.Tensor]:
@@ -183,7 +192,9 @@ def logits_processor(
             f"{loss_mode}: {logits.shape[0]} logit rows for {full_mask.shape[0]} packed tokens; static packing "
             "(actor_rollout_ref.actor.fsdp_config.pad_to_length) is not supported with Top-K: disable it"
         )
-    tv, kl = topk_divergence(logits, full_ids, full_lp, full_sampled, full_sampled_lp, mask=full_mask)
+    unusable = unusable_rows(full_lp, full_sampled_lp, full_mask)
+    tv, kl = topk_divergence(logits, full_ids, full_lp, full_sampled, full_sampled_lp, mask=full_mask & ~unusable)
+    tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)
     return {OUTPUT_KEYS["tv"]: tv.unsqueeze(0), OUTPUT_KEYS["kl"]: kl.unsqueeze(0)}
 
 
@@ -197,7 +208,8 @@ def check_anchor(mode_name: str, anchor: str) -> None:
 
 
 def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torch.Tensor) -> torch.Tensor:
-    """D of Eq. (12) for a Top-K mode: the hook's statistic, [batch, response_len], checked."""
+    """D of Eq. (12) for a Top-K mode: the hook's statistic, [batch, response_len], 0 outside `valid`; NaN where
+    the token's rollout statistics are unusable (the loss drops those tokens)."""
     check_anchor(mode_name, anchor)
     statistic = TOPK_MODES[mode_name]
     value = getattr(extras, f"topk_{statistic}", None) if extras is not None else None
@@ -210,10 +222,8 @@ def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torc
         )
     if tuple(value.shape) != tuple(valid.shape):
         raise ValueError(f"{mode_name}: Top-K statistics {tuple(value.shape)} vs response {tuple(valid.shape)}")
-    value = value.detach().float()
-    if bool(torch.isnan(value[valid]).any()):
-        raise FloatingPointError(f"{mode_name}: the Top-K divergence is NaN at some response tokens")
-    return torch.where(valid, value, torch.zeros_like(value))
+    # NaN marks a token whose rollout statistics are unusable (the hook's `unusable_rows`): the loss drops it.
+    return torch.where(valid, value.detach().float(), torch.zeros_like(value, dtype=torch.float32))
 
 
 def _topk_loss_mode(loss_fn: Any) -> Optional[str]:
@@ -301,13 +311,24 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
 
 
 def patch_engine_workers(module: Any) -> None:
-    """Wrap `TrainingWorker.train_batch` (keeps verl's `@register` metadata through functools.wraps)."""
+    """Wrap `TrainingWorker.train_batch` (keeps verl's `@register` metadata through functools.wraps): turn the logits
+    hook on for the Top-K modes, and make the mini-batch's ratio diagnostics exact (adapter.metrics) once verl has
+    gathered them from every data-parallel rank, before `train_mini_batch` averages them."""
     from verl_dppo.adapter.topk_import_hook import patch_once
 
     def make(original):
         def train_batch(self, data, *args, **kwargs):
             prepare_train_batch(self, data)
-            return original(self, data, *args, **kwargs)
+            output = original(self, data, *args, **kwargs)
+            if output is not None:  # the rank that returns the mini-batch's metrics, gathered over the DP group
+                from verl.utils import tensordict_utils as tu
+
+                from verl_dppo.adapter.metrics import exact_ratio_metrics
+
+                metrics = tu.get(output, "metrics", default=None)
+                if isinstance(metrics, dict):
+                    exact_ratio_metrics(metrics)
+            return output
 
         return train_batch
 

@@ -272,6 +272,9 @@ def align_topk_to_response(response_ids, response_mask, current: Optional[_Traje
 def patch_llm_server(module: Any) -> None:
     def make_init(original_init):
         def __init__(self, config, *args, **kwargs):
+            from verl_dppo.adapter.run_config import check_run_config
+
+            check_run_config(config)
             sync_rollout_config(config)
             original_init(self, config, *args, **kwargs)
 

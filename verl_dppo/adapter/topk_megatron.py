@@ -16,11 +16,12 @@ fields out on each full sequence, split them with the very functions that split 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from verl_dppo.adapter.topk_actor import OUTPUT_KEYS, packed_rollout_fields
+from verl_dppo.adapter.topk_actor import OUTPUT_KEYS, packed_rollout_fields, unusable_rows
 from verl_dppo.topk import vocab_parallel_topk_divergence
 
 __all__ = ["megatron_logits_processor", "check_context_parallel_layout"]
@@ -63,7 +64,10 @@ def megatron_logits_processor(
     # Three splits, not five: a_t rides as column K of the ids and log-probs.
     slot_ids = _split_like_input_ids(torch.cat([ids, sampled[:, None]], dim=1), data, data_format)
     slot_logprobs = _split_like_input_ids(torch.cat([logprobs, sampled_logprobs[:, None]], dim=1), data, data_format)
-    mask = _split_like_input_ids(mask.to(torch.int8), data, data_format).bool()
+    unusable = unusable_rows(logprobs, sampled_logprobs, mask)
+    # One split for both masks: bit 0 = the row is read, bit 1 = its rollout statistics are unusable (D = NaN).
+    flags = _split_like_input_ids((mask & ~unusable).to(torch.int8) + 2 * unusable.to(torch.int8), data, data_format)
+    mask, unusable = (flags & 1).bool(), (flags & 2).bool()
     if tuple(mask.shape) != tuple(logits.shape[:2]):
         raise ValueError(
             f"{loss_mode}: Megatron's logits are {tuple(logits.shape[:2])} tokens but the rollout's fields split to "
@@ -93,6 +97,8 @@ def megatron_logits_processor(
         rollout_sampled_logprobs=slot_logprobs[:, k],
         mask=rows(mask),
     )
+    unusable = rows(unusable)
+    tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)
     lead = (logits.shape[1], logits.shape[0]) if transposed else tuple(logits.shape[:2])
 
     def shaped(t: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,13 @@ loss mode is `dppo_topk_tv` / `dppo_topk_kl`:
 
 | verl module                                        | patched                          | why                                  |
 |----------------------------------------------------|----------------------------------|--------------------------------------|
-| workers.engine_workers                             | TrainingWorker.train_batch       | turn the engine's logits hook on     |
-| workers.rollout.llm_server                         | LLMServerManager.__init__        | hand K to the rollout config (driver)|
+| workers.engine_workers                             | TrainingWorker.train_batch       | logits hook on; exact diagnostics    |
+| workers.rollout.llm_server                         | LLMServerManager.__init__        | run-config checks; K to the rollout  |
 | workers.rollout.llm_server                         | LLMServerClient.generate         | collect each turn's top-K            |
 | workers.rollout.vllm_rollout.vllm_async_server     | vLLMHttpServer.generate          | logprobs=K, vectorised extraction    |
 | workers.rollout.sglang_rollout.async_sglang_server | SGLangHttpServer.generate        | top_logprobs_num=K, extraction       |
 | experimental.agent_loop.agent_loop                 | AgentLoopOutput.as_dict          | top-K tensors aligned with responses |
+| experimental.agent_loop.agent_loop                 | ContinuousTokenBuilder.align_response_metadata | rows follow verl's edits |
 | trainer.ppo.padding_utils                          | construct_minimal_padding_template | padding rows of the right length   |
 """
 
