@@ -7,10 +7,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # The recipes live in recipes/ at the top of the checkout and install as verl_dppo.recipes (Hydra configs).
+    # recipes/ (Hydra configs) and patches/ (the runtime patches of verl) live at the top of the checkout and
+    # install inside the package, as verl_dppo.recipes and verl_dppo.patches.
     packages=find_packages(include=["verl_dppo", "verl_dppo.*"])
-    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method"],
-    package_dir={"verl_dppo.recipes": "recipes"},
+    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method", "verl_dppo.patches"],
+    package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
         "verl_dppo.recipes": ["*.yaml", "*.md"],
         "verl_dppo.recipes.setup": ["*.yaml"],
@@ -38,7 +39,7 @@ setup(
         ],
     },
     entry_points={
-        "verl.plugins": ["dppo = verl_dppo.adapter.plugin"],
+        "verl.plugins": ["dppo = verl_dppo.plugin.entry"],
         "console_scripts": ["verl-dppo = verl_dppo.cli:main"],
     },
 )

@@ -19,11 +19,13 @@ import argparse
 import gc
 import json
 import re
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from verl_dppo.divergence import topk_divergence
+from verl_dppo.math.topk import topk_divergence
 
 
 def _rss_bytes(field: str) -> int:
@@ -125,12 +127,10 @@ def bench_divergence(n: int, vocab: int, k: int, device: torch.device, repeat: i
 
 
 def bench_extraction(tokens: int, k: int, repeat: int) -> dict:
-    from verl_dppo.adapter.topk_rollout import (
-        extract_vllm_topk,
-        flat_from_dicts,
-        per_token_loop_vllm_topk,
-        vllm_shaped_logprobs,
-    )
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the vLLM-shaped fixtures
+    from vllm_fixtures import flat_from_dicts, per_token_loop_vllm_topk, vllm_shaped_logprobs
+
+    from verl_dppo.patches.vllm_async_server import extract_vllm_topk
 
     logprobs, token_ids = vllm_shaped_logprobs(tokens, k, vocab=151_936, seed=0)
     flat = flat_from_dicts(logprobs, token_ids, k)

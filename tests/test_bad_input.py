@@ -169,7 +169,7 @@ def _run_config(mode="dppo_binary_kl", anchor="rollout", bypass=True, calculate=
 def test_recompute_anchor_in_bypass_mode_is_refused_from_the_configuration():
     # bypass_mode copies rollout_log_probs into old_log_probs: the "recomputed" anchor does not exist. Decided on
     # the driver from the run's config (verl-dppo run, and the plugin's LLMServerManager patch at launch).
-    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
     with pytest.raises(RunConfigError, match="algorithm.rollout_correction.bypass_mode=False"):
         check_run_config(_run_config(anchor="recompute", bypass=True))
@@ -178,7 +178,7 @@ def test_recompute_anchor_in_bypass_mode_is_refused_from_the_configuration():
 
 
 def test_raw_logprobs_with_temperature_is_refused():
-    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
     with pytest.raises(RunConfigError, match="logprobs_mode=processed_logprobs"):
         check_run_config(_run_config(logprobs_mode="raw_logprobs", temperature=0.7))
@@ -187,8 +187,8 @@ def test_raw_logprobs_with_temperature_is_refused():
 
 
 def test_decoupled_anchor_without_rollout_log_probs_warns_once(caplog):
-    from verl_dppo.adapter import losses
-    from verl_dppo.adapter.run_config import check_run_config
+    from verl_dppo.plugin import losses
+    from verl_dppo.plugin.run_config import check_run_config
 
     warnings = check_run_config(_run_config(bypass=False, calculate=False))
     assert len(warnings) == 1 and "actor_rollout_ref.rollout.calculate_log_probs=True" in warnings[0]
@@ -207,7 +207,7 @@ def test_decoupled_anchor_without_rollout_log_probs_warns_once(caplog):
 def test_huge_log_ratio_gives_a_finite_loss_and_gradient(mode, cap):
     # Issue 8.6: log pi - log mu = 100 overflows exp() in float32 (r = inf); with no cap, one zero-advantage token
     # in the micro-batch made the loss NaN (0 x inf). The ratio is bounded by exp(MAX_LOG_RATIO).
-    from verl_dppo.adapter.losses import MAX_LOG_RATIO
+    from verl_dppo.plugin.losses import MAX_LOG_RATIO
 
     mu = torch.tensor([[-100.0, -100.0, -1.0, -0.5]])
     pi = torch.tensor([[-0.001, -0.001, -1.2, -0.5]])

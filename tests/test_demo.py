@@ -10,13 +10,13 @@ import torch
 
 import verl  # noqa: F401  (loads the plugin)
 from verl_dppo.cli import main
-from verl_dppo.demo import task
-from verl_dppo.demo.figures import draw_all
-from verl_dppo.demo.methods import METHODS, actor_config, runnable_methods
-from verl_dppo.demo.policy import RolloutEngine, build_policy, sequence_log_probs
-from verl_dppo.demo.rl import train_method
-from verl_dppo.demo.settings import DemoSettings
-from verl_dppo.demo.warmup import sampled_success, warm_start
+from verl_dppo.cli.demo import task
+from verl_dppo.cli.demo.figures import draw_all
+from verl_dppo.cli.demo.methods import METHODS, actor_config, runnable_methods
+from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, sequence_log_probs
+from verl_dppo.cli.demo.rl import train_method
+from verl_dppo.cli.demo.settings import DemoSettings
+from verl_dppo.cli.demo.warmup import sampled_success, warm_start
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = dict(steps=2, prompts_per_step=4, samples_per_prompt=4, mini_batches=2, micro_batch_size=4, val_every=1)
@@ -141,7 +141,7 @@ def test_figures_are_valid_pngs(warm, tmp_path):
 
 
 def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
-    from verl_dppo.demo import runner
+    from verl_dppo.cli.demo import runner
 
     # The CLI at a tiny size: the DemoSettings defaults are what `make demo` runs; shrink them for the test.
     tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
@@ -177,10 +177,10 @@ def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):
 def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
     # The demo's Top-K rows: mu's top-k from the rollout copy, D from the learner's logits (Eq. 15/16), laid out
     # like the engine's logits hook output. Binary <= Top-K per token, and ppo_loss reads them.
-    from verl_dppo.demo import task
-    from verl_dppo.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
-    from verl_dppo.demo.rl import topk_statistics
-    from verl_dppo.divergence import binary_kl, binary_tv
+    from verl_dppo.cli.demo import task
+    from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
+    from verl_dppo.cli.demo.rl import topk_statistics
+    from verl_dppo.math.divergence import binary_kl, binary_tv
 
     policy = build_policy(0)
     engine = RolloutEngine(policy, "bf16-emulated")

@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from verl_dppo.divergence import binary_kl, binary_tv, log1mexp, ratio_deviation
-from verl_dppo.trust_region import trust_region_keep
+from verl_dppo.math.divergence import binary_kl, binary_tv, log1mexp, ratio_deviation
+from verl_dppo.math.trust_region import trust_region_keep
 
 lg = math.log
 
 
 def test_math_layer_imports_no_verl():
-    code = "import sys, verl_dppo.divergence, verl_dppo.trust_region; assert 'verl' not in sys.modules, sorted(sys.modules)"
+    code = "import sys, verl_dppo.math.divergence, verl_dppo.math.topk, verl_dppo.math.trust_region, verl_dppo.math.troll; assert 'verl' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -17,7 +17,7 @@ from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.utils.losses import ppo_loss
 
-from verl_dppo.adapter.metrics import RatioMetric, exact_ratio_metrics
+from verl_dppo.plugin.metrics import RatioMetric, exact_ratio_metrics
 
 T = 8
 

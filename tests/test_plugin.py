@@ -26,7 +26,7 @@ def test_import_verl_alone_registers_modes_and_installs_hook():
         "print('loaded-by', sorted(m for m in sys.modules if m.startswith('verl_dppo')))\n"
     )
     assert result.returncode == 0, result.stderr
-    assert "verl_dppo.adapter.plugin" in result.stdout
+    assert "verl_dppo.plugin.entry" in result.stdout
 
 
 def test_by_name_importers_of_ppo_loss_get_the_wrapper():

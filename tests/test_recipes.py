@@ -19,8 +19,8 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.utils.config import omega_conf_to_dataclass
 
 from verl_dppo import cli
-from verl_dppo.adapter.config import resolve_options
-from verl_dppo.compose import (
+from verl_dppo.plugin.config import resolve_options
+from verl_dppo.cli.compose import (
     RecipeError,
     check_paths,
     check_supported,

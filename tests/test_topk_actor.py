@@ -196,9 +196,9 @@ def test_loss_without_the_hook_refuses_instead_of_guessing(model):
 def test_train_batch_turns_the_hook_on_and_refuses_fused_kernels():
     from verl.workers.engine_workers import TrainingWorker
 
-    from verl_dppo.adapter.topk_actor import prepare_train_batch
+    from verl_dppo.patches.engine_workers import prepare_train_batch
 
-    assert getattr(TrainingWorker.train_batch, "__verl_dppo_topk__", False)
+    assert getattr(TrainingWorker.train_batch, "__verl_dppo_patched__", False)
     worker = object.__new__(TrainingWorker)
     worker.loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_topk_tv", topk=K))
     worker.engine_config = FSDPEngineConfig()

@@ -17,18 +17,12 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_dppo.adapter.topk_agent_loop import align_topk_to_response, record_turn, sync_rollout_config, trajectory
-from verl_dppo.adapter.topk_rollout import (
-    EXTRA_IDS,
-    EXTRA_LOGPROBS,
-    RolloutTopKError,
-    _Logprob,
-    extract_sglang_topk,
-    extract_vllm_topk,
-    flat_from_dicts,
-    per_token_loop_vllm_topk,
-    vllm_shaped_logprobs,
-)
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
+from verl_dppo.patches.agent_loop import align_topk_to_response, record_turn, trajectory
+from verl_dppo.patches.llm_server import sync_rollout_config
+from verl_dppo.patches.sglang_async_server import extract_sglang_topk
+from verl_dppo.patches.vllm_async_server import extract_vllm_topk
+from vllm_fixtures import _Logprob, flat_from_dicts, per_token_loop_vllm_topk, vllm_shaped_logprobs
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 

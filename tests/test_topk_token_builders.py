@@ -46,8 +46,8 @@ from verl.utils.tokenizer.tokenizer import normalize_token_ids
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_dppo.adapter.topk_agent_loop import trajectory
-from verl_dppo.adapter.topk_rollout import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
+from verl_dppo.patches.agent_loop import trajectory
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
 
 K = 3
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")

@@ -1,9 +1,10 @@
 """verl-dppo: DPPO (Divergence Proximal Policy Optimization, arXiv 2602.04879) as a verl plugin.
 
 Layers, imported downward only:
-  verl_dppo.divergence, verl_dppo.trust_region   pure torch math (no verl import)
-  verl_dppo.adapter                              verl: registration, config, anchoring hook
-  verl_dppo.cli                                  the `verl-dppo` command line
+  verl_dppo.cli       the `verl-dppo` command line (doctor, recipes/run/data, demo, plot)
+  verl_dppo.plugin    verl's public extension points: entry point, DPPOLossConfig, the registered loss modes
+  verl_dppo.patches   runtime patches of verl where it has no extension point (from patches/ in the checkout)
+  verl_dppo.math      pure torch (no verl import): divergences, Top-K statistics, the mask, TROLL's projection
 
 `import verl` loads the plugin (entry point group `verl.plugins`); users never import this package themselves.
 """
@@ -14,9 +15,9 @@ __all__ = ["DPPOLossConfig", "__version__"]
 
 
 def __getattr__(name):
-    # Lazy, so that `import verl_dppo.divergence` stays free of verl (Hydra's _target_ lookup still finds it).
+    # Lazy, so that `import verl_dppo.math` stays free of verl (Hydra's _target_ lookup still finds it).
     if name == "DPPOLossConfig":
-        from verl_dppo.adapter.config import DPPOLossConfig
+        from verl_dppo.plugin.config import DPPOLossConfig
 
         return DPPOLossConfig
     raise AttributeError(f"module 'verl_dppo' has no attribute {name!r}")

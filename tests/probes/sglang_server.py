@@ -68,7 +68,7 @@ def main(k: int) -> None:
     extra = result.extra_fields
     request = server.tokenizer_manager.request
     print(json.dumps({
-        "patched": bool(getattr(server_module.SGLangHttpServer.generate, "__verl_dppo_topk__", False)),
+        "patched": bool(getattr(server_module.SGLangHttpServer.generate, "__verl_dppo_patched__", False)),
         "top_logprobs_num": getattr(request, "top_logprobs_num", None),
         "token_ids": list(result.token_ids),
         "log_probs": result.log_probs,

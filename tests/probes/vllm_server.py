@@ -80,7 +80,7 @@ def main(k: int) -> None:
     result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": 1.0}, "req-0"))
     extra = result.extra_fields
     print(json.dumps({
-        "patched": bool(getattr(server_module.vLLMHttpServer.generate, "__verl_dppo_topk__", False)),
+        "patched": bool(getattr(server_module.vLLMHttpServer.generate, "__verl_dppo_patched__", False)),
         "engine_logprobs": server.engine.seen_logprobs,
         "token_ids": list(result.token_ids),
         "log_probs": result.log_probs,

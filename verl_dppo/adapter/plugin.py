@@ -1,34 +1,3 @@
-"""Entry point of the `verl.plugins` group: `import verl` imports this module in every process.
+"""Deprecated entry point (installs made before 0.2 name it): loads `verl_dppo.plugin.entry`."""
 
-verl logs a plugin's import error only at DEBUG, so a broken install would surface hours later as
-"Unsupported loss mode" at the first actor update. Everything here reports at ERROR before re-raising.
-"""
-
-from __future__ import annotations
-
-import logging
-
-from verl_dppo.adapter.compat import check_verl_version
-
-logger = logging.getLogger("verl_dppo")
-
-
-def load() -> list[str]:
-    """Register the loss modes and install the anchoring hook; returns the registered mode names."""
-    check_verl_version()
-    from verl_dppo.adapter.anchoring import install
-    from verl_dppo.adapter.losses import register_all
-
-    modes = register_all()
-    install()
-    from verl_dppo.adapter.topk_patches import install as install_topk_patches
-
-    install_topk_patches()
-    return modes
-
-
-try:
-    REGISTERED_MODES = load()
-except Exception:
-    logger.exception("verl-dppo failed to load: its loss modes are NOT registered in this process")
-    raise
+from verl_dppo.plugin.entry import REGISTERED_MODES, load  # noqa: F401

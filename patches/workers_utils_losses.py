@@ -1,10 +1,16 @@
-"""The rollout-anchoring hook: hand DPPO losses the rollout engine's log-probs mu.
+"""Patch of `verl.workers.utils.losses.ppo_loss`: hand the DPPO losses the rollout engine's log-probs mu.
 
-verl 0.9.1's `ppo_loss` (workers/utils/losses.py) calls a registered policy loss with `old_log_prob` only;
-`rollout_log_probs` sits in the micro-batch unused. At plugin load we wrap `ppo_loss`: for a DPPO loss mode the
-wrapper pads the micro-batch's `rollout_log_probs` (and the model's entropy, for diagnostics) exactly as
-`ppo_loss` pads `old_log_probs`, and exposes them to the loss through a context variable for the duration of the
-call. For every other loss mode the wrapper is a plain pass-through: verl's own losses behave exactly as before.
+Which verl function: `ppo_loss(config, model_output, data, dp_group)` calls a registered policy loss with
+`old_log_prob` only; `rollout_log_probs` sits in the micro-batch unused. At plugin load we wrap `ppo_loss`: for a
+DPPO loss mode the wrapper pads the micro-batch's `rollout_log_probs` (and the model's entropy, and the Top-K
+statistics of the logits hook) exactly as `ppo_loss` pads `old_log_probs`, binds them for the duration of the call
+(`verl_dppo.plugin.extras`), and turns the loss's mean-type diagnostics into exact `RatioMetric`s. A call with
+`student_logits=` (the engine's logits hook, on for the Top-K modes only) goes to `fsdp_logits_hook` /
+`megatron_logits_hook`. For every other loss mode the wrapper is a plain pass-through.
+Why no extension point: verl 0.9.1's `PolicyLossFn` signature has no slot for the rollout log-probs (its type alias
+names a 7th argument `rollout_log_probs` that `ppo_loss` never passes).
+What would make it unnecessary: `ppo_loss` passing `rollout_log_probs=data.get("rollout_log_probs")` (and the
+entropy) to the policy loss, as its own type alias promises.
 
 `engine_workers` and `trainer.distillation.losses` import `ppo_loss` by name at their own import, which happens
 after `import verl` has loaded this plugin, so they pick up the wrapper. Modules already imported are re-pointed.
@@ -12,45 +18,18 @@ after `import verl` has loaded this plugin, so they pick up the wrapper. Modules
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-import torch
+from verl_dppo.plugin.extras import DPPO_MODES, BatchExtras, bind_extras
 
-__all__ = ["BatchExtras", "current_extras", "install", "is_installed", "DPPO_MODES"]
-
-# Loss modes whose functions read the extras; filled by adapter.losses at registration.
-DPPO_MODES: set[str] = set()
+__all__ = ["install", "is_installed"]
 
 # Modules that bind `ppo_loss` by name (`from verl.workers.utils.losses import ppo_loss`).
 _BY_NAME_IMPORTERS = ("verl.workers.engine_workers", "verl.trainer.distillation.losses")
 
 _WRAPPED_MARK = "__verl_dppo_wrapped__"
-
-
-@dataclass
-class BatchExtras:
-    """Per-micro-batch tensors aligned with `old_log_probs` ([batch, response_len], padded like it)."""
-
-    rollout_log_probs: Optional[torch.Tensor] = None
-    entropy: Optional[torch.Tensor] = None
-    topk_tv: Optional[torch.Tensor] = None
-    """Top-K D_TV (Eq. 15) per token, from the actor's logits hook (adapter.topk_actor); dppo_topk_* modes only."""
-    topk_kl: Optional[torch.Tensor] = None
-    """Top-K D_KL (Eq. 16) per token, from the same hook."""
-    ratio_parts: Optional[dict] = None
-    """Filled by the loss: each mean-type diagnostic as (numerator, denominator), for exact aggregation."""
-
-
-_EXTRAS: contextvars.ContextVar[Optional[BatchExtras]] = contextvars.ContextVar("verl_dppo_extras", default=None)
-
-
-def current_extras() -> Optional[BatchExtras]:
-    """The extras of the micro-batch whose loss is being computed, or None outside the wrapped `ppo_loss`."""
-    return _EXTRAS.get()
 
 
 def _extract(model_output: Any, data: Any) -> BatchExtras:
@@ -63,7 +42,7 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
     entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
     if entropy is not None:
         extras.entropy = no_padding_2_padding(entropy, data).detach()
-    from verl_dppo.adapter.topk_actor import OUTPUT_KEYS
+    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
 
     for statistic, key in OUTPUT_KEYS.items():
         value = model_output.get(key, None) if hasattr(model_output, "get") else None
@@ -79,18 +58,14 @@ def _wrap(original: Callable) -> Callable:
         if student_logits is not None:
             # The engine's logits hook (`distillation_use_topk`), turned on for the dppo_topk_* modes only; Megatron's
             # engine also passes data_format ("thd" / "bshd") with its vocabulary-parallel logits.
-            from verl_dppo.adapter.topk_actor import logits_processor
+            from verl_dppo.patches.fsdp_logits_hook import logits_processor
 
             return logits_processor(config, student_logits, data, data_format=data_format)
         if loss_mode not in DPPO_MODES:
             return original(config, model_output, data, dp_group)
-        extras = _extract(model_output, data)
-        token = _EXTRAS.set(extras)
-        try:
+        with bind_extras(_extract(model_output, data)) as extras:
             loss, metrics = original(config, model_output, data, dp_group)
-        finally:
-            _EXTRAS.reset(token)
-        from verl_dppo.adapter.metrics import finalize_metrics
+        from verl_dppo.plugin.metrics import finalize_metrics
 
         return loss, finalize_metrics(metrics, extras.ratio_parts)
 

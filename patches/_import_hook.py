@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 __all__ = ["patch_once", "when_imported"]
 
-_PATCHED = "__verl_dppo_topk__"
+_PATCHED = "__verl_dppo_patched__"
 
 logger = logging.getLogger("verl_dppo")
 
@@ -30,7 +30,7 @@ def _run(name: str, module) -> None:
         try:
             patch(module)
         except Exception:
-            logger.exception("verl-dppo: patching %s failed; the Top-K loss modes will refuse to run", name)
+            logger.exception("verl-dppo: patching %s failed; the plugin cannot run its loss modes correctly", name)
             raise
 
 

@@ -1,4 +1,5 @@
-"""Batch plumbing of Top-K DPPO: from the servers' `TokenOutput.extra_fields` to training-batch tensors.
+"""Patch of `verl.experimental.agent_loop.agent_loop` (and the token builders' `align_response_metadata`): carry
+the Top-K rows from the servers' `TokenOutput.extra_fields` to training-batch tensors aligned with `responses`.
 
 verl 0.9.1's agent loops pass `extra_fields` through untouched (single turn: never truncated to the response
 length; tool loop: only the first turn's are kept), so the top-K rows are not carried in `extra_fields` at all:
@@ -21,7 +22,8 @@ length; tool loop: only the first turn's are kept), so the top-K rows are not ca
 4. `construct_minimal_padding_template` (v1 batch padding) resizes the two fields of a synthetic padding sample to
    its one-token response (zeros; its response_mask is 0, so the hook never reads them).
 
-`sync_rollout_config` (patched into `LLMServerManager.__init__`, on the driver) hands K to the servers.
+`llm_server.sync_rollout_config` (patched into `LLMServerManager.__init__`, on the driver) hands K to the servers.
+Why no extension point: verl 0.9.1's agent loops keep no per-token `extra_fields` (only distillation's named fields).
 A verl with `align_response_metadata` taking arbitrary per-token metadata (or carrying `extra_fields` per token)
 would make steps 1-3 unnecessary.
 """
@@ -35,86 +37,22 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from verl_dppo.adapter.topk_actor import TOPK_IDS, TOPK_LOGPROBS, is_topk_mode
-from verl_dppo.adapter.topk_import_hook import patch_once
-from verl_dppo.adapter.topk_rollout import CUSTOM_KEY, EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
+from verl_dppo.patches._import_hook import patch_once
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
+from verl_dppo.plugin.topk_mode import TOPK_IDS, TOPK_LOGPROBS
 
 __all__ = [
-    "sync_rollout_config",
     "record_turn",
     "trajectory",
     "align_topk_to_response",
-    "patch_llm_server",
     "patch_agent_loop",
-    "patch_padding_utils",
 ]
 
 logger = logging.getLogger("verl_dppo")
 
-VLLM_DEFAULT_MAX_LOGPROBS = 20
 
 _TRAJECTORY: contextvars.ContextVar[Optional["_Trajectory"]] = contextvars.ContextVar("verl_dppo_topk_trajectory",
                                                                                      default=None)
-
-
-def sync_rollout_config(config: Any) -> Optional[int]:
-    """Driver side: copy K = actor.policy_loss.topk into rollout.custom.dppo_topk and check the rollout settings.
-
-    Returns K, or None when the loss mode is not a Top-K mode (then nothing is touched).
-    """
-    from omegaconf import open_dict
-
-    arr = config.actor_rollout_ref
-    policy_loss = arr.actor.get("policy_loss", None)
-    mode = policy_loss.get("loss_mode", None) if policy_loss is not None else None
-    if not is_topk_mode(mode):
-        return None
-    k = policy_loss.get("topk", None)
-    if k is None:
-        raise ValueError(
-            f"{mode} needs policy_loss.topk: set actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
-            "(topk defaults to 20; +actor_rollout_ref.actor.policy_loss.topk=K to change it)"
-        )
-    k = int(k)
-    rollout = arr.rollout
-    if rollout.name not in ("vllm", "sglang"):
-        raise ValueError(f"{mode} captures the top-K in vLLM or SGLang: set actor_rollout_ref.rollout.name=vllm or sglang")
-    if not rollout.get("calculate_log_probs", False):
-        raise ValueError(f"{mode} needs the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True")
-    if not config.get("trainer", {}).get("use_v1", True):
-        raise ValueError(f"{mode} carries the top-K through verl's v1 trainer only: set trainer.use_v1=True")
-    if arr.model.get("use_fused_kernels", False):
-        raise ValueError(f"{mode} needs the actor's logits: set actor_rollout_ref.model.use_fused_kernels=False")
-    logprobs_mode = rollout.get("logprobs_mode", "processed_logprobs")
-    if logprobs_mode is not None and "logprobs" not in str(logprobs_mode):
-        raise ValueError(
-            f"{mode} needs log-probs from the rollout, got rollout.logprobs_mode={logprobs_mode}: set "
-            "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"
-        )
-    with open_dict(rollout):
-        custom = dict(rollout.get("custom", None) or {})
-        if custom.get(CUSTOM_KEY, k) != k:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.custom.{CUSTOM_KEY}={custom[CUSTOM_KEY]} disagrees with "
-                f"actor_rollout_ref.actor.policy_loss.topk={k}: set only policy_loss.topk (the plugin copies it)"
-            )
-        custom[CUSTOM_KEY] = k
-        rollout.custom = custom
-        if rollout.name == "vllm":
-            if rollout.get("engine_kwargs", None) is None:
-                rollout.engine_kwargs = {}
-            if rollout.engine_kwargs.get("vllm", None) is None:
-                rollout.engine_kwargs.vllm = {}
-            current = rollout.engine_kwargs.vllm.get("max_logprobs", None)
-            if current is None:
-                if k > VLLM_DEFAULT_MAX_LOGPROBS:
-                    rollout.engine_kwargs.vllm.max_logprobs = k
-            elif int(current) < k:
-                raise ValueError(
-                    f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={current} < policy_loss.topk={k}: "
-                    f"raise it to at least {k} (or leave it unset: the plugin sets it)"
-                )
-    return k
 
 
 # ------------------------------------------------------------------------------------------ per-trajectory rows
@@ -269,29 +207,6 @@ def align_topk_to_response(response_ids, response_mask, current: Optional[_Traje
 # ----------------------------------------------------------------------------------------------------- patches
 
 
-def patch_llm_server(module: Any) -> None:
-    def make_init(original_init):
-        def __init__(self, config, *args, **kwargs):
-            from verl_dppo.adapter.run_config import check_run_config
-
-            check_run_config(config)
-            sync_rollout_config(config)
-            original_init(self, config, *args, **kwargs)
-
-        return __init__
-
-    def make_generate(original_generate):
-        async def generate(self, *args, **kwargs):
-            output = await original_generate(self, *args, **kwargs)
-            record_turn(output)
-            return output
-
-        return generate
-
-    patch_once(module.LLMServerManager, "__init__", make_init)
-    patch_once(module.LLMServerClient, "generate", make_generate)
-
-
 def patch_agent_loop(module: Any) -> None:
     def make_run(original_run):
         async def _run_agent_loop(self, *args, **kwargs):
@@ -331,17 +246,3 @@ def patch_agent_loop(module: Any) -> None:
     patch_once(ContinuousTokenBuilder, "align_response_metadata", make_align)
 
 
-def patch_padding_utils(module: Any) -> None:
-    def make(original):
-        def construct_minimal_padding_template(source_td, source_tag, eos_token_id):
-            template_sample, template_tag = original(source_td, source_tag, eos_token_id)
-            length = template_sample["responses"].shape[0]
-            for key in (TOPK_IDS, TOPK_LOGPROBS):
-                value = template_sample.get(key, None)
-                if isinstance(value, torch.Tensor):
-                    template_sample[key] = value.new_zeros((length, *value.shape[1:]))
-            return template_sample, template_tag
-
-        return construct_minimal_padding_template
-
-    patch_once(module, "construct_minimal_padding_template", make)

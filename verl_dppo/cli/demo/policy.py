@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from verl_dppo.demo.task import EOS, PAD, RESPONSE_LEN, VOCAB_SIZE
+from verl_dppo.cli.demo.task import EOS, PAD, RESPONSE_LEN, VOCAB_SIZE
 
 ROLLOUT_PRECISIONS = ("bf16-emulated", "bf16", "fp32")
 

@@ -4,7 +4,7 @@
     verl-dppo run SETUP --method METHOD [--dry-run] [hydra overrides ...]
     verl-dppo data NAME --out DIR [--hub-id ID | --from-file PATH]
 
-`run` composes the recipe on verl's own ppo_trainer.yaml (verl_dppo.compose), validates it with verl's
+`run` composes the recipe on verl's own ppo_trainer.yaml (verl_dppo.cli.compose), validates it with verl's
 `validate_config` and dataclass conversions, and calls what `python -m verl.trainer.main_ppo` calls:
 `run_ppo(config, TaskRunnerV1)` (Ray: RAY_ADDRESS names an existing cluster, else a local one starts).
 """
@@ -40,7 +40,7 @@ def _print_error(message: str) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from verl_dppo.compose import RecipeError, list_recipes
+    from verl_dppo.cli.compose import RecipeError, list_recipes
 
     try:
         recipes = list_recipes()
@@ -59,7 +59,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from verl_dppo.compose import (
+    from verl_dppo.cli.compose import (
         RecipeError,
         check_paths,
         check_supported,
@@ -111,7 +111,7 @@ def _launch(config) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from verl_dppo.data import DataError, prepare
+    from verl_dppo.cli.data import DataError, prepare
 
     try:
         path, rows = prepare(args.name, args.out, hub_id=args.hub_id, from_file=args.from_file, split=args.split)
@@ -122,7 +122,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def add_command(commands) -> None:
-    from verl_dppo.data import DATASETS
+    from verl_dppo.cli.data import DATASETS
 
     recipes = commands.add_parser("recipes", help="list the paper's setups and methods, with the figure each reproduces")
     recipes.add_argument("-v", "--verbose", action="store_true", help="also print each recipe's one-line summary")

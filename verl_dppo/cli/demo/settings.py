@@ -58,7 +58,7 @@ class DemoSettings:
     """Methods trained at once, one process and one thread each."""
 
     methods: list[str] = field(default_factory=list)
-    """Methods to run (names from verl_dppo.demo.methods.METHODS); empty = every runnable one."""
+    """Methods to run (names from verl_dppo.cli.demo.methods.METHODS); empty = every runnable one."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 
 def _handler(args) -> int:
-    from verl_dppo.demo.runner import main_from_args
+    from verl_dppo.cli.demo.runner import main_from_args
 
     return main_from_args(args)
 
 
 def add_command(commands) -> None:
-    from verl_dppo.demo.settings import DemoSettings
+    from verl_dppo.cli.demo.settings import DemoSettings
 
     defaults = DemoSettings()
     parser = commands.add_parser(

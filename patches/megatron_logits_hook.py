@@ -2,7 +2,7 @@
 
 `MegatronEngineWithLMHead._lm_head_logits_processor` calls the worker's loss function as
 `loss_fn(student_logits=logits, data=micro_batch, data_format="thd" | "bshd")` when the micro-batch carries
-`distillation_use_topk=True` (set by `topk_actor.prepare_train_batch`, the same `TrainingWorker.train_batch` patch
+`distillation_use_topk=True` (set by `engine_workers.prepare_train_batch`, the same `TrainingWorker.train_batch` patch
 as for FSDP). The logits are (1, T / cp, V / tp) for THD (the packed stream, each sequence padded to the TP x CP
 alignment) or (bsz, S / cp, V / tp) for BSHD, already divided by the temperature. verl then gathers each returned
 (bsz, seqlen / cp) tensor across context parallelism (`postprocess_thd_engine` / `postprocess_bshd_engine`) into a
@@ -11,7 +11,7 @@ jagged per-sequence tensor, the layout of `log_probs`, which the loss call reads
 So, like verl's own Megatron distillation loss (`trainer/distillation/megatron/losses.py`): lay the rollout's
 fields out on each full sequence, split them with the very functions that split the input ids
 (`preprocess_thd_engine` / `preprocess_bshd_engine`), and reduce across the tensor-parallel group
-(`verl_dppo.topk.vocab_parallel_topk_divergence`: all-reduced max and sum of exp, each id's logit from its owner).
+(`verl_dppo.math.topk.vocab_parallel_topk_divergence`: all-reduced max and sum of exp, each id's logit from its owner).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from verl_dppo.adapter.topk_actor import OUTPUT_KEYS, packed_rollout_fields, unusable_rows
-from verl_dppo.topk import vocab_parallel_topk_divergence
+from verl_dppo.patches.fsdp_logits_hook import packed_rollout_fields, unusable_rows
+from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
+from verl_dppo.math.topk import vocab_parallel_topk_divergence
 
 __all__ = ["megatron_logits_processor", "check_context_parallel_layout"]
 

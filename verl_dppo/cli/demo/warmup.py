@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verl_dppo.demo import task
-from verl_dppo.demo.policy import RolloutEngine, build_policy, sequence_log_probs
+from verl_dppo.cli.demo import task
+from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, sequence_log_probs
 
 
 @dataclass

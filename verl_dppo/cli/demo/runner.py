@@ -11,7 +11,7 @@ import traceback
 from dataclasses import replace
 from typing import Optional, TextIO
 
-from verl_dppo.demo.settings import DemoSettings
+from verl_dppo.cli.demo.settings import DemoSettings
 
 _progress_queue = None
 
@@ -31,8 +31,8 @@ def _train_one(job: tuple) -> dict:
     try:
         import torch
 
-        from verl_dppo.demo.methods import runnable_methods
-        from verl_dppo.demo.rl import train_method
+        from verl_dppo.cli.demo.methods import runnable_methods
+        from verl_dppo.cli.demo.rl import train_method
 
         settings = DemoSettings(**settings_dict)
         (method,) = runnable_methods([method_name])
@@ -52,9 +52,9 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     import torch
     from tqdm import tqdm
 
-    from verl_dppo.demo.figures import draw_all
-    from verl_dppo.demo.methods import actor_config, runnable_methods
-    from verl_dppo.demo.warmup import warm_start
+    from verl_dppo.cli.demo.figures import draw_all
+    from verl_dppo.cli.demo.methods import actor_config, runnable_methods
+    from verl_dppo.cli.demo.warmup import warm_start
 
     start = time.perf_counter()
     methods = runnable_methods(settings.methods or None)

@@ -21,7 +21,7 @@ class RunConfigError(ValueError):
 
 
 def _dppo_mode(config: Any) -> str | None:
-    from verl_dppo.adapter.anchoring import DPPO_MODES
+    from verl_dppo.plugin.extras import DPPO_MODES
 
     policy_loss = config.actor_rollout_ref.actor.get("policy_loss", None)
     mode = policy_loss.get("loss_mode", None) if policy_loss is not None else None

@@ -22,11 +22,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from verl_dppo.demo import task
-from verl_dppo.demo.methods import Method, actor_config
-from verl_dppo.demo.policy import RolloutEngine, build_policy, log_probs_from_logits, sequence_log_probs
-from verl_dppo.demo.settings import DemoSettings
-from verl_dppo.demo.warmup import WarmStart
+from verl_dppo.cli.demo import task
+from verl_dppo.cli.demo.methods import Method, actor_config
+from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, log_probs_from_logits, sequence_log_probs
+from verl_dppo.cli.demo.settings import DemoSettings
+from verl_dppo.cli.demo.warmup import WarmStart
 
 PROB_BINS = np.linspace(0.0, 1.0, 21)
 """Bins of the rollout probability mu(a_t) for the blocked-token histogram."""
@@ -76,8 +76,8 @@ def topk_statistics(logits, responses, response_mask, rollout_log_probs, topk_id
     """What the plugin's logits hook hands the loss inside verl's engine (adapter.topk_actor) for dppo_topk_*:
     per-token Top-K D_TV / D_KL (Eq. 15/16) of mu's top-k against the learner's logits, in the engine's
     no-padding layout, under the model-output keys the anchoring hook reads."""
-    from verl_dppo.adapter.topk_actor import OUTPUT_KEYS
-    from verl_dppo.divergence import topk_divergence
+    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
+    from verl_dppo.math.topk import topk_divergence
 
     n, length = responses.shape
     cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)

@@ -22,7 +22,7 @@ def probe_process() -> dict:
     import verl  # noqa: F401  (loads the verl.plugins entry points)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from verl_dppo.adapter.anchoring import is_installed
+    from verl_dppo.patches.workers_utils_losses import is_installed
 
     return {
         "registered": sorted(mode for mode in EXPECTED_MODES if mode in POLICY_LOSS_REGISTRY),
@@ -68,7 +68,7 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout
     for package in _PACKAGES:
         print(f"  {package:<13} {_version_of(package) or 'not installed'}", file=out)
 
-    from verl_dppo.adapter.compat import SUPPORTED_VERL_RANGE, SUPPORTED_VERL_VERSIONS
+    from verl_dppo.plugin.compat import SUPPORTED_VERL_RANGE, SUPPORTED_VERL_VERSIONS
 
     verl_version = _version_of("verl")
     if verl_version not in SUPPORTED_VERL_VERSIONS:

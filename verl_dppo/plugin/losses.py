@@ -20,12 +20,12 @@ import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from verl_dppo.adapter.anchoring import DPPO_MODES, current_extras
-from verl_dppo.adapter.config import resolve_options
-from verl_dppo.adapter.metrics import ratio_of
-from verl_dppo.adapter.topk_actor import check_anchor, divergence_from_extras
-from verl_dppo.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
-from verl_dppo.trust_region import trust_region_blocked
+from verl_dppo.plugin.config import resolve_options
+from verl_dppo.plugin.extras import DPPO_MODES, current_extras
+from verl_dppo.plugin.metrics import ratio_of
+from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
+from verl_dppo.math.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
+from verl_dppo.math.trust_region import trust_region_blocked
 
 __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
 
@@ -49,7 +49,7 @@ class LossMode:
     """False: thresholds always come from actor.clip_ratio_low/high (PPO's eps), never from delta_low/high."""
     paper: str
     topk: bool = False
-    """True: D is the Top-K statistic (Eq. 15/16) the actor's logits hook computed (adapter.topk_actor)."""
+    """True: D is the Top-K statistic (Eq. 15/16) the actor's logits hook computed (verl_dppo.patches.fsdp_logits_hook)."""
 
 
 LOSS_MODES = (
@@ -319,7 +319,7 @@ def _make_loss_fn(mode: LossMode) -> Callable:
         )
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"compute_policy_loss_{mode.name}"
-    loss_fn.__doc__ = f"{mode.paper}. See verl_dppo.adapter.losses.dppo_policy_loss."
+    loss_fn.__doc__ = f"{mode.paper}. See verl_dppo.plugin.losses.dppo_policy_loss."
     return loss_fn
 
 

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from verl_dppo.plot import load_run
+from verl_dppo.cli.plot import load_run
 
 
 def _series(run, metric):

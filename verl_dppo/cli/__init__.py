@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from typing import Optional, Sequence
 
 COMMAND_MODULES = (
-    "verl_dppo.doctor",  # doctor
-    "verl_dppo.demo",  # demo
-    "verl_dppo.plot",  # plot
-    "verl_dppo.launch",  # recipes, run, data
+    "verl_dppo.cli.doctor",  # doctor
+    "verl_dppo.cli.demo",  # demo
+    "verl_dppo.cli.plot",  # plot
+    "verl_dppo.cli.launch",  # recipes, run, data
 )
 
 
@@ -36,7 +35,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

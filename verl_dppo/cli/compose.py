@@ -167,7 +167,7 @@ def validate_recipe(config: Any) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from verl_dppo.adapter.config import DPPOLossConfig
+    from verl_dppo.plugin.config import DPPOLossConfig
 
     steps = (
         ("validate_config", lambda: validate_config(config, need_reference_policy(config), need_critic(config))),
@@ -202,7 +202,7 @@ def _check_topk_rollout(config: Any) -> None:
     """The Top-K modes' driver-side rollout check (it runs again at launch), on a copy: the config stays as composed."""
     import copy
 
-    from verl_dppo.adapter.topk_agent_loop import sync_rollout_config
+    from verl_dppo.patches.llm_server import sync_rollout_config
 
     try:
         sync_rollout_config(copy.deepcopy(config))
@@ -229,7 +229,7 @@ def _quiet_warnings() -> Iterator[None]:
 
 def _check_anchor(config: Any) -> None:
     """The run-level checks the plugin repeats at launch (anchor vs bypass mode, how the rollout computes mu)."""
-    from verl_dppo.adapter.run_config import RunConfigError, check_run_config
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
     try:
         check_run_config(config)
@@ -275,7 +275,7 @@ def check_paths(config: Any) -> list[str]:
 def check_supported(config: Any) -> list[str]:
     """Combinations verl-dppo does not run, each saying what to do; [] when none. They compose and pass verl's
     checks, so a dry-run only warns, but `run` refuses them instead of failing at the first actor update."""
-    from verl_dppo.adapter.topk_actor import unsupported_settings
+    from verl_dppo.plugin.topk_mode import unsupported_settings
 
     return unsupported_settings(config)
 

@@ -1,0 +1,47 @@
+"""`verl_dppo.patches`: runtime patches of verl 0.9.1 where it offers no extension point; installed at plugin load.
+
+One module per verl module patched. Each module's docstring says which verl method it wraps, why verl 0.9.1 offers no
+extension point for it, and what change in verl would make the patch unnecessary, so the patches can be proposed
+upstream one by one. A patch is applied when its verl module is first imported in a process (`_import_hook`), so
+nothing heavy (vLLM, SGLang, the engines) is imported by the plugin itself. Every patch is a pass-through for loss
+modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `dppo_topk_kl`.
+
+| module here              | verl module                                          | patched                                            |
+|--------------------------|------------------------------------------------------|----------------------------------------------------|
+| `workers_utils_losses`   | workers.utils.losses                                 | `ppo_loss`: hand mu to the loss, route the logits hook |
+| `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics |
+| `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
+| `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
+| `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
+| `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K              |
+| `sglang_async_server`    | workers.rollout.sglang_rollout.async_sglang_server   | `SGLangHttpServer.generate`: top_logprobs_num=K    |
+| `agent_loop`             | experimental.agent_loop.agent_loop                   | `AgentLoopWorker._run_agent_loop`, `AgentLoopOutput.as_dict`, `ContinuousTokenBuilder.align_response_metadata` |
+| `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
+
+Installed from the `patches/` folder at the top of the repository as `verl_dppo.patches` (setup.py's package_dir).
+"""
+
+from __future__ import annotations
+
+__all__ = ["install"]
+
+
+def install() -> None:
+    from verl_dppo.patches import (
+        agent_loop,
+        engine_workers,
+        llm_server,
+        padding_utils,
+        sglang_async_server,
+        vllm_async_server,
+        workers_utils_losses,
+    )
+    from verl_dppo.patches._import_hook import when_imported
+
+    workers_utils_losses.install()
+    when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
+    when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
+    when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
+    when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)
+    when_imported("verl.workers.rollout.vllm_rollout.vllm_async_server", vllm_async_server.patch_vllm_server)
+    when_imported("verl.workers.rollout.sglang_rollout.async_sglang_server", sglang_async_server.patch_sglang_server)

@@ -1,0 +1,97 @@
+"""Patch of `verl.workers.engine_workers.TrainingWorker.train_batch` (one mini-batch on every rank).
+
+Why a patch: verl 0.9.1 turns the engine's logits hook on only for distillation (`distillation_use_topk`, set by the
+trainer from the distillation config), and averages every loss metric over micro-batches with equal weight, which
+biases a mean over a condition (`verl_dppo.plugin.metrics`). Neither has an extension point.
+What the wrapper does: for a `dppo_topk_*` mode, refuse the settings under which the hook cannot run and set
+`distillation_use_topk=True` on the mini-batch; after verl has gathered the mini-batch's metrics from every
+data-parallel rank, make the plugin's ratio diagnostics exact.
+What would make it unnecessary upstream: a per-loss "needs logits" flag on the loss function (or the worker's
+config), and a ratio-type `AggregationType` (sum of numerators over sum of denominators) in `verl.utils.metric`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from verl_dppo.patches._import_hook import patch_once
+from verl_dppo.plugin.topk_mode import (
+    ROLLOUT_SETTINGS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    dynamic_cp_problem,
+    fused_kernels_problem,
+    is_topk_mode,
+    pad_to_length_problem,
+    policy_loss_get,
+)
+
+__all__ = ["prepare_train_batch", "patch_engine_workers"]
+
+
+def _topk_loss_mode(loss_fn: Any) -> Optional[str]:
+    """The Top-K loss mode a worker's loss function runs, or None for any other loss."""
+    if not isinstance(loss_fn, functools.partial):
+        return None
+    config = loss_fn.keywords.get("config")
+    if config is None:
+        return None
+    mode = policy_loss_get(config, "loss_mode")
+    if not is_topk_mode(mode):
+        return None
+    if "distillation_config" in loss_fn.keywords:
+        raise ValueError(f"{mode} cannot run together with distillation (both own the logits hook): disable one")
+    return mode
+
+
+def prepare_train_batch(worker: Any, data: Any) -> None:
+    """Turn the engine's logits hook on for a Top-K mode, refusing settings under which it cannot work."""
+    mode = _topk_loss_mode(getattr(worker, "loss_fn", None))
+    if mode is None:
+        return
+    from verl.utils import tensordict_utils as tu
+
+    engine_config = getattr(worker, "engine_config", None)
+    use_fused = tu.get_non_tensor_data(data, key="use_fused_kernels", default=None)
+    if use_fused is None:
+        use_fused = getattr(engine_config, "use_fused_kernels", False)
+    if use_fused:
+        raise ValueError(fused_kernels_problem(mode))
+    megatron = getattr(engine_config, "strategy", None) == "megatron"
+    if getattr(engine_config, "pad_to_length", False):
+        raise ValueError(pad_to_length_problem(mode, megatron))
+    if megatron and getattr(engine_config, "dynamic_context_parallel", False):
+        raise ValueError(dynamic_cp_problem(mode))
+    if megatron:
+        from verl_dppo.patches.megatron_logits_hook import check_context_parallel_layout
+
+        check_context_parallel_layout(mode, engine_config, getattr(worker, "engine", None))
+    missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
+    if missing:
+        raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")
+    tu.assign_non_tensor(data, distillation_use_topk=True, distillation_only=False)
+
+
+def patch_engine_workers(module: Any) -> None:
+    """Wrap `TrainingWorker.train_batch` (keeps verl's `@register` metadata through functools.wraps): turn the logits
+    hook on for the Top-K modes, and make the mini-batch's ratio diagnostics exact (verl_dppo.plugin.metrics) once verl has
+    gathered them from every data-parallel rank, before `train_mini_batch` averages them."""
+
+    def make(original):
+        def train_batch(self, data, *args, **kwargs):
+            prepare_train_batch(self, data)
+            output = original(self, data, *args, **kwargs)
+            if output is not None:  # the rank that returns the mini-batch's metrics, gathered over the DP group
+                from verl.utils import tensordict_utils as tu
+
+                from verl_dppo.plugin.metrics import exact_ratio_metrics
+
+                metrics = tu.get(output, "metrics", default=None)
+                if isinstance(metrics, dict):
+                    exact_ratio_metrics(metrics)
+            return output
+
+        return train_batch
+
+    patch_once(module.TrainingWorker, "train_batch", make)

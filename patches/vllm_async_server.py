@@ -1,0 +1,128 @@
+"""Patch of `verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.generate`: mu's top-K per token.
+
+Which verl method: `vLLMHttpServer.generate` forces `sampling_params["logprobs"] = 0` (the sampled token only),
+builds vLLM's `SamplingParams` and returns a `TokenOutput` with the sampled tokens' log-probs.
+What the wrapper does, for the Top-K modes only: `logprobs=K` (and `flat_logprobs=True` where vLLM offers it) on
+the request through the module's `SamplingParams`, the engine's final output captured per request, and mu's top-K
+extracted, vectorised, into `extra_fields` (`_server_common`). vLLM's `max_logprobs` is raised on the driver
+(`llm_server.sync_rollout_config`).
+Why no extension point: verl 0.9.1 pins `logprobs=0` and has no per-request "extra sampling outputs" option.
+What would make it unnecessary: a rollout option `return_top_logprobs: K` that fills `TokenOutput.extra_fields`
+(verl's distillation would use it too).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from operator import attrgetter, methodcaller
+from typing import Any, Sequence
+
+import numpy as np
+
+from verl_dppo.patches._import_hook import patch_once
+from verl_dppo.patches._server_common import (
+    EXTRA_IDS,
+    EXTRA_LOGPROBS,
+    REQUEST_K,
+    RolloutTopKError,
+    capture_outputs_of,
+    generate_capturing,
+    rollout_topk,
+    warn_truncated_sampling,
+)
+
+__all__ = ["extract_vllm_topk", "patch_vllm_server"]
+
+
+def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """mu's top-K per generated token from vLLM's `CompletionOutput.logprobs`, without a per-token Python loop.
+
+    With `SamplingParams(logprobs=K)` vLLM builds each position from (sampled token, top-K by rank), the sampled
+    token first: as a dict {token_id: Logprob(logprob, rank, decoded_token)} that holds K entries when the sampled
+    token is among the top-K and K + 1 when it is not, or as a `FlatLogprobs` (flat lists + start/end indices).
+    Rows with K + 1 entries drop their first (the sampled token, checked); no per-token sort, no per-token loop:
+    dict entries are flattened with C-level iterators, FlatLogprobs' lists are read as arrays directly.
+    """
+    n_tokens = len(position_logprobs)
+    if n_tokens == 0:
+        return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+    if len(token_ids) < n_tokens:
+        raise RolloutTopKError(f"{n_tokens} log-prob positions for {len(token_ids)} generated tokens")
+    if hasattr(position_logprobs, "start_indices"):  # vLLM's FlatLogprobs
+        starts = np.asarray(position_logprobs.start_indices, dtype=np.int64)[:n_tokens]
+        counts = np.asarray(position_logprobs.end_indices, dtype=np.int64)[:n_tokens] - starts
+        if starts[0] != 0 or not np.array_equal(starts[1:], (starts + counts)[:-1]):
+            raise RolloutTopKError("FlatLogprobs positions are not contiguous")
+        total = int(counts.sum())
+        ids = np.fromiter(position_logprobs.token_ids, dtype=np.int64, count=total)
+        logprobs = np.fromiter(position_logprobs.logprobs, dtype=np.float32, count=total)
+    else:
+        counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n_tokens)
+        total = int(counts.sum())
+        ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
+        entries = chain.from_iterable(map(methodcaller("values"), position_logprobs))
+        logprobs = np.fromiter(map(attrgetter("logprob"), entries), dtype=np.float64, count=total)
+    if not bool(((counts == k) | (counts == k + 1)).all()):
+        bad = counts[(counts != k) & (counts != k + 1)]
+        raise RolloutTopKError(
+            f"vLLM returned {int(bad[0])} log-probs at a position, expected K={k} or K+1: the request did not ask "
+            f"for logprobs=K (is the verl-dppo plugin installed in the rollout servers' environment?)"
+        )
+    sampled = np.fromiter(token_ids, dtype=np.int64, count=n_tokens)
+    if total == n_tokens * (k + 1):  # every position holds K + 1 (always so for FlatLogprobs): a plain reshape
+        ids, logprobs = ids.reshape(n_tokens, k + 1), logprobs.reshape(n_tokens, k + 1)
+        if not np.array_equal(ids[:, 0], sampled):
+            raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
+        ids, logprobs = ids[:, 1:], logprobs[:, 1:]
+    else:
+        extra_rows = np.nonzero(counts == k + 1)[0]
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])[extra_rows]
+        if not np.array_equal(ids[first], sampled[extra_rows]):
+            raise RolloutTopKError("a position holds K+1 log-probs but its first entry is not the sampled token")
+        keep = np.ones(total, dtype=bool)
+        keep[first] = False
+        ids, logprobs = ids[keep].reshape(n_tokens, k), logprobs[keep].reshape(n_tokens, k)
+    # Rank order (most likely first). vLLM lists the top-K by rank already, but a dict moves a sampled token that is
+    # among them to the front: sort only when some row is out of order.
+    if k > 1 and not bool((logprobs[:, :-1] >= logprobs[:, 1:]).all()):
+        order = np.argsort(-logprobs, axis=1, kind="stable")
+        ids, logprobs = np.take_along_axis(ids, order, 1), np.take_along_axis(logprobs, order, 1)
+    return ids, logprobs.astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ server patches
+
+
+def patch_vllm_server(module: Any) -> None:
+    """vLLMHttpServer.generate: logprobs=K on the request, the top-K of every generated token in extra_fields."""
+    original_sampling_params = module.SamplingParams
+
+    def SamplingParams(*args, **kwargs):  # noqa: N802 (stands in for vLLM's class in this module only)
+        k = REQUEST_K.get()
+        if k is not None:
+            kwargs["logprobs"] = k  # verl forces 0 (sampled token only); K returns the top-K plus the sampled token
+            if "flat_logprobs" in getattr(original_sampling_params, "__struct_fields__", ()):
+                kwargs.setdefault("flat_logprobs", True)  # newer vLLM: flat lists, read as arrays (no objects)
+        return original_sampling_params(*args, **kwargs)
+
+    def make(original_generate):
+        async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+            k = rollout_topk(self.config)
+            if k is None:
+                return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+            warn_truncated_sampling(sampling_params, self.config.get("logprobs_mode", None))
+            capture_outputs_of(self.engine, "generate")
+            result, final = await generate_capturing(
+                original_generate, k, self, prompt_ids, sampling_params, request_id, *args, **kwargs
+            )
+            if final is not None and final.outputs and result.token_ids:
+                ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
+                result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+            return result
+
+        return generate
+
+    if patch_once(module.vLLMHttpServer, "generate", make):
+        module.SamplingParams = SamplingParams
+
+

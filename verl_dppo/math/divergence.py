@@ -1,0 +1,97 @@
+"""Per-token divergence estimates between the rollout policy mu and the current policy pi.
+
+Pure torch (no verl import). The Top-K divergences (Eq. 15/16) are in `verl_dppo.math.topk`. Every function takes log-probabilities in any float dtype and returns float32.
+
+Paper: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning" (arXiv 2602.04879), Sec. 4.4.
+The binary estimates collapse each categorical to the Bernoulli (p(a_t), 1 - p(a_t)) of the sampled token a_t;
+by the data-processing inequality they are lower bounds of the exact divergence (Appendix C).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "binary_tv",
+    "binary_kl",
+    "binary_kl_floored",
+    "floor_logprob",
+    "ratio_deviation",
+    "log1mexp",
+]
+
+_LN2 = math.log(2.0)
+_TINY = torch.finfo(torch.float32).tiny
+LOG_FLOOR = math.log(_TINY)
+"""log of float32's smallest normal number (-87.3): the floor of probabilities in binary_kl."""
+
+
+def log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(logp)) for logp <= 0, accurate at both ends (Maechler 2012).
+
+    Near logp = 0 (p close to 1), 1 - p cancels catastrophically; expm1 keeps it. Far below, log1p keeps it.
+    """
+    logp = logp.clamp(max=0.0)
+    return torch.where(logp > -_LN2, torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
+
+
+def _as_float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"log-prob tensors must have one shape, got {sorted(shapes)}")
+    for t in tensors:
+        if not t.is_floating_point():
+            raise TypeError(f"log-probs must be a float tensor, got {t.dtype}")
+    return [t.detach().float() for t in tensors]
+
+
+def binary_tv(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> torch.Tensor:
+    """Binary total variation, Eq. (13): D_TV = |mu(a_t) - pi(a_t)|.
+
+    (The Bernoulli TV is half the L1 distance over {a_t, other}: both terms equal |mu - pi|.)
+    """
+    mu_logprob, pi_logprob = _as_float32(mu_logprob, pi_logprob)
+    return (torch.exp(mu_logprob) - torch.exp(pi_logprob)).abs()
+
+
+def binary_kl(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> torch.Tensor:
+    """Binary KL(mu || pi), Eq. (14): mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)).
+
+    Probabilities are floored at float32's smallest normal number (1.2e-38, log -87.3) on both sides of the
+    Bernoulli, which gives 0 log 0 = 0 at mu(a_t) = 0 or 1 and keeps the result finite: where the exact value is
+    +inf (pi(a_t) = 1 or 0 while mu(a_t) is not), it is about 87 x the mass involved, far above any threshold.
+    Absolute accuracy is about 1e-7 (float32).
+    """
+    mu_logprob, pi_logprob = _as_float32(mu_logprob, pi_logprob)
+    mu_logprob, pi_logprob = floor_logprob(mu_logprob), floor_logprob(pi_logprob)
+    return binary_kl_floored(mu_logprob, pi_logprob, torch.exp(mu_logprob))
+
+
+def floor_logprob(logprob: torch.Tensor) -> torch.Tensor:
+    """Clamp log-probabilities into [log(tiny), 0]: the domain binary_kl_floored works on."""
+    return logprob.clamp(min=LOG_FLOOR, max=0.0)
+
+
+def binary_kl_floored(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, mu_prob: torch.Tensor) -> torch.Tensor:
+    """Eq. (14) on float32 log-probs already passed through `floor_logprob`, with mu_prob = exp(mu_logprob).
+
+    The loss calls this directly to share exp(mu) with its other per-token quantities; it uses one log, no
+    branches: the "other" term is (1-mu) log((1-mu)/(1-pi)) with 1-p = -expm1(log p) (exact near p = 1).
+    """
+    sampled_term = mu_prob * (mu_logprob - pi_logprob)
+    one_minus_mu = torch.expm1(mu_logprob).neg_().clamp_(min=_TINY)
+    one_minus_pi = torch.expm1(pi_logprob).neg_().clamp_(min=_TINY)
+    other_term = one_minus_mu * torch.log(one_minus_mu / one_minus_pi)
+    # Rounding can make a true 0 slightly negative; KL is non-negative by definition.
+    return sampled_term.add_(other_term).clamp_(min=0.0)
+
+
+def ratio_deviation(anchor_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> torch.Tensor:
+    """|r - 1| with r = pi(a_t) / anchor(a_t): PPO's single-sample estimate of 2 * D_TV, Eq. (10).
+
+    Used as the "divergence" of ratio clipping (Eq. 9), so PPO/GRPO runs through the same mask as DPPO.
+    """
+    anchor_logprob, pi_logprob = _as_float32(anchor_logprob, pi_logprob)
+    return torch.expm1(pi_logprob - anchor_logprob).abs()

@@ -1,0 +1,174 @@
+"""`DPPOLossConfig`: the typed options of the DPPO loss family, and how a run's config resolves to values.
+
+Select it with `actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig` and set its fields with a
+`+` prefix (`+actor_rollout_ref.actor.policy_loss.delta_low=0.15`): verl 0.9.1's YAML has no such keys, and the
+subclass is how its `validate_config` and dataclass conversion accept them.
+
+Unset fields follow verl's own convention (so a script written for verl's `dppo_tv` switches over by renaming
+the mode): thresholds from `actor.clip_ratio_low` / `clip_ratio_high`, the cap from `actor.clip_ratio_c`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from verl.workers.config import PolicyLossConfig
+
+from verl_dppo.math.trust_region import RELAX_SIDES
+
+__all__ = ["ANCHORS", "DPPOLossConfig", "ResolvedOptions", "resolve_options"]
+
+logger = logging.getLogger("verl_dppo")
+
+ANCHORS = ("rollout", "recompute")
+
+
+@dataclass
+class DPPOLossConfig(PolicyLossConfig):
+    """verl's `PolicyLossConfig` plus the DPPO options (paper: arXiv 2602.04879)."""
+
+    delta_low: Optional[float] = None
+    """Divergence threshold delta for A < 0 (Eq. 12). Paper: TV 0.15, KL 0.05. None = actor.clip_ratio_low."""
+
+    delta_high: Optional[float] = None
+    """Divergence threshold delta for A > 0 (Eq. 12). Paper: TV 0.15, KL 0.05. None = actor.clip_ratio_high.
+    delta_high=1.0 with dppo_binary_tv never blocks A > 0: the minimal negative mask of Sec. 5.3."""
+
+    ratio_cap: Optional[float] = None
+    """Truncation cap C of the importance ratio pi/mu (Eq. 11). Paper's scaling runs: 10000 (effectively off);
+    `.inf` disables it. None = actor.clip_ratio_c (verl's default 3.0 truncates: Sec. 5.4 shows that hurts)."""
+
+    anchor: str = "rollout"
+    """Trust-region anchor: "rollout" = mu, the rollout engine's log-probs (the paper's choice, Sec. 5.2);
+    "recompute" = the recomputed old_log_probs (MiniRL / decoupled DPPO: the paper's unstable ablations)."""
+
+    relax_below: float = 0.0
+    """alpha of Sec. 6: never block tokens with mu(a_t) < alpha on `relax_side` (Relax-low/high/both). 0 = off."""
+
+    relax_side: str = "high"
+    """Which side `relax_below` frees: "high" (A > 0), "low" (A < 0) or "both" (Sec. 6)."""
+
+    topk: int = 20
+    """K of the Top-K divergences (Eq. 15, 16); the paper's ablation uses 20. Only read by the dppo_topk_* modes."""
+
+    def __post_init__(self):
+        # Hydra passes override values through unconverted ("inf", "1e4", "20" may arrive as strings).
+        for name in ("delta_low", "delta_high", "ratio_cap", "relax_below"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _to_float(name, value))
+        if isinstance(self.topk, str) and self.topk.strip().isdigit():
+            object.__setattr__(self, "topk", int(self.topk))
+        for name in ("delta_low", "delta_high"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"policy_loss.{name} must be a finite number >= 0, got {value!r}")
+        if self.ratio_cap is not None and not self.ratio_cap > 0:
+            raise ValueError(f"policy_loss.ratio_cap must be > 0 (use .inf for no truncation), got {self.ratio_cap!r}")
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"policy_loss.anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        if self.relax_side not in RELAX_SIDES:
+            raise ValueError(f"policy_loss.relax_side must be one of {RELAX_SIDES}, got {self.relax_side!r}")
+        if not 0.0 <= self.relax_below <= 1.0:
+            raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {self.relax_below!r}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"policy_loss.topk must be an integer >= 1, got {self.topk!r}")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"policy_loss.{name} must be a number, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        text = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(text, text)
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"policy_loss.{name} must be a number, got {value!r}") from None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """The values a loss call actually uses, after verl's fallbacks."""
+
+    delta_low: float
+    delta_high: float
+    ratio_cap: float
+    anchor: str
+    relax_below: float
+    relax_side: str
+    topk: int
+    sources: tuple[str, ...]  # which values came from verl's clip_ratio_* fallbacks
+
+    def describe(self) -> str:
+        text = (
+            f"delta_low={self.delta_low:g} delta_high={self.delta_high:g} ratio_cap={self.ratio_cap:g} "
+            f"anchor={self.anchor} relax_below={self.relax_below:g} relax_side={self.relax_side} topk={self.topk}"
+        )
+        if self.sources:
+            text += " (from verl's " + ", ".join(self.sources) + ")"
+        return text
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    getter = getattr(config, "get", None)
+    if getter is not None:
+        return getter(key, default)
+    return getattr(config, key, default)
+
+
+def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOptions:
+    """Resolve the options in effect from an actor config (verl's `ActorConfig` or a DictConfig/dict).
+
+    `uses_divergence_thresholds` is False for `grpo_clip`, which always takes its eps from clip_ratio_low/high.
+    """
+    if config is None:
+        raise ValueError("DPPO losses need the actor config (verl passes config=ActorConfig); got config=None")
+    policy_loss = _get(config, "policy_loss", None)
+    clip_ratio = _get(config, "clip_ratio", 0.2)
+    sources = []
+
+    def fallback(field: str, verl_key: str, verl_default: float) -> float:
+        value = _get(policy_loss, field, None) if uses_divergence_thresholds or field == "ratio_cap" else None
+        if value is not None:
+            return float(value)
+        verl_value = _get(config, verl_key, None)
+        if verl_value is None:
+            verl_value = verl_default
+        sources.append(f"{verl_key}={float(verl_value):g}")
+        return float(verl_value)
+
+    delta_low = fallback("delta_low", "clip_ratio_low", clip_ratio)
+    delta_high = fallback("delta_high", "clip_ratio_high", clip_ratio)
+    ratio_cap = fallback("ratio_cap", "clip_ratio_c", 3.0)
+
+    options = ResolvedOptions(
+        delta_low=delta_low,
+        delta_high=delta_high,
+        ratio_cap=ratio_cap,
+        anchor=str(_get(policy_loss, "anchor", "rollout")),
+        relax_below=float(_get(policy_loss, "relax_below", 0.0)),
+        relax_side=str(_get(policy_loss, "relax_side", "high")),
+        topk=int(_get(policy_loss, "topk", 20)),
+        sources=tuple(sources),
+    )
+    # The same checks as DPPOLossConfig, for runs that reach us with a plain PolicyLossConfig or a DictConfig.
+    if options.anchor not in ANCHORS:
+        raise ValueError(f"policy_loss.anchor must be one of {ANCHORS}, got {options.anchor!r}")
+    if options.relax_side not in RELAX_SIDES:
+        raise ValueError(f"policy_loss.relax_side must be one of {RELAX_SIDES}, got {options.relax_side!r}")
+    for name in ("delta_low", "delta_high"):
+        value = getattr(options, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"the {name} threshold must be a finite number >= 0, got {value!r}")
+    if not options.ratio_cap > 0:
+        raise ValueError(f"the ratio cap C must be > 0, got {options.ratio_cap!r}")
+    if not 0.0 <= options.relax_below <= 1.0:
+        raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {options.relax_below!r}")
+    return options

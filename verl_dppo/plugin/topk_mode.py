@@ -1,0 +1,130 @@
+"""The Top-K modes' settings and their loss side: which statistic is D, the batch fields, what cannot run.
+
+The statistics themselves are computed inside verl's engine by the logits hook (`verl_dppo.patches.fsdp_logits_hook`,
+`verl_dppo.patches.megatron_logits_hook`) with the math of `verl_dppo.math.topk`; the loss reads them back here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "TOPK_MODES", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
+    "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
+    "pad_to_length_problem", "dynamic_cp_problem",
+]
+
+
+TOPK_MODES = {"dppo_topk_tv": "tv", "dppo_topk_kl": "kl"}
+"""Loss mode -> which statistic of Eq. (15)/(16) is its D."""
+
+
+TOPK_IDS = "rollout_topk_ids"
+"""Batch field: [response_len, K] int per sample, the rollout engine's top-K token ids under mu."""
+
+
+TOPK_LOGPROBS = "rollout_topk_logprobs"
+"""Batch field: [response_len, K] float per sample, log mu of those ids."""
+
+
+OUTPUT_KEYS = {"tv": "dppo_topk_tv", "kl": "dppo_topk_kl"}
+"""model_output keys the logits processor fills: (nnz,) per-token statistics on the packed token stream."""
+
+
+ROLLOUT_SETTINGS = (
+    "actor_rollout_ref.rollout.name=vllm (or sglang), actor_rollout_ref.rollout.calculate_log_probs=True and "
+    "trainer.use_v1=True (the plugin then requests K = actor_rollout_ref.actor.policy_loss.topk log-probs per token)"
+)
+
+
+def is_topk_mode(loss_mode: Optional[str]) -> bool:
+    return loss_mode in TOPK_MODES
+
+
+def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
+    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
+    if policy_loss is None:
+        return default
+    getter = getattr(policy_loss, "get", None)
+    return getter(key, default) if getter is not None else getattr(policy_loss, key, default)
+
+
+def configured_topk(config: Any) -> int:
+    topk = policy_loss_get(config, "topk", None)
+    if topk is None:
+        raise ValueError(
+            "Top-K DPPO needs policy_loss.topk: set actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
+            "(its topk defaults to 20; override with +actor_rollout_ref.actor.policy_loss.topk=K)"
+        )
+    return int(topk)
+
+
+def check_anchor(mode_name: str, anchor: str) -> None:
+    if anchor != "rollout":
+        raise ValueError(
+            f"{mode_name} measures D(mu || pi) on mu's top-K, which only the rollout engine reports; there is no "
+            "top-K of a recomputed policy, so policy_loss.anchor='recompute' is not defined for it: use "
+            "anchor='rollout' (or dppo_binary_tv/kl for the recomputed-anchor ablation)"
+        )
+
+
+def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torch.Tensor) -> torch.Tensor:
+    """D of Eq. (12) for a Top-K mode: the hook's statistic, [batch, response_len], 0 outside `valid`; NaN where
+    the token's rollout statistics are unusable (the loss drops those tokens)."""
+    check_anchor(mode_name, anchor)
+    statistic = TOPK_MODES[mode_name]
+    value = getattr(extras, f"topk_{statistic}", None) if extras is not None else None
+    if value is None:
+        raise ValueError(
+            f"{mode_name} needs the per-token Top-K statistics that the actor's logits hook computes, but this "
+            "micro-batch has none. Either the batch lacks the rollout's top-K fields (set "
+            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's engine with the hook on "
+            "(actor_rollout_ref.model.use_fused_kernels must be False: fused kernels never materialise logits)"
+        )
+    if tuple(value.shape) != tuple(valid.shape):
+        raise ValueError(f"{mode_name}: Top-K statistics {tuple(value.shape)} vs response {tuple(valid.shape)}")
+    # NaN marks a token whose rollout statistics are unusable (the hook's `unusable_rows`): the loss drops it.
+    return torch.where(valid, value.detach().float(), torch.zeros_like(value, dtype=torch.float32))
+
+
+def fused_kernels_problem(mode: str) -> str:
+    return (
+        f"{mode} needs the actor's logits, which fused kernels never materialise: set "
+        "actor_rollout_ref.model.use_fused_kernels=False"
+    )
+
+
+def pad_to_length_problem(mode: str, megatron: bool) -> str:
+    engine_key = "actor_rollout_ref.actor.megatron" if megatron else "actor_rollout_ref.actor.fsdp_config"
+    return (
+        f"{mode}: static packing shifts the logits against the rollout's top-K rows: set "
+        f"{engine_key}.pad_to_length=False"
+    )
+
+
+def dynamic_cp_problem(mode: str) -> str:
+    return (
+        f"{mode}: dynamic context parallelism schedules micro-batches without the logits hook (verl refuses "
+        "distillation there too): set actor_rollout_ref.actor.megatron.dynamic_context_parallel=False"
+    )
+
+
+def unsupported_settings(config: Any) -> list[str]:
+    """What in a composed run config (actor_rollout_ref...) keeps a Top-K mode's logits hook from running; [] when
+    nothing does or the loss is not Top-K. `prepare_train_batch` refuses the same settings at the first update."""
+    arr = config.actor_rollout_ref
+    mode = arr.actor.policy_loss.get("loss_mode")
+    if not is_topk_mode(mode):
+        return []
+    megatron = arr.actor.get("strategy") == "megatron"
+    engine = arr.actor.get("megatron" if megatron else "fsdp_config", None) or {}
+    problems = []
+    if arr.model.get("use_fused_kernels", False):
+        problems.append(fused_kernels_problem(mode))
+    if engine.get("pad_to_length", False):
+        problems.append(pad_to_length_problem(mode, megatron))
+    if megatron and engine.get("dynamic_context_parallel", False):
+        problems.append(dynamic_cp_problem(mode))
+    return problems
