@@ -1,0 +1,179 @@
+"""Issue 11: the tree shows the architecture. Layers, imported downward only:
+
+    verl_dppo.cli  ->  verl_dppo.plugin / verl_dppo.patches  ->  verl_dppo.math (torch only)
+
+checked on the import graph read from the source (every import, module-level or inside a function), a fresh
+interpreter that imports every module dependents-first (what would expose a cycle), a wheel built from the
+checkout that loads the plugin with `patches/` inside it, and the deprecated old import paths.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"verl_dppo": REPO / "verl_dppo", "verl_dppo.patches": REPO / "patches"}
+DEPRECATED = {"verl_dppo.divergence", "verl_dppo.trust_region", "verl_dppo.adapter", "verl_dppo.adapter.plugin",
+              "verl_dppo.adapter.config", "verl_dppo._deprecated"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports_of(name: str, path: Path) -> tuple[set[str], set[str]]:
+    """(every verl_dppo module it imports, those imported at module level), resolved to module names."""
+    known = modules()
+    every, top = set(), set()
+    tree = ast.parse(path.read_text())
+    top_nodes = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("verl_dppo"):
+                every.add(target)
+                if id(node) in top_nodes:
+                    top.add(target)
+    return every, top
+
+
+def layer(module: str) -> str:
+    for prefix in ("verl_dppo.math", "verl_dppo.plugin", "verl_dppo.patches", "verl_dppo.cli"):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix.rpartition(".")[2]
+    return "root"
+
+
+ALLOWED = {  # layer -> layers it may import
+    "math": {"math"},
+    "plugin": {"plugin", "math"},
+    "patches": {"patches", "plugin", "math"},
+    "cli": {"cli", "patches", "plugin", "math", "root"},
+    "root": {"plugin"},  # verl_dppo/__init__: DPPOLossConfig, lazily
+}
+
+
+def test_every_module_imports_only_downward():
+    wrong = []
+    for name, path in modules().items():
+        if name in DEPRECATED:
+            continue
+        every, _ = imports_of(name, path)
+        for target in every:
+            allowed = ALLOWED[layer(name)] | ({"patches"} if name == "verl_dppo.plugin.entry" else set())
+            if layer(target) not in allowed or target in DEPRECATED:
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, wrong
+
+
+def test_the_math_layer_imports_nothing_but_torch_and_the_standard_library():
+    for name, path in modules().items():
+        if layer(name) != "math":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module.split(".")[0]] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for root in roots:
+                assert root in sys.stdlib_module_names or root in ("torch", "verl_dppo", "__future__"), (name, root)
+
+
+def test_no_module_is_over_about_400_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 420}
+    assert not long, long
+
+
+def _order_dependents_first() -> list[str]:
+    graph = {name: imports_of(name, path)[1] for name, path in modules().items()}
+    order, state = [], {}
+
+    def visit(node, stack):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", f"import cycle: {' -> '.join(stack + [node])}"
+        state[node] = "open"
+        for child in sorted(graph.get(node, ())):
+            visit(child, stack + [node])
+        state[node] = "done"
+        order.append(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return order[::-1]  # a module before everything it imports: a cycle would meet a half-initialised module
+
+
+def test_no_import_cycles_in_a_fresh_interpreter():
+    order = [name for name in _order_dependents_first() if name not in DEPRECATED and name != "verl_dppo.cli.__main__"]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_old_documented_paths_still_work_with_a_deprecation_warning():
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "for old in ('verl_dppo.divergence', 'verl_dppo.trust_region', 'verl_dppo.adapter'):\n"
+        "    try:\n"
+        "        __import__(old)\n"
+        "    except DeprecationWarning as warning:\n"
+        "        print('warned', old, warning)\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "import verl_dppo.divergence as old, verl_dppo.math.topk as topk, verl_dppo.math.divergence as new\n"
+        "assert old.topk_divergence is topk.topk_divergence and old.binary_kl is new.binary_kl\n"
+        "from verl_dppo.adapter.config import DPPOLossConfig\n"
+        "import verl_dppo\n"
+        "assert DPPOLossConfig is verl_dppo.DPPOLossConfig\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("warned") == 3, result.stdout
+
+
+def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(wheel_dir), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheel_dir.glob("verl_dppo-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in (REPO / "patches").glob("*.py"):
+        assert f"verl_dppo/patches/{path.name}" in names
+    assert "verl_dppo/recipes/setup/moe_base.yaml" in names
+    assert not any(name.startswith("tests/") or "vllm_fixtures" in name for name in names)
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                              str(wheel)], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    code = (
+        "import verl, verl_dppo.patches as p, verl_dppo.plugin.entry as e\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
+        "print(p.__file__); print(sorted(k for k in R if getattr(R[k], '__verl_dppo__', False)))\n"
+        "import verl.workers.utils.losses as L; print(getattr(L.ppo_loss, '__verl_dppo_wrapped__', False))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(target))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(str(target)), lines
+    assert "dppo_binary_tv" in lines[1] and "dppo_topk_kl" in lines[1] and lines[2] == "True"
