@@ -26,20 +26,24 @@ Choices (the authors' code and prime-rl's re-implementation differ; see docs of 
   uniform tail rather than the authors' fixed 1e-12, because that mass is the one fact the engine gives about
   the tail. mu'(other) is what remains. Both are floored at MU_FLOOR (the authors' tiny probability) and mu' is
   renormalised. Reported entries of -inf count as unreported; a_t's atom uses the rollout's log mu(a_t).
-- eta from a batched bracketing search on log eta in LOG_ETA_BRACKET (Newton steps, bisection whenever Newton
-  would leave the bracket; float64, on the [n, |S|+1] atoms only) to float64 resolution. Its gradient is the implicit derivative of
-  KL(p_eta || mu') = eps: d eta / d log pi' = -(dF / d log pi') / (dF / d eta), attached by the first-order
-  expression eta0 - (F(eta0, pi') - sg F) / sg(dF / d eta); dF / d eta = -Var_p(log p - log mu') / (1 + eta).
+- eta by a batched bracketing search on log eta in LOG_ETA_BRACKET (Newton steps, bisection whenever Newton
+  would leave the bracket), in float64 on the [n, |S| + 1] atoms only, to float64 resolution. Its gradient is the
+  implicit derivative of F(eta, pi') = KL(p_eta || mu') - eps = 0: d eta / d log pi' = -(dF/d log pi') / (dF/d eta),
+  attached as eta0 - (F(eta0, pi') - sg F) / sg(dF/d eta) (value eta0, that gradient), with
+  dF/d eta = -Var_p(log p - log mu') / (1 + eta). prime-rl detaches eta; that is not the projection's gradient.
 
-Memory: the logits are read in row chunks of `chunk_bytes` (a float32 copy of a few rows at a time). The autograd
-graph keeps the logits tensor itself (no copy: verl keeps it alive anyway) and [N, |S|]-sized tensors; the
-backward recomputes softmax(logits) chunk by chunk. Nothing [N, V]-sized in float32 is ever saved. Because the
-backward reads the logits' values, they must not have been overwritten when it runs: torch's version counter
-catches in-place torch ops, and the backward re-reads the support logits and the tail's softmax mass and raises
-if they changed (verl's flash-attn cross entropy with `inplace_backward=True` writes its gradient into the logits'
-storage without bumping the counter). With `inplace_backward=True` this backward does the same: it writes the
-gradient into the logits' storage and returns it, so no second [N, V] tensor exists (use it only when TROLL is the
-logits' last consumer in backward; a consumer that saved the logits and runs later fails loudly on the counter).
+Memory and what backward keeps. The logits are read in row chunks of `chunk_bytes` (a float32 copy of a few rows
+at a time, two reused buffers). The graph keeps the logits tensor itself (saved, not copied: verl holds it for its
+own log-prob anyway) and [N, |S|]-sized tensors (ids, log pi at the ids, log Z, log Z of the tail); backward
+recomputes softmax(logits) chunk by chunk and returns the gradient in the logits' dtype. No float32 [N, V] tensor
+exists at any time. Backward therefore reads the logits' values and needs them unchanged: torch's version counter
+catches in-place torch ops on them, and backward re-reads the logits at the support ids and raises if they differ
+from the forward's, which catches writes that bypass the counter (verl's flash-attn cross entropy with
+`inplace_backward=True` writes its gradient into the logits' storage; its backward runs before this one when its
+node is newer, so a loss that takes gradient through verl's own log-prob and through TROLL must not use it).
+`inplace_backward=True` makes this backward do what flash-attn does: write the gradient into the logits' storage
+and return it, so that no second [N, V] tensor exists. Use it only when TROLL is the logits' last consumer in
+backward; a later consumer that saved the logits fails loudly on the version counter.
 """
 
 from __future__ import annotations
@@ -228,26 +232,24 @@ def kl_projection(log_pi: torch.Tensor, log_mu: torch.Tensor, eps: float = EPS) 
 # --- pi on the support, from the full logits, chunk by chunk -----------------------------------------------------
 
 
-def _union_support(sampled, mu_ids, mu_selected, pi_ids, pi_selected):
-    """S_t = {a_t} U selected mu ids U selected pi ids, each id once, kept slots first.
-
-    Returns ids [n, C] (padding slots repeat a_t), `source` [n, C] (the candidate column each slot came from,
-    preferring a_t, then mu's top-K, then pi's, so that a known mu is found first) and `valid` [n, C].
-    """
+def _candidates(sampled, mu_ids, pi_ids):
+    """Every id that may enter S_t, {a_t} U mu's reported ids U Top-K(pi), sorted by id. `first` marks the first
+    occurrence of each id, which comes from the best-known source for mu (a_t, then mu's report, then pi's top);
+    `source` is the candidate column (0: a_t, 1..K: mu's report, then pi's top)."""
     candidates = torch.cat([sampled[:, None], mu_ids, pi_ids], dim=1)
-    selected = torch.cat([torch.ones_like(sampled[:, None], dtype=torch.bool), mu_selected, pi_selected], dim=1)
     width = candidates.shape[1]
-    column = torch.arange(width, device=candidates.device)
-    key = (candidates * width + column).sort(dim=1).values
+    key = (candidates * width + torch.arange(width, device=candidates.device)).sort(dim=1).values
     ids, source = key // width, key % width
     first = torch.ones_like(ids, dtype=torch.bool)
     first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return candidates, ids, source, first
+
+
+def _kept(ids, source, first, selected):
+    """S_t: the ids with at least one selected occurrence (`selected` per candidate column), once each."""
     group = first.long().cumsum(dim=1) - 1
     group_selected = torch.zeros_like(ids).scatter_add_(1, group, selected.gather(1, source).long()) > 0
-    keep = first & group_selected.gather(1, group)
-    order = (~keep).long().argsort(dim=1, stable=True)
-    ids, source, keep = ids.gather(1, order), source.gather(1, order), keep.gather(1, order)
-    return torch.where(keep, ids, sampled[:, None]), source, keep
+    return first & group_selected.gather(1, group)
 
 
 class _PiOnSupport(torch.autograd.Function):
@@ -272,18 +274,24 @@ class _PiOnSupport(torch.autograd.Function):
         log_z = torch.empty(n, dtype=reader.work, device=dev)
         log_z_tail = torch.empty_like(log_z)
         for start, end, block, scratch in reader:
-            row_max = block.amax(dim=1, keepdim=True)
-            shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
-            lz = row_max.squeeze(1) + shifted_exp.sum(dim=1).log()
+            sampled_c, mu_ids_c = sampled[start:end], mu_ids[start:end]
             top_logits, top_ids = block.topk(k_pi, dim=1)
+            row_max = top_logits[:, :1]
+            shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
+            candidates, c_ids, c_source, c_first = _candidates(sampled_c, mu_ids_c, top_ids)
+            c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
+            rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # one pass: every id that is no candidate
+            lz = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
             top_p = (top_logits - lz[:, None]).exp()
             pi_selected = (top_p.cumsum(dim=1) - top_p) < support_mass
-            s_ids, s_source, s_valid = _union_support(
-                sampled[start:end], mu_ids[start:end], mu_selected[start:end], top_ids, pi_selected
-            )
+            always = torch.ones_like(sampled_c[:, None], dtype=torch.bool)  # a_t
+            keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected[start:end], pi_selected], dim=1))
             # pi(other) from the tail's own exponentials: exact however close pi's support mass is to 1.
-            tail = shifted_exp.scatter_(1, s_ids, 0.0).sum(dim=1)
-            ids[start:end], source[start:end], valid[start:end] = s_ids, s_source, s_valid
+            tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)
+            order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
+            s_ids = torch.where(keep, c_ids, sampled_c[:, None]).gather(1, order)
+            ids[start:end], source[start:end] = s_ids, c_source.gather(1, order)
+            valid[start:end] = keep.gather(1, order)
             log_pi[start:end] = block.gather(1, s_ids) - lz[:, None]
             log_z[start:end] = lz
             log_z_tail[start:end] = row_max.squeeze(1) + tail.log()
@@ -310,24 +318,25 @@ class _PiOnSupport(torch.autograd.Function):
         tail_coef = g_o - total * pi_other
         on_support = torch.where(valid, g_s - total[:, None] * log_pi.exp(), 0.0)
         tail_base = torch.where(has_tail, log_z_tail, log_z)
-        grad = logits if ctx.inplace else torch.zeros_like(logits)
+        grad = logits if ctx.inplace else torch.zeros_like(logits) if rows is not None else torch.empty_like(logits)
+        changed = torch.zeros((), dtype=torch.bool, device=logits.device)  # checked once, after the loop
         for start, end, block, scratch in _ChunkReader(logits, rows, ctx.rows_per_chunk):
             s_ids, s_valid = ids[start:end], valid[start:end]
-            reread = torch.where(s_valid, block.gather(1, s_ids) - log_z[start:end, None], 0.0)
+            reread, before = block.gather(1, s_ids) - log_z[start:end, None], log_pi[start:end]
+            changed |= (s_valid & (reread != before) & ~(reread.isnan() & before.isnan())).any()
             q = torch.sub(block, tail_base[start:end, None], out=scratch).exp_().scatter_(1, s_ids, 0.0)
-            tail_changed = has_tail[start:end] & ((q.sum(dim=1) - 1.0).abs() > 1e-3)
-            if not torch.equal(reread, torch.where(s_valid, log_pi[start:end], 0.0)) or bool(tail_changed.any()):
-                raise RuntimeError(
-                    "TROLL's backward found the logits changed since its forward: another backward overwrote them "
-                    "in place (verl's flash-attn cross entropy with inplace_backward=True does). Take the loss's "
-                    "gradient only through TROLL's outputs, or disable the in-place cross entropy "
-                    "(VERL_DISABLE_FLASH_ATTN_CE=1, or calculate_entropy=True)"
-                )
             q.mul_(tail_coef[start:end, None]).scatter_add_(1, s_ids, on_support[start:end])
             if rows is None:
                 grad[start:end].copy_(q)
             else:
                 grad.index_copy_(0, rows[start:end], q.to(grad.dtype))
+        if bool(changed):
+            raise RuntimeError(
+                "TROLL's backward found the logits changed since its forward: another backward overwrote them in "
+                "place (verl's flash-attn cross entropy with inplace_backward=True does). Take the loss's gradient "
+                "only through TROLL's outputs, or disable the in-place cross entropy (VERL_DISABLE_FLASH_ATTN_CE=1, "
+                "or calculate_entropy=True)"
+            )
         if ctx.inplace and rows is not None:
             unused = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
             unused[rows] = False
@@ -350,7 +359,10 @@ class _ChunkReader:
         scratch = torch.empty_like(converted)
         for start in range(0, self.n, self.step):
             end = min(start + self.step, self.n)
-            source = self.logits[start:end] if self.rows is None else self.logits.index_select(0, self.rows[start:end])
+            if self.rows is None:
+                source = self.logits[start:end]
+            else:
+                source = self.logits.index_select(0, self.rows[start:end])
             if source.dtype == self.work:
                 block = source
             else:
@@ -362,7 +374,7 @@ class _ChunkReader:
 # --- the public entry points -------------------------------------------------------------------------------------
 
 
-def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask, eps, support_mass, topk):
+def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask):
     if logits.dim() != 2 or not logits.is_floating_point():
         raise TrollInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
     n = logits.shape[0]
@@ -381,8 +393,6 @@ def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs
         raise TrollInputError("log-probs must be float tensors")
     if mask is not None and tuple(mask.shape) != (n,):
         raise TrollInputError(f"mask must be [N={n}], got {tuple(mask.shape)}")
-    if not (eps > 0 and 0 < support_mass <= 1 and topk >= 1):
-        raise TrollInputError(f"need eps > 0, 0 < support_mass <= 1, topk >= 1; got {eps}, {support_mass}, {topk}")
 
 
 def _validate_rows(mu_ids, mu_logprobs, sampled, vocab, mass_tolerance):
@@ -392,7 +402,9 @@ def _validate_rows(mu_ids, mu_logprobs, sampled, vocab, mass_tolerance):
             "use different vocabularies (check actor_rollout_ref.model.path and the tokenizer)"
         )
     if mu_ids.shape[1] > 1 and bool((mu_ids.sort(dim=1).values.diff(dim=1) == 0).any()):
-        raise TrollInputError("rollout_topk_ids repeat a token id within a row: the rollout's top-K extraction is broken")
+        raise TrollInputError(
+            "rollout_topk_ids repeat a token id within a row: the rollout's top-K extraction is broken"
+        )
     if bool(torch.isnan(mu_logprobs).any()) or bool((mu_logprobs == math.inf).any()):
         raise TrollInputError("the rollout's top-K log-probs contain NaN or +inf")
     mass = torch.where(torch.isfinite(mu_logprobs), mu_logprobs.exp(), 0.0).sum(dim=1)
@@ -466,9 +478,9 @@ def troll_token_terms(
         TrollInputError: ids outside [0, V), a row repeating a top-K id, NaN/+inf top-K log-probs, mu's reported
             mass above 1 + mass_tolerance.
     """
-    _check_inputs(
-        logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask, eps, support_mass, topk
-    )
+    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    if not (eps > 0 and 0 < support_mass <= 1 and topk >= 1):
+        raise TrollInputError(f"need eps > 0, 0 < support_mass <= 1, topk >= 1; got {eps}, {support_mass}, {topk}")
     n, vocab = logits.shape
     out_dtype = torch.promote_types(logits.dtype, torch.float32)
     dev = logits.device
@@ -479,9 +491,9 @@ def troll_token_terms(
     rows = valid_rows.nonzero().squeeze(1)
     zeros = torch.zeros(n, dtype=out_dtype, device=dev)
     if rows.numel() == 0:
-        diagnostics = {"projected": valid_rows.clone(), "eta": zeros, "kl_before": zeros, "kl_after": zeros}
+        diagnostics = {"projected": torch.zeros_like(valid_rows), "eta": zeros, "kl_before": zeros, "kl_after": zeros}
         diagnostics.update(support_size=torch.zeros(n, dtype=torch.long, device=dev), valid=valid_rows)
-        return TrollTerms(zeros, zeros, zeros, diagnostics)
+        return TrollTerms(zeros, zeros, zeros, diagnostics)  # no gradient: nothing in the update
     rows_arg = None if rows.numel() == n else rows
     sampled = sampled_ids[rows].long()
     sampled_lp = sampled_lp_all[rows]
