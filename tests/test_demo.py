@@ -165,7 +165,7 @@ def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
     [
         (["--methods", "ppo_typo"], "unknown demo method(s) ['ppo_typo']"),
         (["--steps", "0"], "--steps must be >= 1"),
-        (["--mini-batches", "5"], "must be a multiple of --mini-batches (5)"),
+        (["--mini-batches", "5"], "--mini-batches 5: each rollout batch (32 prompts x 8 samples)"),
     ],
 )
 def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):

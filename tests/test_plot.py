@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from verl_dppo import plot
+from verl_dppo.cli import plot
 from verl_dppo.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -77,7 +77,7 @@ def test_a_resumed_run_keeps_the_latest_value_of_a_step(tmp_path):
     [
         ("", "the file is empty"),
         ("\n\n", "the file is empty"),
-        ('[1, 2]\n{"a": 1}\n', "not verl file-logger rows"),
+        ('[1, 2]\n{"a": 1}\n', "not a verl log"),
         ('{"step": 1, "data": {"x": "text"}}\n', "no numeric metric"),
         ('{"step": 1, "dat', "no complete verl file-logger row"),
     ],

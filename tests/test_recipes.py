@@ -215,6 +215,7 @@ def test_bad_names_and_overrides_say_what_to_do():
 def test_run_refuses_to_launch_without_its_data_and_says_how_to_get_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
     (tmp_path / "models" / "DeepSeek-R1-Distill-Qwen-1.5B").mkdir(parents=True)
+    (tmp_path / "models" / "DeepSeek-R1-Distill-Qwen-1.5B" / "config.json").write_text("{}")
     assert cli.main(["run", "sanity_1p5b", "--method", "pg_is"]) == 2
     err = capsys.readouterr().err
     assert f"verl-dppo data math-sanity --out {tmp_path}/data" in err

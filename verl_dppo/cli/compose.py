@@ -17,11 +17,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
+
+from verl_dppo.cli.errors import UsageError
 
 __all__ = [
     "RecipeError",
     "RecipeInfo",
+    "check_launch_site",
     "check_paths",
     "compose_recipe",
     "list_recipes",
@@ -34,7 +37,7 @@ GROUPS = ("setup", "method")
 _SECTIONS_IN_USE = ("actor_rollout_ref", "data", "algorithm", "trainer", "dppo")
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError, ValueError):
     """A recipe that cannot be composed, validated or launched; the message says what to change."""
 
 
@@ -105,11 +108,11 @@ def stdout_to_stderr() -> Iterator[None]:
 
 
 def compose_recipe(setup: str, method: str, overrides: Sequence[str] = ()) -> Any:
-    """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + overrides into one DictConfig."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + overrides into one DictConfig.
 
+    `+key=value` is accepted for a key the recipe already sets (plain `main_ppo` scripts add DPPO's keys that way):
+    it becomes Hydra's `++key=value`, add-or-override. An override must keep the type of the value it replaces
+    (`data.train_batch_size=abc` is refused here, not hours later in a worker)."""
     _check_name("setup", setup)
     _check_name("method", method)
     for override in overrides:
@@ -118,11 +121,28 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = ()) -> An
                 f"bad override {override!r}: write Hydra overrides as key=value (e.g. trainer.nnodes=4), "
                 "+key=value to add a key verl's config lacks, ~key to delete one."
             )
+    overrides = [f"+{item}" if item.startswith("+") and not item.startswith("++") else item for item in overrides]
+    if not overrides:
+        return _compose(setup, method, [])
+    baseline = _compose(setup, method, [])
+    try:
+        config = _compose(setup, method, overrides)
+    except RecipeError as error:
+        raise RecipeError(str(error) + _key_hint(str(error), baseline)) from None
+    _check_override_types(baseline, config, overrides)
+    return config
+
+
+def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         with stdout_to_stderr(), initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             return compose(PRIMARY_CONFIG, overrides=[f"setup={setup}", f"method={method}", *overrides])
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        message = str(error).strip()
+        message = " ".join(str(error).split())  # Hydra's messages span lines; ours is one
         if "Could not override" in message or "Key '" in message or "not in struct" in message:
             hint = (
                 " Check the key's spelling against `verl-dppo run SETUP --method METHOD --dry-run` (the full "
@@ -131,6 +151,77 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = ()) -> An
         else:
             hint = " Check the override's syntax (Hydra: key=value, +key=value, ~key)."
         raise RecipeError(f"cannot compose {setup} + {method}: {message}.{hint}") from None
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    from omegaconf import DictConfig
+
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                yield from _leaf_paths(child, path)
+            else:
+                yield path
+
+
+def _key_hint(message: str, baseline: Any) -> str:
+    """`optim.lr` -> 'did you mean actor_rollout_ref.actor.optim.lr?': full keys ending in the one given, or close."""
+    import difflib
+    import re
+
+    match = re.search(r"Could not override '([^']+)'", message) or re.search(r"Key '([^']+)'", message)
+    if not match:
+        return ""
+    key = match.group(1)
+    paths = list(_leaf_paths(baseline))
+    close = [path for path in paths if path.endswith("." + key)][:3]
+    close = close or difflib.get_close_matches(key, paths, n=3, cutoff=0.75)
+    return f" Did you mean {' or '.join(close)}?" if close else ""
+
+
+def _check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        if override.startswith("~") or "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+")
+        if key in GROUPS or "@" in key:
+            continue
+        try:
+            old = OmegaConf.select(baseline, key, throw_on_missing=False)
+            new = OmegaConf.select(config, key, throw_on_missing=False)
+        except Exception:  # an interpolation that does not resolve: validate_recipe names it
+            continue
+        expected = _expected_type(old)
+        if expected is None or new is None or _fits(new, expected):
+            continue
+        raise RecipeError(
+            f"{key}={override.split('=', 1)[1]}: expected {expected} like the recipe's value {old!r}, got "
+            f"{type(new).__name__} {new!r}"
+        )
+
+
+def _expected_type(value: Any) -> Optional[str]:
+    if isinstance(value, bool):
+        return "a boolean (true/false)"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    return None  # strings, lists, null: any value may be meant
+
+
+def _fits(value: Any, expected: str) -> bool:
+    if expected.startswith("a boolean"):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if expected == "an integer":
+        return isinstance(value, int)
+    return isinstance(value, (int, float))
 
 
 def _loss_registered(loss_mode: str) -> bool:
@@ -158,10 +249,26 @@ def validate_recipe(config: Any) -> None:
 
     loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
     if not _loss_registered(loss_mode):
+        import difflib
+
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        close = difflib.get_close_matches(str(loss_mode), sorted(POLICY_LOSS_REGISTRY), n=1, cutoff=0.6)
+        if close:
+            raise RecipeError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: not registered in verl's "
+                f"POLICY_LOSS_REGISTRY. Did you mean {close[0]!r}? (`verl-dppo doctor` lists the registered modes.)"
+            )
         raise RecipeError(
             f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
             "is not installed or failed to load (run `verl-dppo doctor`), or "
             "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
+        )
+    if not config.trainer.get("use_v1", True):
+        raise RecipeError(
+            "trainer.use_v1=False: `verl-dppo run` launches verl's v1 trainer, as `main_ppo` does by default (verl "
+            "0.9.1 deprecates the legacy one; the plugin is tested on v1 only and its Top-K modes need it): remove "
+            "trainer.use_v1=False."
         )
 
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -188,7 +295,12 @@ def validate_recipe(config: Any) -> None:
             ) from None
         except (AssertionError, ValueError, TypeError, HydraException, OmegaConfBaseException) as error:
             cause = error.__cause__ if isinstance(error, HydraException) and error.__cause__ else error
-            raise RecipeError(f"verl rejects the config ({name}): {cause}") from None
+            text = " ".join(str(cause).split())
+            if _raised_by_plugin(cause):  # DPPOLossConfig's own checks, run inside verl's dataclass build
+                raise RecipeError(
+                    f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
+                ) from None
+            raise RecipeError(f"verl rejects the config ({name}): {text}") from None
     if not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
         raise RecipeError(
             "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
@@ -196,6 +308,15 @@ def validate_recipe(config: Any) -> None:
         )
     _check_anchor(config)
     _check_topk_rollout(config)
+
+
+def _raised_by_plugin(error: BaseException) -> bool:
+    """Whether the innermost frame that raised `error` is verl-dppo's code (not verl's)."""
+    import traceback
+
+    package = str(Path(__file__).resolve().parent.parent)
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package)
 
 
 def _check_topk_rollout(config: Any) -> None:
@@ -251,25 +372,107 @@ def _as_list(value: Any) -> list[str]:
 
 
 def check_paths(config: Any) -> list[str]:
-    """Problems with the run's local files (data and model), each saying how to fix it; [] when all exist."""
+    """Problems with the run's local files (data and model), each saying how to fix it; [] when all is usable:
+    the data files exist and are parquet with the columns verl reads, the model folder holds a config.json."""
     problems = []
+    data = config.data
+    columns = [data.get("prompt_key", "prompt"), data.get("reward_fn_key", "data_source"), "reward_model"]
     for key in ("train_files", "val_files"):
-        for path in _as_list(config.data.get(key)):
-            if not Path(os.path.expanduser(path)).exists():
+        for path in _as_list(data.get(key)):
+            file = Path(os.path.expanduser(path))
+            if not file.exists():
                 name = Path(path).stem
                 problems.append(
                     f"data.{key}: {path} does not exist. Write it with `verl-dppo data {name} --out "
                     f"{Path(path).parent}`, or point data.{key} at your copy (or set DPPO_ROOT; now "
                     f"{config.dppo.root})."
                 )
+                continue
+            problem = _parquet_problem(file, columns)
+            if problem:
+                problems.append(f"data.{key}: {path} {problem}")
     model_path = str(config.actor_rollout_ref.model.path)
-    if model_path.startswith(("/", "~", ".")) and not Path(os.path.expanduser(model_path)).exists():
+    model_dir = Path(os.path.expanduser(model_path))
+    if model_path.startswith(("/", "~", ".")):
+        download = (f"Download it with `hf download {config.dppo.get('model_id') or '<hub id>'} --local-dir "
+                    f"{model_path}`, or set actor_rollout_ref.model.path (or DPPO_ROOT; now {config.dppo.root}).")
+        if not model_dir.exists():
+            problems.append(f"actor_rollout_ref.model.path: {model_path} does not exist. {download}")
+        elif not (model_dir / "config.json").is_file():
+            problems.append(
+                f"actor_rollout_ref.model.path: {model_path} holds no config.json (an unfinished download, or the "
+                f"wrong folder). {download}"
+            )
+    return problems
+
+
+def _parquet_problem(file: Path, columns: Sequence[str]) -> Optional[str]:
+    """None when `file` is a parquet file with `columns` (what verl's RLHFDataset and reward manager read)."""
+    import pyarrow.parquet as pq
+
+    if file.is_dir():
+        return "is a folder; name the .parquet file"
+    try:
+        names = set(pq.read_schema(file).names)
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
+        return f"is not readable as parquet ({' '.join(str(error).split())[:200]}); write it with `verl-dppo data`"
+    missing = [column for column in columns if column not in names]
+    if missing:
+        return (f"lacks the column(s) verl reads: {', '.join(missing)} (has {', '.join(sorted(names))}); "
+                "convert it with `verl-dppo data NAME --from-file` or set data.prompt_key / data.reward_fn_key")
+    return None
+
+
+def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: float = 60.0) -> list[str]:
+    """Where the run would start: the rollout engine importable, enough GPUs here (local Ray) or in the cluster
+    (RAY_ADDRESS, asked within `ray_timeout_s`). Problems, each saying what to change; [] when it can start."""
+    import importlib.util
+
+    problems = []
+    trainer = config.trainer
+    wanted = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+    engine = str(config.actor_rollout_ref.rollout.get("name", ""))
+    if engine in ("vllm", "sglang") and importlib.util.find_spec(engine) is None:
         problems.append(
-            f"actor_rollout_ref.model.path: {model_path} does not exist. Download it with `huggingface-cli download "
-            f"{config.dppo.get('model_id') or '<hub id>'} --local-dir {model_path}`, or set actor_rollout_ref.model.path "
-            f"(or DPPO_ROOT; now {config.dppo.root})."
+            f"actor_rollout_ref.rollout.name={engine}: {engine} is not installed here (pip install verl[{engine}] "
+            "on every node, or choose the other engine)"
+        )
+    if not ray_address:
+        if int(trainer.nnodes) > 1:
+            problems.append(
+                f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: start one (`ray start --head` / "
+                "`ray start --address=...` on each node) and set RAY_ADDRESS, or set trainer.nnodes=1"
+            )
+        if str(trainer.get("device", "cuda")) == "cuda":
+            visible = _visible_gpus()
+            if visible < int(trainer.n_gpus_per_node):
+                problems.append(
+                    f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}, but {visible} GPU(s) are visible here "
+                    "(local Ray): set trainer.n_gpus_per_node, or RAY_ADDRESS to a cluster"
+                )
+        return problems
+    from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
+
+    try:
+        check_address(ray_address, "RAY_ADDRESS")
+        resources = run_probe("resources", ray_address, ray_timeout_s)
+    except RayUnreachable as error:
+        return problems + [str(error)]
+    if resources.get("GPU", 0) < wanted:
+        problems.append(
+            f"trainer.nnodes x trainer.n_gpus_per_node = {wanted} GPU(s), but the Ray cluster at {ray_address} has "
+            f"{resources.get('GPU', 0):g} ({resources.get('nodes', '?')} node(s)): lower them or add nodes"
         )
     return problems
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # no CUDA build, no driver: none visible
+        return 0
 
 
 def check_supported(config: Any) -> list[str]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from verl_dppo.cli.errors import UsageError, writable_folder
+
 __all__ = ["DATASETS", "DataError", "DatasetSpec", "convert_rows", "prepare"]
 
 # The instruction of DAPO-Math-17k's own prompts: the base models are trained to end with "Answer: ...".
@@ -38,7 +40,7 @@ _PROBLEM_KEYS = ("problem", "question", "Problem", "Question", "prompt")
 _ANSWER_KEYS = ("answer", "Answer", "ground_truth", "final_answer", "solution", "Solution")
 
 
-class DataError(RuntimeError):
+class DataError(UsageError, RuntimeError):
     """A data set that cannot be fetched or converted; the message says what to do."""
 
 
@@ -180,16 +182,52 @@ def _read_local(path: str) -> list[dict]:
     file = Path(os.path.expanduser(path))
     if not file.is_file():
         raise DataError(f"--from-file {path}: no such file")
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    if file.suffix not in (".parquet", ".json", ".jsonl"):
+        raise DataError(f"--from-file {path}: expected a .parquet, .json or .jsonl file")
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
 
-        return pq.read_table(file).to_pylist()
-    if file.suffix == ".jsonl":
-        return [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if file.suffix == ".json":
-        data = json.loads(file.read_text(encoding="utf-8"))
-        return data if isinstance(data, list) else data.get("data", [])
-    raise DataError(f"--from-file {path}: expected a .parquet, .json or .jsonl file")
+            try:
+                rows = pq.read_table(file).to_pylist()
+            except Exception as error:  # pyarrow's ArrowInvalid and friends: not a parquet file
+                raise DataError(f"--from-file {path}: not a readable parquet file ({_first_line(error)})") from None
+        elif file.suffix == ".jsonl":
+            rows = []
+            for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+                if line.strip():
+                    rows.append(_parse_json(line, f"--from-file {path}: line {number}"))
+        else:
+            data = _parse_json(file.read_text(encoding="utf-8"), f"--from-file {path}")
+            rows = data.get("data") if isinstance(data, dict) else data
+            if not isinstance(rows, list):
+                raise DataError(
+                    f"--from-file {path}: expected a JSON list of rows (or {{\"data\": [rows]}}), found "
+                    f"{type(data).__name__}"
+                )
+    except UnicodeDecodeError:
+        raise DataError(f"--from-file {path}: not UTF-8 text; give a .parquet, .json or .jsonl file") from None
+    except OSError as error:
+        raise DataError(f"--from-file {path}: cannot read it ({error.strerror or error})") from None
+    for number, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(
+                f"--from-file {path}: row {number} is a {type(row).__name__}, not an object with problem/answer "
+                "(or verl's prompt/reward_model) fields"
+            )
+    return rows
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _read_hub(hub_id: str, split: str) -> list[dict]:
@@ -217,6 +255,7 @@ def prepare(
         raise DataError(f"unknown data set {name!r}; choose one of {', '.join(sorted(DATASETS))}")
     spec = DATASETS[name]
     split = split or spec.split
+    out = Path(writable_folder(out_dir, "--out"))  # before the download: a bad --out costs nothing
     if from_file:
         source_id, rows = from_file, _read_local(from_file)
     else:
@@ -227,8 +266,6 @@ def prepare(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = Path(os.path.expanduser(out_dir))
-    out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.parquet"
     pq.write_table(pa.Table.from_pylist(converted), path)
     return path, len(converted)

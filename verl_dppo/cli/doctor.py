@@ -47,23 +47,20 @@ def _probe_in_worker() -> dict:
 
 
 def probe_ray_worker(address: Optional[str] = None, timeout_s: float = 120.0) -> dict:
-    """Run the probe in a Ray worker process: a fresh local Ray instance unless `address` names a cluster."""
-    import ray
+    """Run the probe in a Ray worker process (a fresh local Ray instance unless `address` names a cluster), in a
+    child process killed after `timeout_s`: `ray.init` on a silent address would otherwise wait for minutes."""
+    from verl_dppo.cli.ray_probe import run_probe
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        kwargs = {"address": address} if address else {"num_cpus": 1, "include_dashboard": False}
-        ray.init(log_to_driver=False, configure_logging=False, **kwargs)
-    try:
-        remote = ray.remote(num_cpus=0)(_probe_in_worker)
-        return ray.get(remote.remote(), timeout=timeout_s)
-    finally:
-        if started_here:
-            ray.shutdown()
+    return run_probe("worker", address, timeout_s)
 
 
-def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout) -> int:
-    problems = []
+from verl_dppo.cli.ray_probe import RayUnreachable, check_address  # noqa: E402  (stdlib only)
+
+
+def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout, timeout_s: float = 120.0) -> int:
+    if with_ray and ray_address:  # before anything slow: a wrong address is one line, at once
+        check_address(ray_address, "--ray-address")
+    problems, warnings = [], []
     print("verl-dppo doctor", file=out)
     for package in _PACKAGES:
         print(f"  {package:<13} {_version_of(package) or 'not installed'}", file=out)
@@ -73,6 +70,9 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout
     verl_version = _version_of("verl")
     if verl_version not in SUPPORTED_VERL_VERSIONS:
         problems.append(f"verl {verl_version} is outside the supported range {SUPPORTED_VERL_RANGE}")
+    if not (_version_of("vllm") or _version_of("sglang")):
+        warnings.append("neither vLLM nor SGLang is installed here: every recipe, and any verl RL run, needs one of "
+                        "them as the rollout engine on the GPU nodes (pip install verl[vllm] or verl[sglang])")
 
     def report(where: str, probe: dict) -> None:
         missing = [mode for mode in EXPECTED_MODES if mode not in probe["registered"]]
@@ -89,17 +89,23 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout
         problems.append(f"this process: importing verl / the plugin failed: {error!r}")
     if with_ray:
         try:
-            report("ray worker", probe_ray_worker(ray_address))
+            report("ray worker", probe_ray_worker(ray_address, timeout_s))
+        except RayUnreachable:
+            if ray_address:  # the user's address is wrong, not the install: one line, exit 2
+                raise
+            problems.append("ray worker: a local Ray instance did not start; check `ray start --head` by hand")
         except Exception as error:
-            problems.append(f"ray worker: the probe failed: {error!r}")
+            problems.append(f"ray worker: the probe failed: {error}")
     else:
         print("  ray worker: skipped (--no-ray)", file=out)
 
+    for warning in warnings:
+        print(f"WARNING: {warning}", file=out)
     if problems:
         print("PROBLEMS:", file=out)
         for problem in problems:
             print(f"  - {problem}", file=out)
-        print("Fix: pip install verl-dppo beside verl==0.9.1 in every node's environment; "
+        print("Fix: install verl-dppo (pip install . from a checkout, or its wheel) beside verl==0.9.1 in every node's environment; "
               "VERL_USE_EXTERNAL_PLUGINS must be 'auto' or name 'dppo'.", file=out)
         return 1
     print("OK: verl-dppo is installed and loads with `import verl`.", file=out)
@@ -110,4 +116,7 @@ def add_command(commands) -> None:
     parser = commands.add_parser("doctor", help="check the install: versions, registered modes, anchoring hook")
     parser.add_argument("--no-ray", action="store_true", help="skip the check inside a Ray worker process")
     parser.add_argument("--ray-address", default=None, help="check on this Ray cluster instead of a local instance")
-    parser.set_defaults(handler=lambda args: run(with_ray=not args.no_ray, ray_address=args.ray_address))
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                        help="give up on the Ray worker check after S seconds (default 120)")
+    parser.set_defaults(handler=lambda args: run(with_ray=not args.no_ray, ray_address=args.ray_address,
+                                                 timeout_s=args.timeout))

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-EXIT_USAGE = 2
+from verl_dppo.cli.errors import EXIT_USAGE
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -61,6 +61,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from verl_dppo.cli.compose import (
         RecipeError,
+        check_launch_site,
         check_paths,
         check_supported,
         compose_recipe,
@@ -69,26 +70,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         validate_recipe,
     )
 
+    # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
+    ray_address = os.environ.get("RAY_ADDRESS") or None
+    if ray_address == "local":
+        ray_address = None
     try:
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides)
             validate_recipe(config)
         problems = check_supported(config) + check_paths(config)
+        site = check_launch_site(config, ray_address)
     except RecipeError as error:
         return _print_error(str(error))
 
     if args.dry_run:
+        # A dry run needs no GPU and no engine: what would stop the launch is reported, the YAML still printed.
         for problem in problems:
             print(f"verl-dppo: warning: {problem}", file=sys.stderr)
+        for problem in site:
+            print(f"verl-dppo: warning: at launch from here: {problem}", file=sys.stderr)
         sys.stdout.write(resolved_yaml(config))
         sys.stdout.flush()
         return 0
+    problems += site
+    if len(problems) == 1:
+        return _print_error(f"the run cannot start: {problems[0]}")
     if problems:
         return _print_error("the run cannot start:\n  - " + "\n  - ".join(problems))
-    return _launch(config)
+    return _launch(config, ray_address)
 
 
-def _launch(config) -> int:
+def _launch(config, ray_address) -> int:
     from omegaconf import OmegaConf
 
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -97,16 +109,17 @@ def _launch(config) -> int:
     # Resolve on the driver: ${oc.env:DPPO_ROOT} and the paths checked above are the ones every Ray node uses.
     OmegaConf.resolve(config)
     auto_set_device(config)
-    address = os.environ.get("RAY_ADDRESS")
     print(
         f"verl-dppo: launching {config.dppo.setup} + {config.dppo.method} ({config.trainer.nnodes} node(s) x "
         f"{config.trainer.n_gpus_per_node} GPU(s)) on "
-        + (f"the Ray cluster at RAY_ADDRESS={address}" if address else "a new local Ray instance"),
+        + (f"the Ray cluster at RAY_ADDRESS={ray_address}" if ray_address else "a new local Ray instance"),
         file=sys.stderr,
     )
-    if not config.trainer.use_v1:
-        return _print_error("verl-dppo runs on verl's v1 trainer: remove trainer.use_v1=False")
-    run_ppo(config, task_runner_class=TaskRunnerV1)
+    try:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    except ConnectionError as error:  # the cluster went away between the check and ray.init
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        return _print_error(f"Ray: {lines[0]} (RAY_ADDRESS={ray_address or 'unset'}; check `ray status`)")
     return 0
 
 

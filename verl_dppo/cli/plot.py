@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from verl_dppo.cli.errors import UsageError
+
 DEFAULT_METRICS = (
     "critic/score/mean",
     "val-core/*",
@@ -32,7 +34,7 @@ DEFAULT_METRICS = (
 MAX_DEFAULT_PANELS = 12
 
 
-class PlotError(Exception):
+class PlotError(UsageError):
     """A problem with the user's input: reported as one line, never as a traceback."""
 
 
@@ -80,7 +82,8 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            if position == len(numbered) - 1:
+            # A half-written last row starts like one; anything else (plain text, a CSV) is simply not a row.
+            if position == len(numbered) - 1 and line.startswith("{"):
                 run.warnings.append(f"{path}: line {number} is cut short (run still writing, or killed); skipped it")
             else:
                 bad_lines.append(number)
@@ -100,7 +103,8 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
         shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
         message = f"{path}: {len(bad_lines)} line(s) are not verl file-logger rows {{\"step\": s, \"data\": {{...}}}}"
         if len(bad_lines) == len(numbered) or not run.series:
-            raise PlotError(message + " (no usable row: is this a log written with trainer.logger=['file']?)")
+            raise PlotError(f"{path}: not a verl log: no line is a verl file-logger row {{\"step\": s, \"data\": "
+                            "{...}} (write one with trainer.logger=['console','file'])")
         run.warnings.append(f"{message}; skipped lines {shown}")
     if not run.series:
         if run.warnings:  # the only row was cut short

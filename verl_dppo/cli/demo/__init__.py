@@ -19,6 +19,7 @@ def _handler(args) -> int:
 
 
 def add_command(commands) -> None:
+    from verl_dppo.cli.demo.methods import METHODS
     from verl_dppo.cli.demo.settings import DemoSettings
 
     defaults = DemoSettings()
@@ -35,11 +36,11 @@ def add_command(commands) -> None:
     parser.add_argument("--mini-batches", type=int, default=defaults.mini_batches,
                         help=f"optimizer updates per rollout batch ({defaults.mini_batches})")
     parser.add_argument("--methods", default="", metavar="A,B",
-                        help="comma-separated subset of: pg_is, grpo_clip, dppo_binary_tv, dppo_binary_kl (all)")
+                        help="comma-separated subset of: " + ", ".join(m.name for m in METHODS) + " (default: all)")
     parser.add_argument("--rollout-precision", default=defaults.rollout_precision,
                         choices=("bf16-emulated", "bf16", "fp32"),
                         help="the rollout copy's arithmetic (bf16-emulated: fast on CPU; fp32: no mismatch)")
     parser.add_argument("--workers", type=int, default=defaults.workers,
                         help=f"methods trained at once, one process each ({defaults.workers})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (one line per finished method)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars, one line per finished method (the default when stdout is not a terminal)")
     parser.set_defaults(handler=_handler)

@@ -75,13 +75,13 @@ def actor_config(method: Method, prompts_per_step: int, samples_per_prompt: int,
 
     if prompts_per_step % mini_batches:
         raise ValueError(
-            f"--prompts-per-step ({prompts_per_step}) must be a multiple of --mini-batches ({mini_batches})"
+            f"the {prompts_per_step} prompts per step must split into --mini-batches ({mini_batches}) equal updates"
         )
     mini_batch_prompts = prompts_per_step // mini_batches
     if (mini_batch_prompts * samples_per_prompt) % micro_batch_size:
         raise ValueError(
             f"a mini-batch holds {mini_batch_prompts * samples_per_prompt} sequences, not a multiple of "
-            f"--micro-batch-size ({micro_batch_size})"
+            f"the micro-batch size ({micro_batch_size}): choose another --mini-batches"
         )
     config = {
         "_target_": "verl.workers.config.FSDPActorConfig",

@@ -276,6 +276,7 @@ def summarize(method, settings, warm, scores, clipfracs, blocked_tokens: Blocked
         "initial_reward": warm.train_success_rate,
         "best_reward": float(np.max(scores)) if scores else float("nan"),
         "lowest_window_reward": lowest,
+        "collapse_window": window,
         "collapsed": bool(lowest < COLLAPSE_FRACTION * warm.train_success_rate),
         "masked_frac": float(np.mean(clipfracs)) if clipfracs else float("nan"),
         "seconds": seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import sys
@@ -90,17 +91,23 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     queue = context.Queue()
     bars = {m.name: tqdm(total=settings.steps, desc=f"{m.name:<15}", position=i, disable=not progress,
                          file=stream, mininterval=0.5) for i, m in enumerate(methods)}
-    results = []
     workers = max(1, min(settings.workers, len(jobs)))
     with context.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
-        pending = pool.map_async(_train_one, jobs, chunksize=1)
-        while True:
+        pending = [pool.apply_async(_train_one, (job,)) for job in jobs]
+        reported: set[int] = set()
+        while len(reported) < len(pending):
             _drain(queue, bars)
-            if pending.ready():
-                _drain(queue, bars)
-                break
+            for index, result in enumerate(pending):
+                if index not in reported and result.ready():
+                    reported.add(index)
+                    _drain(queue, bars)
+                    line = _finished_line(result.get())
+                    if progress:
+                        tqdm.write(line, file=stream)
+                    else:
+                        print(line, file=stream, flush=True)
             time.sleep(0.2)
-        results = pending.get()
+        results = [result.get() for result in pending]
     for bar in bars.values():
         bar.close()
 
@@ -116,6 +123,15 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
         print(f"{result['method']} FAILED: {result['error']}\n{result['traceback']}", file=sys.stderr)
     print(f"total time {time.perf_counter() - start:.0f} s", file=stream)
     return 1 if failed else 0
+
+
+def _finished_line(result: dict) -> str:
+    """One line per finished method (what a log file gets instead of progress bars)."""
+    if "error" in result:
+        return f"{result['method']}: FAILED ({result['error']})"
+    return (f"{result['method']}: done, {result['steps']} steps in {result['seconds']:.0f} s, final reward "
+            f"{result['final_reward']:.2f} (start {result['initial_reward']:.2f})"
+            + (", collapsed" if result["collapsed"] else ""))
 
 
 def _drain(queue, bars) -> None:
@@ -134,7 +150,8 @@ def _drain(queue, bars) -> None:
 def table(results: list[dict], settings: DemoSettings) -> str:
     """The final table, markdown so it pastes into a README."""
     lines = [
-        f"| method | final reward (last {results[0]['final_window']} steps) | lowest 20-step reward | collapsed "
+        f"| method | final reward (last {results[0]['final_window']} steps) | lowest "
+        f"{results[0].get('collapse_window', 20)}-step reward | collapsed "
         "| masked fraction | blocked updates with mu < 0.2 | time |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -164,15 +181,43 @@ def _write_summary(out_dir, settings, warm, results, seconds) -> None:
         json.dump(summary, handle, indent=1)
 
 
+def check_settings(settings: DemoSettings) -> None:
+    """Every flag checked before the warm-up: a bad value is one line naming the flag, not a traceback later."""
+    from verl_dppo.cli.errors import UsageError
+
+    if settings.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {settings.steps}")
+    if settings.seed < 0:
+        raise UsageError(f"--seed must be >= 0 (torch and numpy take unsigned seeds), got {settings.seed}")
+    if not (math.isfinite(settings.lr) and settings.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {settings.lr:g}")
+    if settings.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {settings.workers}")
+    prompts, samples, micro = settings.prompts_per_step, settings.samples_per_prompt, settings.micro_batch_size
+
+    def fits(updates: int) -> bool:  # equal mini-batches of prompts, each a whole number of micro-batches
+        return updates >= 1 and prompts % updates == 0 and (prompts // updates * samples) % micro == 0
+
+    if not fits(settings.mini_batches):
+        choices = [str(d) for d in range(1, prompts + 1) if fits(d)]
+        raise UsageError(
+            f"--mini-batches {settings.mini_batches}: each rollout batch ({prompts} prompts x {samples} samples) "
+            f"is split into that many equal updates of whole {micro}-sequence micro-batches; choose one of "
+            f"{', '.join(choices)}"
+        )
+
+
 def main_from_args(args) -> int:
+    from verl_dppo.cli.errors import UsageError, writable_folder
+
     methods = [name.strip() for name in args.methods.split(",") if name.strip()]
     settings = replace(DemoSettings(), steps=args.steps, seed=args.seed, lr=args.lr, mini_batches=args.mini_batches,
                        methods=methods, rollout_precision=args.rollout_precision, workers=args.workers)
-    if settings.steps < 1:
-        print("verl-dppo demo: error: --steps must be >= 1", file=sys.stderr)
-        return 2
+    check_settings(settings)
+    out_dir = writable_folder(args.out, "--out")
+    # Bars only on a terminal: `make demo > log 2>&1` gets plain lines, not cursor escapes.
+    progress = not args.no_progress and sys.stdout.isatty()
     try:
-        return run_demo(settings, args.out, progress=not args.no_progress)
+        return run_demo(settings, out_dir, progress=progress)
     except (ValueError, RuntimeError) as error:  # settings or warm-up problems: one line, the setting to change
-        print(f"verl-dppo demo: error: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(f"demo: {error}") from None
