@@ -76,10 +76,30 @@ def _read_info(group: str, name: str) -> RecipeInfo:
 
     path = recipes_dir() / group / f"{name}.yaml"
     text = path.read_text(encoding="utf-8")
-    # The summary is the first comment line after the package header.
-    comments = [line[1:].strip() for line in text.splitlines() if line.startswith("#") and "@package" not in line]
+    # The summary is the first sentence of the comment block that opens the file (after the package header).
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if "@package" not in line:
+            header.append(line[1:].strip())
     node = OmegaConf.create(text).get("dppo", {})
-    return RecipeInfo(name=name, figure=str(node.get(f"{group}_figure", "")), summary=comments[0] if comments else "")
+    return RecipeInfo(name=name, figure=str(node.get(f"{group}_figure", "")), summary=_first_sentence(" ".join(header)))
+
+
+_ABBREVIATIONS = ("Sec", "Fig", "Figs", "App", "Eq", "al", "e.g", "i.e", "a.k.a", "vs", "cf")
+
+
+def _first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (not the one in "Sec. 5", "et al. 2025" or "App. G.1")."""
+    import re
+
+    for match in re.finditer(r"\.(?=\s+[A-Za-z(\[]|$)", text):
+        words = text[: match.start()].split()
+        if words and words[-1].strip("(") in _ABBREVIATIONS:
+            continue
+        return text[: match.end()]
+    return text
 
 
 def list_recipes() -> dict[str, list[RecipeInfo]]:

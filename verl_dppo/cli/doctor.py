@@ -57,7 +57,8 @@ def probe_ray_worker(address: Optional[str] = None, timeout_s: float = 120.0) ->
 from verl_dppo.cli.ray_probe import RayUnreachable, check_address  # noqa: E402  (stdlib only)
 
 
-def run(with_ray: bool = True, ray_address: Optional[str] = None, out=sys.stdout, timeout_s: float = 120.0) -> int:
+def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, timeout_s: float = 120.0) -> int:
+    out = out or sys.stdout
     if with_ray and ray_address:  # before anything slow: a wrong address is one line, at once
         check_address(ray_address, "--ray-address")
     problems, warnings = [], []

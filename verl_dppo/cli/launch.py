@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from verl_dppo.cli.errors import EXIT_USAGE
+from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -75,12 +75,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if ray_address == "local":
         ray_address = None
     try:
+        if ray_address and not args.dry_run:  # a silent address is refused at once, before composing anything
+            from verl_dppo.cli.ray_probe import check_address
+
+            check_address(ray_address, "RAY_ADDRESS")
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides)
             validate_recipe(config)
         problems = check_supported(config) + check_paths(config)
         site = check_launch_site(config, ray_address)
-    except RecipeError as error:
+    except UsageError as error:
         return _print_error(str(error))
 
     if args.dry_run:

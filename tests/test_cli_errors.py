@@ -1,0 +1,256 @@
+"""Every command's bad inputs (issue 12): one line on stderr naming what to change, exit 2, never a traceback, and
+before any slow work (no warm-up, no download, no Ray start). `run --dry-run` refuses what the launch refuses.
+
+Most cases call `verl_dppo.cli.main` in-process (what the `verl-dppo` script calls); the few that concern the
+process itself (a closed pipe, the installed script, an environment variable) run it through `subprocess`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from verl_dppo.cli import main
+
+BIN = os.path.dirname(sys.executable)
+
+
+def assert_one_line_error(capsys, argv, *fragments, code=2):
+    started = time.perf_counter()
+    assert main(argv) == code, argv
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "warning" not in line
+             and "[validate_config]" not in line]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and "error:" in lines[0], (argv, err)
+    for fragment in fragments:
+        assert fragment in lines[0], (argv, fragment, lines[0])
+    return time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------------------------- demo
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--out", "/proc/verl-dppo-x"], ["--out /proc/verl-dppo-x", "cannot create"]),
+        (["--out", "{file}"], ["is a file, not a folder"]),
+        (["--mini-batches", "0"], ["--mini-batches 0", "choose one of 1, 2, 4, 8"]),
+        # the message names the real flag (there is no --prompts-per-step)
+        (["--mini-batches", "3"], ["--mini-batches 3", "choose one of 1, 2, 4, 8"]),
+        (["--lr", "-1"], ["--lr must be a positive number"]),
+        (["--lr", "nan"], ["--lr must be a positive number"]),
+        (["--seed", "-1"], ["--seed must be >= 0"]),
+        (["--steps", "0"], ["--steps must be >= 1"]),
+        (["--workers", "0"], ["--workers must be >= 1"]),
+    ],
+)
+def test_demo_bad_flags_are_one_line_before_the_warm_up(tmp_path, capsys, argv, fragments):
+    existing = tmp_path / "a_file"
+    existing.write_text("x")
+    argv = [part.format(file=existing) for part in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    seconds = assert_one_line_error(capsys, ["demo", *argv], *fragments)
+    assert seconds < 5  # refused before the warm-up (about 20 s), which would also have written warmup.pt
+    assert not (tmp_path / "out" / "warmup.pt").exists()
+
+
+def test_demo_help_lists_every_method(capsys):
+    from verl_dppo.cli.demo.methods import METHODS
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for method in METHODS:
+        assert method.name in text
+
+
+# ---------------------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize(
+    "name, content, fragments",
+    [
+        ("bad.jsonl", '{"problem": "1+1", "answer": "2"}\n{bad\n', ["bad.jsonl: line 2: not valid JSON"]),
+        ("string.json", '"hello"', ["expected a JSON list of rows", "found str"]),
+        ("numbers.json", "[1, 2]", ["row 0 is a int"]),
+        ("broken.parquet", "not parquet", ["not a readable parquet file"]),
+        ("rows.csv", "a,b", ["expected a .parquet, .json or .jsonl file"]),
+    ],
+)
+def test_data_unreadable_input_files(tmp_path, capsys, name, content, fragments):
+    source = tmp_path / name
+    source.write_text(content)
+    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", str(tmp_path / "o")],
+                          *fragments)
+
+
+def test_data_unwritable_out_is_refused_before_reading(tmp_path, capsys):
+    source = tmp_path / "good.jsonl"
+    source.write_text('{"problem": "1+1", "answer": "2"}\n')
+    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", "/proc/verl-dppo-x"],
+                          "--out /proc/verl-dppo-x")
+    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", str(source)],
+                          "is a file, not a folder")
+
+
+# ---------------------------------------------------------------------------------------------------- plot
+@pytest.mark.parametrize("content", ["hello world\n", "step,reward\n1,0.5\n"])
+def test_plot_on_plain_text_says_not_a_verl_log(tmp_path, capsys, content):
+    log = tmp_path / "notes.txt"
+    log.write_text(content)
+    assert_one_line_error(capsys, ["plot", str(log), "-o", str(tmp_path / "f.png")], "not a verl log")
+
+
+# --------------------------------------------------------------------------------------------------- doctor
+def test_doctor_with_a_silent_ray_address_answers_at_once(capsys):
+    # Nothing listens on port 9: ray.init would retry for minutes; the doctor checks the address first.
+    seconds = assert_one_line_error(capsys, ["doctor", "--ray-address", "127.0.0.1:9"],
+                                    "--ray-address=127.0.0.1:9", "ray start --head")
+    assert seconds < 10
+
+
+def test_ray_probe_is_killed_at_its_deadline():
+    from verl_dppo.cli.ray_probe import RayUnreachable, run_probe
+
+    started = time.perf_counter()
+    with pytest.raises(RayUnreachable, match="did not answer within 0.5 s"):
+        run_probe("worker", None, timeout_s=0.5)
+    assert time.perf_counter() - started < 10
+
+
+def test_doctor_warns_without_a_rollout_engine(capsys, monkeypatch):
+    from verl_dppo.cli import doctor
+
+    monkeypatch.setattr(doctor, "_version_of", lambda package: None if package in ("vllm", "sglang") else "0.9.1")
+    doctor.run(with_ray=False)
+    assert "WARNING: neither vLLM nor SGLang is installed" in capsys.readouterr().out
+
+
+# -------------------------------------------------------------------------------------------------- recipes
+def test_recipes_into_a_closed_pipe_exits_quietly():
+    # `verl-dppo recipes -v | head -1`: the reader closes the pipe after one line.
+    reader = subprocess.Popen(["head", "-n", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.run([os.path.join(BIN, "verl-dppo"), "recipes", "-v"], stdout=reader.stdin,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    reader.stdin.close()
+    reader.wait(timeout=30)
+    assert writer.returncode == 0 and writer.stderr == "", writer.stderr
+
+
+def test_recipes_summaries_are_whole_sentences(capsys):
+    assert main(["recipes", "-v"]) == 0
+    out = capsys.readouterr().out
+    summaries = [line.strip() for line in out.splitlines() if line.startswith("   ") and line.strip()]
+    assert summaries and all(line.endswith(".") for line in summaries), summaries
+
+
+# ------------------------------------------------------------------------------------------------------ run
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    """A DPPO_ROOT whose model folder and data files the pre-flight checks accept."""
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    model = tmp_path / "models" / "Qwen3-8B-Base"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    row = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "1+1"}], "ability": "math",
+           "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}
+    for name in ("dapo-math", "aime24", "aime25"):
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / "data" / f"{name}.parquet")
+    return tmp_path
+
+
+DRY = ["run", "dense_8b", "--method", "dppo_binary_tv", "--dry-run"]
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        # the launch runs verl's v1 trainer only: a dry run refuses the legacy one too
+        ("trainer.use_v1=False", ["trainer.use_v1=False", "remove trainer.use_v1=False"]),
+        ("data.train_batch_size=abc", ["data.train_batch_size=abc: expected an integer"]),
+        ("actor_rollout_ref.actor.optim.lr=fast", ["optim.lr=fast: expected a number"]),
+        ("trainer.val_before_train=maybe", ["expected a boolean"]),
+        ("optim.lr=1e-6", ["Did you mean actor_rollout_ref.actor.optim.lr"]),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv", ["Did you mean 'dppo_binary_tv'"]),
+        # DPPOLossConfig's own check is reported as the plugin's, not as verl's validate_config
+        ("actor_rollout_ref.actor.policy_loss.anchor=both", ["verl-dppo rejects actor_rollout_ref.actor.policy_loss",
+                                                              "anchor must be one of"]),
+    ],
+)
+def test_dry_run_refuses_what_the_launch_refuses(root, capsys, override, fragments):
+    assert_one_line_error(capsys, [*DRY, override], *fragments)
+    assert capsys.readouterr().out == ""
+
+
+def test_plus_prefixed_overrides_are_accepted_as_in_main_ppo(root, capsys):
+    assert main([*DRY, "+actor_rollout_ref.actor.policy_loss.delta_low=0.1"]) == 0
+    assert "delta_low: 0.1" in capsys.readouterr().out
+
+
+def test_launch_pre_flight_checks_the_model_folder_and_the_data_files(root, capsys):
+    (root / "models" / "Qwen3-8B-Base" / "config.json").unlink()
+    (root / "data" / "aime24.parquet").write_text("not parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": "1+1"}]), root / "data" / "aime25.parquet")
+    # A dry run warns (and prints the YAML); the launch refuses, before any Ray start.
+    assert main(DRY) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("actor_rollout_ref:") or "actor_rollout_ref:" in captured.out
+    for fragment in ("holds no config.json", "hf download Qwen/Qwen3-8B-Base",
+                     "aime24.parquet is not readable as parquet",
+                     "aime25.parquet lacks the column(s) verl reads: prompt, data_source, reward_model",
+                     "at launch from here"):
+        assert fragment in captured.err, fragment
+    assert main(DRY[:-1]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the run cannot start" in err and "holds no config.json" in err
+
+
+def test_launch_pre_flight_checks_gpus_engine_and_nodes_here(root, capsys):
+    import importlib.util
+
+    assert main([*DRY[:-1], "trainer.nnodes=2"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "trainer.nnodes=2 needs a Ray cluster" in err
+    import torch
+
+    if torch.cuda.device_count() < 8:
+        assert "trainer.n_gpus_per_node=8, but" in err
+    if importlib.util.find_spec("vllm") is None:
+        assert "vllm is not installed here" in err
+
+
+def test_run_with_no_ray_cluster_is_one_line_not_a_ray_traceback(root):
+    env = dict(os.environ, RAY_ADDRESS="127.0.0.1:9", DPPO_ROOT=str(root))
+    result = subprocess.run([os.path.join(BIN, "verl-dppo"), *DRY[:-1]], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "RAY_ADDRESS=127.0.0.1:9: no Ray cluster answers there" in result.stderr
+    assert result.stdout == ""
+
+
+def test_top_level_guard_turns_user_errors_into_one_line(capsys, monkeypatch):
+    from verl_dppo.cli import launch
+
+    def broken(args):
+        raise PermissionError(13, "Permission denied", "/root/dppo/data")
+
+    monkeypatch.setattr(launch, "cmd_recipes", broken)  # main() builds its parser afresh: it picks this up
+    assert_one_line_error(capsys, ["recipes"], "/root/dppo/data: Permission denied")
+
+
+def test_guard_reports_a_ray_connection_error_in_one_line(capsys, monkeypatch):
+    from verl_dppo.cli import launch
+
+    def no_cluster(args):
+        raise ConnectionError("Could not find any running Ray instance.\nPlease specify the one to connect to")
+
+    monkeypatch.setattr(launch, "cmd_recipes", no_cluster)
+    assert_one_line_error(capsys, ["recipes"], "Could not find any running Ray instance", "ray start --head")
