@@ -1,16 +1,16 @@
 """Benchmark of the Top-K divergence (Eq. 15/16) and of the vLLM top-K extraction.
 
-    .venv/bin/python bench/bench_topk.py                     # N=2048, V=151,936, bf16, CPU (the issue's goal)
+    .venv/bin/python bench/bench_topk.py                     # N=2048, V=151,936 (Qwen3's vocabulary), bf16, CPU
     .venv/bin/python bench/bench_topk.py --device cuda --n 16384
 
-Part 1, `topk_divergence` against the naive `log_softmax(logits.float())` + gather (the reference fork's way),
-same inputs, same run: extra peak memory as a fraction of the logits tensor (goal <= 0.25x, stretch 0.1x) and
-time (goal <= 1x the naive baseline). On CPU the peak is the process's resident-set high-water mark, reset before
+Part 1, `topk_divergence` against the naive `log_softmax(logits.float())` + gather (the straightforward
+implementation), same inputs, same run: extra peak memory as a fraction of the logits tensor (target <= 0.25x, ideally 0.1x) and
+time (target <= 1x the naive baseline). On CPU the peak is the process's resident-set high-water mark, reset before
 each measurement (/proc/self/clear_refs); on CUDA, torch.cuda.max_memory_allocated.
 
 Part 2, the vectorised extraction of K ids/log-probs per generated token from vLLM-shaped `logprobs` (a list of
 {token_id: Logprob(logprob, rank, decoded_token)} dicts) against a per-token loop that sorts each dict by rank
-(goal >= 5x).
+(target >= 5x).
 """
 
 from __future__ import annotations
