@@ -13,13 +13,13 @@ into a run: that the loss mode is registered.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.errors import UsageError
+from verl_dppo.cli.preflight import check_launch_site, check_paths  # noqa: F401  (part of this module's API)
 
 __all__ = [
     "RecipeError",
@@ -63,7 +63,7 @@ def recipes_dir() -> Path:
             return candidate
     raise RecipeError(
         "verl-dppo's recipes are missing (looked in: " + ", ".join(map(str, candidates)) + "); reinstall verl-dppo "
-        "(`pip install -e .` from a checkout, or `pip install verl-dppo`)."
+        "(`pip install -e .` from a checkout, or its wheel)."
     )
 
 
@@ -381,118 +381,6 @@ def _check_anchor(config: Any) -> None:
             "the DPPO losses need the rollout engine's log-probs (mu): set "
             "actor_rollout_ref.rollout.calculate_log_probs=True."
         )
-
-
-def _as_list(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(item) for item in value]
-
-
-def check_paths(config: Any) -> list[str]:
-    """Problems with the run's local files (data and model), each saying how to fix it; [] when all is usable:
-    the data files exist and are parquet with the columns verl reads, the model folder holds a config.json."""
-    problems = []
-    data = config.data
-    columns = [data.get("prompt_key", "prompt"), data.get("reward_fn_key", "data_source"), "reward_model"]
-    for key in ("train_files", "val_files"):
-        for path in _as_list(data.get(key)):
-            file = Path(os.path.expanduser(path))
-            if not file.exists():
-                name = Path(path).stem
-                problems.append(
-                    f"data.{key}: {path} does not exist. Write it with `verl-dppo data {name} --out "
-                    f"{Path(path).parent}`, or point data.{key} at your copy (or set DPPO_ROOT; now "
-                    f"{config.dppo.root})."
-                )
-                continue
-            problem = _parquet_problem(file, columns)
-            if problem:
-                problems.append(f"data.{key}: {path} {problem}")
-    model_path = str(config.actor_rollout_ref.model.path)
-    model_dir = Path(os.path.expanduser(model_path))
-    if model_path.startswith(("/", "~", ".")):
-        download = (f"Download it with `hf download {config.dppo.get('model_id') or '<hub id>'} --local-dir "
-                    f"{model_path}`, or set actor_rollout_ref.model.path (or DPPO_ROOT; now {config.dppo.root}).")
-        if not model_dir.exists():
-            problems.append(f"actor_rollout_ref.model.path: {model_path} does not exist. {download}")
-        elif not (model_dir / "config.json").is_file():
-            problems.append(
-                f"actor_rollout_ref.model.path: {model_path} holds no config.json (an unfinished download, or the "
-                f"wrong folder). {download}"
-            )
-    return problems
-
-
-def _parquet_problem(file: Path, columns: Sequence[str]) -> Optional[str]:
-    """None when `file` is a parquet file with `columns` (what verl's RLHFDataset and reward manager read)."""
-    import pyarrow.parquet as pq
-
-    if file.is_dir():
-        return "is a folder; name the .parquet file"
-    try:
-        names = set(pq.read_schema(file).names)
-    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
-        return f"is not readable as parquet ({' '.join(str(error).split())[:200]}); write it with `verl-dppo data`"
-    missing = [column for column in columns if column not in names]
-    if missing:
-        return (f"lacks the column(s) verl reads: {', '.join(missing)} (has {', '.join(sorted(names))}); "
-                "convert it with `verl-dppo data NAME --from-file` or set data.prompt_key / data.reward_fn_key")
-    return None
-
-
-def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: float = 60.0) -> list[str]:
-    """Where the run would start: the rollout engine importable, enough GPUs here (local Ray) or in the cluster
-    (RAY_ADDRESS, asked within `ray_timeout_s`). Problems, each saying what to change; [] when it can start."""
-    import importlib.util
-
-    problems = []
-    trainer = config.trainer
-    wanted = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
-    engine = str(config.actor_rollout_ref.rollout.get("name", ""))
-    if engine in ("vllm", "sglang") and importlib.util.find_spec(engine) is None:
-        problems.append(
-            f"actor_rollout_ref.rollout.name={engine}: {engine} is not installed here (pip install verl[{engine}] "
-            "on every node, or choose the other engine)"
-        )
-    if not ray_address:
-        if int(trainer.nnodes) > 1:
-            problems.append(
-                f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: start one (`ray start --head` / "
-                "`ray start --address=...` on each node) and set RAY_ADDRESS, or set trainer.nnodes=1"
-            )
-        if str(trainer.get("device", "cuda")) == "cuda":
-            visible = _visible_gpus()
-            if visible < int(trainer.n_gpus_per_node):
-                problems.append(
-                    f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}, but {visible} GPU(s) are visible here "
-                    "(local Ray): set trainer.n_gpus_per_node, or RAY_ADDRESS to a cluster"
-                )
-        return problems
-    from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
-
-    try:
-        check_address(ray_address, "RAY_ADDRESS")
-        resources = run_probe("resources", ray_address, ray_timeout_s)
-    except RayUnreachable as error:
-        return problems + [str(error)]
-    if resources.get("GPU", 0) < wanted:
-        problems.append(
-            f"trainer.nnodes x trainer.n_gpus_per_node = {wanted} GPU(s), but the Ray cluster at {ray_address} has "
-            f"{resources.get('GPU', 0):g} ({resources.get('nodes', '?')} node(s)): lower them or add nodes"
-        )
-    return problems
-
-
-def _visible_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # no CUDA build, no driver: none visible
-        return 0
 
 
 def check_supported(config: Any) -> list[str]:

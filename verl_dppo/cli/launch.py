@@ -60,7 +60,6 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from verl_dppo.cli.compose import (
-        RecipeError,
         check_launch_site,
         check_paths,
         check_supported,
