@@ -317,6 +317,19 @@ def test_gradcheck_of_the_per_token_loss_through_the_projection():
     torch.testing.assert_close(total, policy_grad + ours, rtol=1e-10, atol=1e-12)
 
 
+def test_gradcheck_with_the_paper_support_rule():
+    """The paper's 1 - 1e-5 / K = 64 on a small vocabulary: the support holds nearly every token."""
+    logits, ids, lps, sampled, sampled_lp = make_case(5, 12, reported=8, seed=12)
+    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.7], dtype=torch.float64)
+
+    def policy_term(x):
+        return troll_token_loss(troll_token_terms(x, ids, lps, sampled, sampled_lp), advantages, alpha=0.0)
+
+    projected = troll_token_terms(logits, ids, lps, sampled, sampled_lp).diagnostics["projected"]
+    assert bool(projected.any()) and bool((~projected).any())
+    torch.autograd.gradcheck(policy_term, (logits.clone().requires_grad_(),))
+
+
 def peaked_case(dtype):
     """Rows with top-1 probability 1 - 1e-9 under pi, mu elsewhere, log-probs down to -100, and flat rows."""
     rows, vocab, reported = 6, 40, 8
