@@ -1,5 +1,6 @@
 """`topk_divergence` against an independent brute-force float64 reference of Eq. (15)/(16), and the ordering
-Binary <= Top-K <= exact (data processing: each is a coarsening of the next)."""
+Binary <= Top-K <= exact (data processing: each is a coarsening of the next); then on rows as peaked as a real
+LLM's (top-1 probability up to 1 - 1e-9), where pi's "other" mass must be summed from the complement (issue 8.1)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import math
 import pytest
 import torch
 
-from verl_dppo.divergence import binary_kl, binary_tv, topk_divergence
-from verl_dppo.topk import TopKInputError
+from reference import llm_logits, rollout_topk, topk_mismatch, topk_reference
+from verl_dppo.math.divergence import binary_kl, binary_tv
+from verl_dppo.math.topk import TopKInputError, topk_divergence
 
 VOCAB = 50
 
@@ -88,6 +90,16 @@ def test_binary_le_topk_le_exact(k):
     assert (tv > binary_tv(sampled_lp, pi_sampled) + 1e-4).any() and (kl < exact_kl - 1e-4).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_callers_logits_are_left_untouched(dtype):
+    """The chunks are overwritten in place (exp of the shifted logits): never the caller's tensor."""
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(9, 4, seed=6, inside=False, dtype=dtype)
+    before = pi_logits.clone()
+    for mask in (None, torch.arange(9) % 2 == 0):
+        topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, mask=mask, chunk_bytes=1)
+        assert torch.equal(pi_logits, before)
+
+
 def test_k_covering_the_vocabulary_is_exact():
     pi_logits, mu_logp, topk_ids, topk_lp, sampled, sampled_lp = random_case(4, VOCAB, seed=9, inside=True)
     tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp)
@@ -145,3 +157,55 @@ def test_bad_inputs_raise_clear_errors():
         topk_divergence(pi_logits, topk_ids, topk_lp[:, :2], sampled, sampled_lp)
     with pytest.raises(TopKInputError, match="NaN"):
         topk_divergence(pi_logits, topk_ids, topk_lp.clone().fill_(math.nan), sampled, sampled_lp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 8.1: rows as peaked as a real LLM's. pi(other) summed from the complement, never 1 - (kept mass): before,
+# pi == mu on peaked rows gave D_KL = +inf (the kept mass rounded to 1 in float32, pi(other) to 0).
+
+QWEN3_VOCAB = 151_936
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identical_peaked_policies_give_finite_kl_near_zero(dtype):
+    """The issue's measurement at a smaller N: pi == mu (the engine's float32 log-softmax of the same logits),
+    V = 151,936, a dominant token 5-40 nats above the rest, K = 20. Before the fix 7% of such rows were +inf."""
+    rows, k = 64, 20
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(rows, QWEN3_VOCAB, generator=gen) * 2
+    top = torch.randint(0, QWEN3_VOCAB, (rows,), generator=gen)
+    logits[torch.arange(rows), top] = logits.max(-1).values + 5 + 35 * torch.rand(rows, generator=gen)
+    logits = logits.to(dtype)
+    mu_logp = torch.log_softmax(logits.float(), -1)
+    topk_lp, topk_ids = mu_logp.topk(k, -1)
+    sampled = torch.multinomial(mu_logp.double().exp(), 1, generator=gen).squeeze(1)
+    sampled[::2] = topk_ids[::2, 0]  # a_t is the dominant token on half the rows
+    sampled_lp = mu_logp.gather(1, sampled[:, None]).squeeze(1)
+    tv, kl = topk_divergence(logits, topk_ids, topk_lp, sampled, sampled_lp)
+    assert torch.isfinite(kl).all(), f"{int((~torch.isfinite(kl)).sum())} of {rows} rows give D_KL = inf"
+    # What remains is the engine's float32 log-softmax (log mu off pi's by up to ~6e-5 on these rows): far below
+    # any delta.
+    assert kl.max() < 1e-4 and tv.max() < 1e-3
+    bad_tv, bad_kl = topk_mismatch(tv, kl, *topk_reference(logits, topk_ids, topk_lp, sampled, sampled_lp))
+    assert not bad_tv.any() and not bad_kl.any()
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["sampled_in_topk", "sampled_outside_topk"])
+@pytest.mark.parametrize("perturb", [0.0, 0.05, 1.0], ids=["pi_eq_mu", "mu_off_by_0.05", "mu_off_by_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("top1", [1 - 1e-9, 1 - 1e-7, 1 - 1e-5, 1 - 1e-3], ids=lambda p: f"top1=1-{1 - p:.0e}")
+@pytest.mark.parametrize("k", [1, 5, 20, 64])
+def test_peaked_rows_match_the_complement_reference(k, top1, dtype, perturb, inside):
+    """Issue 8.1's requirement, Eq. (15)/(16): TV within 1e-4 and KL within 2% (relative to max(ref, 1e-4)) of
+    a float64 reference that sums pi over the complement of A'_t directly, and finite wherever it is."""
+    rows, vocab, seed = 8, 8192, k * 1000 + int(-math.log10(1 - top1))
+    logits = llm_logits(rows, vocab, seed, top1_prob=top1).to(dtype)
+    mu_logits = logits.double()
+    if perturb:
+        mu_logits = mu_logits + perturb * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+    _, topk_ids, topk_lp, sampled, sampled_lp = rollout_topk(mu_logits, k, seed, inside)
+    tv, kl = topk_divergence(logits, topk_ids, topk_lp, sampled, sampled_lp)
+    ref_tv, ref_kl = topk_reference(logits, topk_ids, topk_lp, sampled, sampled_lp)
+    bad_tv, bad_kl = topk_mismatch(tv, kl, ref_tv, ref_kl)
+    assert not bad_tv.any(), f"TV {tv[bad_tv].tolist()} vs reference {ref_tv[bad_tv].tolist()}"
+    assert not bad_kl.any(), f"KL {kl[bad_kl].tolist()} vs reference {ref_kl[bad_kl].tolist()}"

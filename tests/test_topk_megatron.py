@@ -1,8 +1,9 @@
 """Top-K DPPO on Megatron's vocabulary-parallel logits, without Megatron: two CPU processes in a gloo group, each
 holding half of the vocabulary, stand for two tensor-parallel ranks.
 
-1. `vocab_parallel_topk_divergence` (all-reduced max / sum of exp, owner-only gather) equals the unsharded
-   `topk_divergence` on the same logits, row for row (Eq. 15/16 reduction shared by both).
+1. `vocab_parallel_topk_divergence` (all-reduced max / sum of exp outside A'_t, owner-only gather) equals the
+   unsharded `topk_divergence` on the same logits, row for row (Eq. 15/16 reduction shared by both), and a float64
+   reference on rows as peaked as a real LLM's (top-1 probability up to 1 - 1e-9).
 2. The engine's hook (verl's wrapped `ppo_loss(student_logits=..., data=..., data_format=...)`, as
    `MegatronEngineWithLMHead._lm_head_logits_processor` calls it) lays the rollout's fields out like verl's own
    `preprocess_thd_engine` / `preprocess_bshd_engine` lay out the input ids: its output, gathered back with
@@ -51,7 +52,7 @@ def _random_rows(seed: int, rows: int, dtype: torch.dtype):
 
 
 def _math_rank(rank: int, init_file: str) -> None:
-    from verl_dppo.topk import TopKInputError, topk_divergence, vocab_parallel_topk_divergence
+    from verl_dppo.math.topk import TopKInputError, topk_divergence, vocab_parallel_topk_divergence
 
     _init(rank, init_file)
     half = VOCAB // TP
@@ -70,12 +71,37 @@ def _math_rank(rank: int, init_file: str) -> None:
                 assert g.dtype == torch.float32 and g.shape == (37,)
                 where = f"{dtype} chunk {chunk_bytes} rank {rank}"
                 torch.testing.assert_close(g, w, rtol=tol, atol=tol / 10, msg=lambda m: f"{where}: {m}")
+    _check_peaked_rows(rank)
     # Checked before any collective, on data every rank holds: all ranks raise, none waits on the others.
     bad = ids.clone()
     bad[0, 0] = VOCAB
     with pytest.raises(TopKInputError, match="outside the vocabulary"):
         vocab_parallel_topk_divergence(shard, rank * half, VOCAB, None, bad, lp, sampled, sampled_lp)
     dist.destroy_process_group()
+
+
+def _check_peaked_rows(rank: int) -> None:
+    """Issue 8.1 on the vocabulary-parallel path: top-1 probability up to 1 - 1e-9, pi == mu and not, bf16 and
+    float32 logits. pi(other) is each rank's sum of exp outside A'_t, all-reduced: finite and within issue 8's
+    tolerances of the float64 reference that sums the complement directly (before: D_KL = +inf on such rows)."""
+    from reference import llm_logits, rollout_topk, topk_mismatch, topk_reference
+    from verl_dppo.math.topk import vocab_parallel_topk_divergence
+
+    vocab, rows = 4096, 16
+    half = vocab // TP
+    for seed, (top1, k, dtype, perturb) in enumerate(
+        [(1 - 1e-9, 20, torch.bfloat16, 0.0), (1 - 1e-7, 1, torch.float32, 0.0), (1 - 1e-9, 64, torch.float32, 0.05),
+         (1 - 1e-5, 5, torch.bfloat16, 1.0)]
+    ):
+        logits = llm_logits(rows, vocab, seed, top1_prob=top1).to(dtype)
+        mu_logits = logits.double() + perturb * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+        for inside in (True, False):
+            _, ids, lp, sampled, sampled_lp = rollout_topk(mu_logits, k, seed, inside)
+            shard = logits[:, rank * half : (rank + 1) * half]
+            tv, kl = vocab_parallel_topk_divergence(shard, rank * half, vocab, None, ids, lp, sampled, sampled_lp)
+            bad_tv, bad_kl = topk_mismatch(tv, kl, *topk_reference(logits, ids, lp, sampled, sampled_lp))
+            where = f"top1=1-{1 - top1:.0e} K={k} {dtype} perturb={perturb} inside={inside} rank {rank}"
+            assert not bad_tv.any() and not bad_kl.any(), f"{where}: TV {tv.tolist()} KL {kl.tolist()}"
 
 
 def test_vocab_parallel_topk_divergence_equals_unsharded():
@@ -215,7 +241,7 @@ def test_train_batch_turns_the_hook_on_for_the_megatron_engine_and_names_its_set
     from verl.workers.engine_workers import TrainingWorker
 
     from helpers import actor_config
-    from verl_dppo.adapter.topk_actor import prepare_train_batch
+    from verl_dppo.patches.engine_workers import prepare_train_batch
 
     worker = object.__new__(TrainingWorker)
     worker.loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_topk_tv", topk=K))

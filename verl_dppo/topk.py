@@ -1,25 +1,34 @@
 """Top-K divergences between the rollout policy mu and the current policy pi, paper Eq. (15) and (16).
 
-Pure torch (no verl import). Public entry point: `verl_dppo.divergence.topk_divergence` (re-exported there).
+Pure torch (no verl import). Public entry point: `topk_divergence`, imported from `verl_dppo.math.topk`.
 
 Per response token t, with a_t the sampled token:
 
     A'_t   = TopK(mu(.|s_t), K)  U  {a_t}                  (the union: K or K + 1 tokens)
-    mu', pi' = mu and pi reduced to A'_t U {other},  other = 1 - (mass kept on A'_t), floored at 0
+    mu', pi' = mu and pi reduced to A'_t U {other}, other = the mass outside A'_t
     D_TV   = 1/2 * sum_{x in A'_t U {other}} |mu'(x) - pi'(x)|                                      (15)
     D_KL   = sum_{x in A'_t U {other}} mu'(x) log(mu'(x) / pi'(x))   = KL(mu' || pi')              (16)
 
 Coarsening a distribution can only shrink an f-divergence (data processing), and {a_t, other} is a coarsening of
 A'_t U {other}: Binary <= Top-K <= exact, for TV and KL alike.
 
-Memory: pi is needed only on the K + 1 ids of each row plus its log-normaliser log Z = logsumexp(logits). Both are
-computed in row chunks of a few MiB: a float32 [N, V] tensor (the 4.7 GB that a naive `log_softmax(logits.float())`
-allocates at N = 8192, V = 151,936) never exists. The small [N, K + 1] arithmetic runs in float64.
+"other" is computed differently on the two sides. mu is known only through the engine's top-K, so mu'(other) =
+1 - (mu's mass on A'_t), floored at 0 (log1mexp of a float64 logsumexp). pi'(other) is summed from the complement
+itself: sum over the logits outside A'_t of exp(logit - max), divided by the same sum over the whole row. Taking it
+as 1 - (pi's kept mass) instead cancels: on a row whose top-1 probability is 1 - 1e-7 the kept mass rounds to 1 in
+float32, pi'(other) becomes 0 while mu'(other) is ~1e-7, and D_KL = +inf where the true value is ~0. pi'(other) is
+floored at float32's smallest normal number (1.2e-38, as in `binary_kl`), so D_KL stays finite where the
+complement's sum underflows.
 
-Two entry points share everything but how log pi at the K + 1 ids is read (`divergence_at_slots` is the reduction):
-`topk_divergence` for logits holding the whole vocabulary (FSDP), `vocab_parallel_topk_divergence` for one
-tensor-parallel rank's vocabulary slice (Megatron): log Z from an all-reduced max and sum of exp, and each id's
-logit from the one rank that owns it (the others add 0).
+Memory: pi is needed only on the K + 1 ids of each row plus two sums over the row (all of it, and all of it but
+those ids). All are computed in row chunks of a few MiB: a float32 [N, V] tensor (the 4.7 GB that a naive
+`log_softmax(logits.float())` allocates at N = 8192, V = 151,936) never exists. The small [N, K + 1] arithmetic
+runs in float64.
+
+Two entry points share everything but how pi is read (`divergence_at_slots` is the reduction): `topk_divergence`
+for logits holding the whole vocabulary (FSDP), `vocab_parallel_topk_divergence` for one tensor-parallel rank's
+vocabulary slice (Megatron): the row max all-reduced, then each rank's sum of exp over its slice minus the ids it
+owns, and each id's logit from the one rank that owns it (the others add 0), summed in one all-reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from verl_dppo.divergence import log1mexp
+from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
 
 __all__ = [
     "topk_divergence",
@@ -92,36 +101,82 @@ def _rows_per_chunk(chunk_bytes: int, work_dtype: torch.dtype, vocab: int) -> in
     return max(1, chunk_bytes // (torch.finfo(work_dtype).bits // 8 * vocab))
 
 
-def _row_blocks(logits: torch.Tensor, rows: Optional[torch.Tensor], chunk_bytes: int):
-    """(start, end, block in float32 at least) over the selected rows, a few MiB at a time."""
+def _row_blocks(logits: torch.Tensor, rows: Optional[torch.Tensor], chunk_bytes: int, writable: bool = False):
+    """(start, end, block in float32 at least) over the selected rows, a few MiB at a time; writable: the block is
+    a copy (never a view of `logits`) that the caller may overwrite."""
     n = rows.numel() if rows is not None else logits.shape[0]
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
     step = _rows_per_chunk(chunk_bytes, work_dtype, logits.shape[1])
     for start in range(0, n, step):
         end = min(start + step, n)
         block = logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
-        yield start, end, block.to(work_dtype)
+        yield start, end, block.to(work_dtype, copy=writable and rows is None)
 
 
-def _pi_logprobs_at(logits: torch.Tensor, rows: Optional[torch.Tensor], slot_ids: torch.Tensor, chunk_bytes: int):
-    """log pi(slot_ids) = logits[slot_ids] - logsumexp(logits), row chunk by row chunk, in float32 at least."""
-    out = torch.empty(slot_ids.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-    for start, end, block in _row_blocks(logits, rows, chunk_bytes):
-        log_z = torch.logsumexp(block, dim=-1, keepdim=True)
-        out[start:end] = block.gather(1, slot_ids[start:end]) - log_z
-    return out
+def _finite(row_max: torch.Tensor) -> torch.Tensor:
+    # A row that is -inf everywhere has no finite max; shifting by 0 keeps exp() at 0 instead of NaN from -inf - -inf.
+    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+
+def _sum_exp_outside(
+    block: torch.Tensor, row_max: torch.Tensor, slot_columns: torch.Tensor, owned: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """sum of exp(logit - row_max) over the columns of `block` that are not slot ids: pi's "other" mass, up to
+    the normaliser, summed from the complement itself (subtracting the slots from the full sum would cancel on
+    peaked rows). `owned` marks the slot columns inside this vocabulary slice (None: all of them). Overwrites
+    `block` (in place: one chunk-sized buffer, not two)."""
+    shifted = block.sub_(row_max[:, None]).exp_()
+    if owned is None:
+        shifted.scatter_(1, slot_columns, 0.0)  # a dropped slot repeats a top-K id: zeroing twice is harmless
+    else:
+        # Slots this rank does not own point at column 0: a product by 1 leaves it, by 0 clears it, in any order.
+        shifted.scatter_reduce_(1, slot_columns, (~owned).to(shifted.dtype), reduce="prod")
+    return shifted.sum(dim=-1)
+
+
+def _pi_at_slots(
+    row_max: torch.Tensor, sum_outside: torch.Tensor, slot_logits: torch.Tensor, dropped: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi at the slots and log pi(other), in float64, from the row max, the sum of exp(logit - max) outside
+    A'_t and the logits at the slots: Z / e^max = (sum outside) + (sum over the slots), two non-negative terms."""
+    at_slots = slot_logits.double() - row_max.double()[:, None]
+    sum_outside = sum_outside.double()
+    log_z = torch.log(sum_outside + torch.where(dropped, 0.0, at_slots.exp()).sum(dim=1))  # log Z - max
+    return at_slots - log_z[:, None], sum_outside.log() - log_z
+
+
+def _pi_logprobs_at(
+    logits: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    slot_ids: torch.Tensor,
+    dropped: torch.Tensor,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(slot_ids), log pi(other)) in float64, from one pass over the logits row chunk by row chunk."""
+    work_dtype = torch.promote_types(logits.dtype, torch.float32)
+    row_max = torch.empty(slot_ids.shape[0], dtype=work_dtype, device=logits.device)
+    sum_outside = torch.empty_like(row_max)
+    slot_logits = torch.empty(slot_ids.shape, dtype=work_dtype, device=logits.device)
+    for start, end, block in _row_blocks(logits, rows, chunk_bytes, writable=True):
+        row_max[start:end] = _finite(block.amax(dim=-1))
+        slot_logits[start:end] = block.gather(1, slot_ids[start:end])
+        sum_outside[start:end] = _sum_exp_outside(block, row_max[start:end], slot_ids[start:end])
+        del block  # freed before _row_blocks converts the next chunk: one chunk alive at a time, not two
+    return _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
 
 
 def _vocab_parallel_pi_logprobs_at(
     shard: torch.Tensor,
     rows: Optional[torch.Tensor],
     slot_ids: torch.Tensor,
+    dropped: torch.Tensor,
     chunk_bytes: int,
     vocab_start: int,
     group: Any,
-):
-    """log pi(slot_ids) from this rank's vocabulary slice [vocab_start, vocab_start + V_local): three all-reduces
-    over `group` in all (max, then sum of exp and the owned logits together), whatever the number of chunks."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_pi_logprobs_at` from this rank's vocabulary slice [vocab_start, vocab_start + V_local): two all-reduces
+    over `group` in all (the max, then the sum outside A'_t and the owned logits together), whatever the number
+    of chunks."""
     import torch.distributed as dist
 
     n, local_vocab = slot_ids.shape[0], shard.shape[1]
@@ -129,32 +184,35 @@ def _vocab_parallel_pi_logprobs_at(
     row_max = torch.empty(n, dtype=work_dtype, device=shard.device)
     for start, end, block in _row_blocks(shard, rows, chunk_bytes):
         row_max[start:end] = block.amax(dim=-1)
+        del block  # as in _pi_logprobs_at
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    # A row that is -inf everywhere keeps torch.logsumexp's convention (log Z = -inf), not NaN from -inf - -inf.
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = _finite(row_max)
 
     local_ids = slot_ids - vocab_start
     owned = (local_ids >= 0) & (local_ids < local_vocab)
     local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
-    # Column 0: this rank's share of sum exp(logits - max); columns 1..: the logits at the ids this rank owns, else 0.
+    # Column 0: this rank's share of sum exp(logits - max) outside A'_t; columns 1..: the logits at the ids this
+    # rank owns, else 0.
     partial = torch.zeros(n, 1 + slot_ids.shape[1], dtype=work_dtype, device=shard.device)
-    for start, end, block in _row_blocks(shard, rows, chunk_bytes):
-        partial[start:end, 0] = (block - row_max[start:end, None]).exp().sum(dim=-1)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes, writable=True):
         at_ids = block.gather(1, local_ids[start:end])
         partial[start:end, 1:] = torch.where(owned[start:end], at_ids, torch.zeros_like(at_ids))
+        partial[start:end, 0] = _sum_exp_outside(block, row_max[start:end], local_ids[start:end], owned[start:end])
+        del block
     dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
-    log_z = row_max + partial[:, 0].log()
-    return partial[:, 1:] - log_z[:, None]
+    return _pi_at_slots(row_max, partial[:, 0], partial[:, 1:], dropped)
 
 
 def divergence_at_slots(
     mu_logprobs: torch.Tensor,
     pi_logprobs: torch.Tensor,
+    pi_log_other: torch.Tensor,
     dropped: torch.Tensor,
     mass_tolerance: float = MASS_TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (15)/(16) per row from log mu and log pi at the slots of A'_t ([N, S] each; `dropped` slots are not in
-    A'_t): the reduction to A'_t U {other} and its TV and KL(mu' || pi'), in float64.
+    A'_t) and log pi(other) ([N], pi's mass outside A'_t, summed from the complement): the reduction to
+    A'_t U {other} and its TV and KL(mu' || pi'), in float64. mu(other) = 1 - mu's kept mass, floored at 0.
 
     Raises:
         TopKInputError: mu's log-probs are NaN/+inf, or its kept mass exceeds 1 + mass_tolerance.
@@ -173,7 +231,8 @@ def divergence_at_slots(
             "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
         )
     log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
-    log_other_pi = log1mexp(torch.logsumexp(pi_lp, dim=1))
+    # Floored like binary_kl's probabilities: where the complement's float32 sum underflows, KL stays finite.
+    log_other_pi = pi_log_other.double().clamp(min=LOG_FLOOR, max=0.0)
 
     mu_p, pi_p = mu_lp.exp(), pi_lp.exp()
     other_mu, other_pi = log_other_mu.exp(), log_other_pi.exp()
@@ -185,8 +244,8 @@ def divergence_at_slots(
     return tv, kl
 
 
-PiReader = Callable[[Optional[torch.Tensor], torch.Tensor], torch.Tensor]
-"""(rows or None for all, slot ids [n, S]) -> log pi at those ids, [n, S]."""
+PiReader = Callable[[Optional[torch.Tensor], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(rows or None for all, slot ids [n, S], dropped [n, S]) -> (log pi at those ids [n, S], log pi(other) [n])."""
 
 
 def _topk_divergence(
@@ -221,7 +280,8 @@ def _topk_divergence(
     dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
     dropped[:, -1] = (topk_ids == sampled.unsqueeze(1)).any(dim=1)
     mu_lp = torch.cat([pick(rollout_topk_logprobs), pick(rollout_sampled_logprobs).unsqueeze(1)], dim=1)
-    tv_rows, kl_rows = divergence_at_slots(mu_lp, read_pi(rows, slot_ids), dropped, mass_tolerance)
+    pi_lp, pi_log_other = read_pi(rows, slot_ids, dropped)
+    tv_rows, kl_rows = divergence_at_slots(mu_lp, pi_lp, pi_log_other, dropped, mass_tolerance)
 
     if rows is None:
         tv.copy_(tv_rows)
@@ -264,7 +324,7 @@ def topk_divergence(
     return _topk_divergence(
         logits,
         logits.shape[1],
-        lambda rows, slot_ids: _pi_logprobs_at(logits, rows, slot_ids, chunk_bytes),
+        lambda rows, slot_ids, dropped: _pi_logprobs_at(logits, rows, slot_ids, dropped, chunk_bytes),
         rollout_topk_ids,
         rollout_topk_logprobs,
         sampled_ids,
@@ -317,8 +377,8 @@ def vocab_parallel_topk_divergence(
     return _topk_divergence(
         logits_shard,
         vocab_size,
-        lambda rows, slot_ids: _vocab_parallel_pi_logprobs_at(
-            logits_shard, rows, slot_ids, chunk_bytes, vocab_start, group
+        lambda rows, slot_ids, dropped: _vocab_parallel_pi_logprobs_at(
+            logits_shard, rows, slot_ids, dropped, chunk_bytes, vocab_start, group
         ),
         rollout_topk_ids,
         rollout_topk_logprobs,
