@@ -1,3 +1,390 @@
-# TEMPORARY during the layout move: the module is moved here once its current edit lands.
-from verl_dppo.topk import *  # noqa: F401,F403
-from verl_dppo.topk import DEFAULT_CHUNK_BYTES, MASS_TOLERANCE, TopKInputError, divergence_at_slots  # noqa: F401
+"""Top-K divergences between the rollout policy mu and the current policy pi, paper Eq. (15) and (16).
+
+Pure torch (no verl import). Public entry point: `topk_divergence`, imported from `verl_dppo.math.topk`.
+
+Per response token t, with a_t the sampled token:
+
+    A'_t   = TopK(mu(.|s_t), K)  U  {a_t}                  (the union: K or K + 1 tokens)
+    mu', pi' = mu and pi reduced to A'_t U {other}, other = the mass outside A'_t
+    D_TV   = 1/2 * sum_{x in A'_t U {other}} |mu'(x) - pi'(x)|                                      (15)
+    D_KL   = sum_{x in A'_t U {other}} mu'(x) log(mu'(x) / pi'(x))   = KL(mu' || pi')              (16)
+
+Coarsening a distribution can only shrink an f-divergence (data processing), and {a_t, other} is a coarsening of
+A'_t U {other}: Binary <= Top-K <= exact, for TV and KL alike.
+
+"other" is computed differently on the two sides. mu is known only through the engine's top-K, so mu'(other) =
+1 - (mu's mass on A'_t), floored at 0 (log1mexp of a float64 logsumexp). pi'(other) is summed from the complement
+itself: sum over the logits outside A'_t of exp(logit - max), divided by the same sum over the whole row. Taking it
+as 1 - (pi's kept mass) instead cancels: on a row whose top-1 probability is 1 - 1e-7 the kept mass rounds to 1 in
+float32, pi'(other) becomes 0 while mu'(other) is ~1e-7, and D_KL = +inf where the true value is ~0. pi'(other) is
+floored at float32's smallest normal number (1.2e-38, as in `binary_kl`), so D_KL stays finite where the
+complement's sum underflows.
+
+Memory: pi is needed only on the K + 1 ids of each row plus two sums over the row (all of it, and all of it but
+those ids). All are computed in row chunks of a few MiB: a float32 [N, V] tensor (the 4.7 GB that a naive
+`log_softmax(logits.float())` allocates at N = 8192, V = 151,936) never exists. The small [N, K + 1] arithmetic
+runs in float64.
+
+Two entry points share everything but how pi is read (`divergence_at_slots` is the reduction): `topk_divergence`
+for logits holding the whole vocabulary (FSDP), `vocab_parallel_topk_divergence` for one tensor-parallel rank's
+vocabulary slice (Megatron): the row max all-reduced, then each rank's sum of exp over its slice minus the ids it
+owns, and each id's logit from the one rank that owns it (the others add 0), summed in one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
+
+__all__ = [
+    "topk_divergence",
+    "vocab_parallel_topk_divergence",
+    "divergence_at_slots",
+    "TopKInputError",
+    "DEFAULT_CHUNK_BYTES",
+    "MASS_TOLERANCE",
+]
+
+DEFAULT_CHUNK_BYTES = 8 * 2**20
+"""Float32 working set per chunk of rows (8 MiB = 13 rows of Qwen3's 151,936-token vocabulary)."""
+
+MASS_TOLERANCE = 1e-3
+"""mu's kept mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
+
+class TopKInputError(ValueError):
+    """The rollout's top-K statistics are malformed (duplicates, ids outside the vocabulary, mass > 1)."""
+
+
+def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise TopKInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    n = logits.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:
+        raise TopKInputError(f"rollout_topk_ids must be [N={n}, K>=1], got {tuple(topk_ids.shape)}")
+    if tuple(topk_logprobs.shape) != tuple(topk_ids.shape):
+        raise TopKInputError(
+            f"rollout_topk_logprobs {tuple(topk_logprobs.shape)} must match rollout_topk_ids {tuple(topk_ids.shape)}"
+        )
+    for name, t in (("sampled_ids", sampled_ids), ("rollout_sampled_logprobs", sampled_logprobs)):
+        if tuple(t.shape) != (n,):
+            raise TopKInputError(f"{name} must be [N={n}], got {tuple(t.shape)}")
+    if topk_ids.is_floating_point() or sampled_ids.is_floating_point():
+        raise TopKInputError("token ids must be integer tensors")
+    if not (topk_logprobs.is_floating_point() and sampled_logprobs.is_floating_point()):
+        raise TopKInputError("log-probs must be float tensors")
+    if mask is not None and tuple(mask.shape) != (n,):
+        raise TopKInputError(f"mask must be [N={n}], got {tuple(mask.shape)}")
+
+
+def _validate_rows(topk_ids: torch.Tensor, sampled_ids: torch.Tensor, vocab_size: int) -> None:
+    bad_range = (topk_ids < 0) | (topk_ids >= vocab_size)
+    if bool(bad_range.any()) or bool(((sampled_ids < 0) | (sampled_ids >= vocab_size)).any()):
+        raise TopKInputError(
+            f"top-K or sampled token ids outside the vocabulary [0, {vocab_size}): the rollout engine and the actor "
+            "use different vocabularies (check actor_rollout_ref.model.path and the tokenizer)"
+        )
+    if topk_ids.shape[1] > 1:
+        ordered = topk_ids.sort(dim=1).values
+        duplicate_rows = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        if bool(duplicate_rows.any()):
+            raise TopKInputError(
+                f"{int(duplicate_rows.sum())} rows of rollout_topk_ids repeat a token id: the rollout's top-K "
+                "extraction is broken (each row must hold K distinct ids)"
+            )
+
+
+def _rows_per_chunk(chunk_bytes: int, work_dtype: torch.dtype, vocab: int) -> int:
+    return max(1, chunk_bytes // (torch.finfo(work_dtype).bits // 8 * vocab))
+
+
+def _row_blocks(logits: torch.Tensor, rows: Optional[torch.Tensor], chunk_bytes: int, writable: bool = False):
+    """(start, end, block in float32 at least) over the selected rows, a few MiB at a time; writable: the block is
+    a copy (never a view of `logits`) that the caller may overwrite."""
+    n = rows.numel() if rows is not None else logits.shape[0]
+    work_dtype = torch.promote_types(logits.dtype, torch.float32)
+    step = _rows_per_chunk(chunk_bytes, work_dtype, logits.shape[1])
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        block = logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
+        yield start, end, block.to(work_dtype, copy=writable and rows is None)
+
+
+def _finite(row_max: torch.Tensor) -> torch.Tensor:
+    # A row that is -inf everywhere has no finite max; shifting by 0 keeps exp() at 0 instead of NaN from -inf - -inf.
+    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+
+def _sum_exp_outside(
+    block: torch.Tensor, row_max: torch.Tensor, slot_columns: torch.Tensor, owned: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """sum of exp(logit - row_max) over the columns of `block` that are not slot ids: pi's "other" mass, up to
+    the normaliser, summed from the complement itself (subtracting the slots from the full sum would cancel on
+    peaked rows). `owned` marks the slot columns inside this vocabulary slice (None: all of them). Overwrites
+    `block` (in place: one chunk-sized buffer, not two)."""
+    shifted = block.sub_(row_max[:, None]).exp_()
+    if owned is None:
+        shifted.scatter_(1, slot_columns, 0.0)  # a dropped slot repeats a top-K id: zeroing twice is harmless
+    else:
+        # Slots this rank does not own point at column 0: a product by 1 leaves it, by 0 clears it, in any order.
+        shifted.scatter_reduce_(1, slot_columns, (~owned).to(shifted.dtype), reduce="prod")
+    return shifted.sum(dim=-1)
+
+
+def _pi_at_slots(
+    row_max: torch.Tensor, sum_outside: torch.Tensor, slot_logits: torch.Tensor, dropped: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi at the slots and log pi(other), in float64, from the row max, the sum of exp(logit - max) outside
+    A'_t and the logits at the slots: Z / e^max = (sum outside) + (sum over the slots), two non-negative terms."""
+    at_slots = slot_logits.double() - row_max.double()[:, None]
+    sum_outside = sum_outside.double()
+    log_z = torch.log(sum_outside + torch.where(dropped, 0.0, at_slots.exp()).sum(dim=1))  # log Z - max
+    return at_slots - log_z[:, None], sum_outside.log() - log_z
+
+
+def _pi_logprobs_at(
+    logits: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    slot_ids: torch.Tensor,
+    dropped: torch.Tensor,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(slot_ids), log pi(other)) in float64, from one pass over the logits row chunk by row chunk."""
+    work_dtype = torch.promote_types(logits.dtype, torch.float32)
+    row_max = torch.empty(slot_ids.shape[0], dtype=work_dtype, device=logits.device)
+    sum_outside = torch.empty_like(row_max)
+    slot_logits = torch.empty(slot_ids.shape, dtype=work_dtype, device=logits.device)
+    for start, end, block in _row_blocks(logits, rows, chunk_bytes, writable=True):
+        row_max[start:end] = _finite(block.amax(dim=-1))
+        slot_logits[start:end] = block.gather(1, slot_ids[start:end])
+        sum_outside[start:end] = _sum_exp_outside(block, row_max[start:end], slot_ids[start:end])
+        del block  # freed before _row_blocks converts the next chunk: one chunk alive at a time, not two
+    return _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
+
+
+def _vocab_parallel_pi_logprobs_at(
+    shard: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    slot_ids: torch.Tensor,
+    dropped: torch.Tensor,
+    chunk_bytes: int,
+    vocab_start: int,
+    group: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_pi_logprobs_at` from this rank's vocabulary slice [vocab_start, vocab_start + V_local): two all-reduces
+    over `group` in all (the max, then the sum outside A'_t and the owned logits together), whatever the number
+    of chunks."""
+    import torch.distributed as dist
+
+    n, local_vocab = slot_ids.shape[0], shard.shape[1]
+    work_dtype = torch.promote_types(shard.dtype, torch.float32)
+    row_max = torch.empty(n, dtype=work_dtype, device=shard.device)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes):
+        row_max[start:end] = block.amax(dim=-1)
+        del block  # as in _pi_logprobs_at
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    row_max = _finite(row_max)
+
+    local_ids = slot_ids - vocab_start
+    owned = (local_ids >= 0) & (local_ids < local_vocab)
+    local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
+    # Column 0: this rank's share of sum exp(logits - max) outside A'_t; columns 1..: the logits at the ids this
+    # rank owns, else 0.
+    partial = torch.zeros(n, 1 + slot_ids.shape[1], dtype=work_dtype, device=shard.device)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes, writable=True):
+        at_ids = block.gather(1, local_ids[start:end])
+        partial[start:end, 1:] = torch.where(owned[start:end], at_ids, torch.zeros_like(at_ids))
+        partial[start:end, 0] = _sum_exp_outside(block, row_max[start:end], local_ids[start:end], owned[start:end])
+        del block
+    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+    return _pi_at_slots(row_max, partial[:, 0], partial[:, 1:], dropped)
+
+
+def divergence_at_slots(
+    mu_logprobs: torch.Tensor,
+    pi_logprobs: torch.Tensor,
+    pi_log_other: torch.Tensor,
+    dropped: torch.Tensor,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (15)/(16) per row from log mu and log pi at the slots of A'_t ([N, S] each; `dropped` slots are not in
+    A'_t) and log pi(other) ([N], pi's mass outside A'_t, summed from the complement): the reduction to
+    A'_t U {other} and its TV and KL(mu' || pi'), in float64. mu(other) = 1 - mu's kept mass, floored at 0.
+
+    Raises:
+        TopKInputError: mu's log-probs are NaN/+inf, or its kept mass exceeds 1 + mass_tolerance.
+    """
+    neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=mu_logprobs.device)
+    mu_lp = torch.where(dropped, neg_inf, mu_logprobs.double())
+    if bool(torch.isnan(mu_lp).any()) or bool((mu_lp == math.inf).any()):
+        raise TopKInputError("the rollout's top-K log-probs contain NaN or +inf")
+    pi_lp = torch.where(dropped, neg_inf, pi_logprobs.double())
+
+    log_mass_mu = torch.logsumexp(mu_lp, dim=1)
+    if bool((log_mass_mu > math.log1p(mass_tolerance)).any()):
+        worst = float(log_mass_mu.max().exp())
+        raise TopKInputError(
+            f"the rollout's top-K probabilities sum to {worst:.4f} > 1: they are not log-probs of one distribution "
+            "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
+        )
+    log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
+    # Floored like binary_kl's probabilities: where the complement's float32 sum underflows, KL stays finite.
+    log_other_pi = pi_log_other.double().clamp(min=LOG_FLOOR, max=0.0)
+
+    mu_p, pi_p = mu_lp.exp(), pi_lp.exp()
+    other_mu, other_pi = log_other_mu.exp(), log_other_pi.exp()
+    tv = 0.5 * ((mu_p - pi_p).abs().sum(dim=1) + (other_mu - other_pi).abs())
+    # 0 log 0 = 0; a kept token with mu > 0 and pi = 0 gives +inf, the true value.
+    kept_terms = torch.where(mu_p > 0, mu_p * (mu_lp - pi_lp), torch.zeros_like(mu_p)).sum(dim=1)
+    other_term = torch.where(other_mu > 0, other_mu * (log_other_mu - log_other_pi), torch.zeros_like(other_mu))
+    kl = (kept_terms + other_term).clamp(min=0.0)
+    return tv, kl
+
+
+PiReader = Callable[[Optional[torch.Tensor], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(rows or None for all, slot ids [n, S], dropped [n, S]) -> (log pi at those ids [n, S], log pi(other) [n])."""
+
+
+def _topk_divergence(
+    logits: torch.Tensor,
+    vocab_size: int,
+    read_pi: PiReader,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    mass_tolerance: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    n = logits.shape[0]
+    tv = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    kl = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    rows = None
+    if mask is not None:
+        rows = mask.nonzero().squeeze(1)
+        if rows.numel() == n:
+            rows = None
+        elif rows.numel() == 0:
+            return tv, kl
+    pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+    topk_ids = pick(rollout_topk_ids).long()
+    sampled = pick(sampled_ids).long()
+    _validate_rows(topk_ids, sampled, vocab_size)
+
+    # A'_t as K + 1 slots: the top-K, then a_t; the last slot is dropped where a_t is already in the top-K.
+    slot_ids = torch.cat([topk_ids, sampled.unsqueeze(1)], dim=1)
+    dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
+    dropped[:, -1] = (topk_ids == sampled.unsqueeze(1)).any(dim=1)
+    mu_lp = torch.cat([pick(rollout_topk_logprobs), pick(rollout_sampled_logprobs).unsqueeze(1)], dim=1)
+    pi_lp, pi_log_other = read_pi(rows, slot_ids, dropped)
+    tv_rows, kl_rows = divergence_at_slots(mu_lp, pi_lp, pi_log_other, dropped, mass_tolerance)
+
+    if rows is None:
+        tv.copy_(tv_rows)
+        kl.copy_(kl_rows)
+    else:
+        tv.index_copy_(0, rows, tv_rows.float())
+        kl.index_copy_(0, rows, kl_rows.float())
+    return tv, kl
+
+
+@torch.no_grad()
+def topk_divergence(
+    logits: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K TV (Eq. 15) and KL(mu || pi) (Eq. 16) per row; two float32 [N] tensors (no gradient).
+
+    Args:
+        logits: [N, V] logits of the current policy pi (any float dtype, temperature already applied).
+        rollout_topk_ids: [N, K] the rollout engine's K most likely token ids under mu (distinct per row).
+        rollout_topk_logprobs: [N, K] log mu of those ids.
+        sampled_ids: [N] the sampled token a_t (inside or outside the top-K).
+        rollout_sampled_logprobs: [N] log mu(a_t). Where a_t is among the top-K, the top-K entry is used.
+        mask: optional [N] bool; rows where it is False (prompt or padding positions) are neither read nor
+            validated and get D = 0.
+        chunk_bytes: float32 working set per row chunk; bounds the extra memory.
+        mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
+
+    Raises:
+        TopKInputError: ids outside [0, V), a row repeating an id, or mu's kept mass above 1 + mass_tolerance.
+    """
+    if logits.dim() != 2:
+        raise TopKInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    return _topk_divergence(
+        logits,
+        logits.shape[1],
+        lambda rows, slot_ids, dropped: _pi_logprobs_at(logits, rows, slot_ids, dropped, chunk_bytes),
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        mass_tolerance,
+    )
+
+
+@torch.no_grad()
+def vocab_parallel_topk_divergence(
+    logits_shard: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: Any,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_divergence` for vocabulary-parallel logits: every rank of `group` calls it with the same rows and
+    its own slice of the vocabulary; all get the same two float32 [N] tensors (no gradient).
+
+    Args:
+        logits_shard: [N, V_local] this rank's logits, the global ids [vocab_start, vocab_start + V_local).
+        vocab_start: first global token id of the slice.
+        vocab_size: global (padded) vocabulary size, the bound the ids are checked against.
+        group: the torch.distributed process group holding the slices (Megatron's tensor-parallel group).
+        rollout_topk_ids: [N, K] the rollout engine's K most likely token ids under mu (distinct per row).
+        rollout_topk_logprobs: [N, K] log mu of those ids.
+        sampled_ids: [N] the sampled token a_t (inside or outside the top-K).
+        rollout_sampled_logprobs: [N] log mu(a_t). Where a_t is among the top-K, the top-K entry is used.
+        mask: optional [N] bool; rows where it is False (prompt or padding positions) are neither read nor
+            validated and get D = 0.
+        chunk_bytes: float32 working set per row chunk; bounds the extra memory.
+        mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
+
+    Raises:
+        TopKInputError: ids outside [0, V), a row repeating an id, or mu's kept mass above 1 + mass_tolerance.
+    """
+    if logits_shard.dim() != 2:
+        raise TopKInputError(f"logits_shard must be a float [N, V_local] tensor, got {tuple(logits_shard.shape)}")
+    if not 0 <= vocab_start <= vocab_size - logits_shard.shape[1]:
+        raise TopKInputError(
+            f"vocabulary slice [{vocab_start}, {vocab_start + logits_shard.shape[1]}) lies outside [0, {vocab_size})"
+        )
+    return _topk_divergence(
+        logits_shard,
+        vocab_size,
+        lambda rows, slot_ids, dropped: _vocab_parallel_pi_logprobs_at(
+            logits_shard, rows, slot_ids, dropped, chunk_bytes, vocab_start, group
+        ),
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        mass_tolerance,
+    )
+

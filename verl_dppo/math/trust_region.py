@@ -61,12 +61,13 @@ def trust_region_blocked(
     if divergence is None:
         return torch.zeros_like(advantages, dtype=torch.bool)
     # (A_t > 0 and r_t > 1) or (A_t < 0 and r_t < 1): the update pushes pi further away from the anchor.
-    moving_away = advantages * log_ratio_to_anchor > 0
-    # D_t > delta, with delta_high on the A_t > 0 side and delta_low on the A_t < 0 side.
+    # Signs, not the product A_t * log r_t, which underflows to 0 for tiny values (1e-30 * 1e-30).
+    moving_away = (advantages.sign() * log_ratio_to_anchor.sign()) > 0
+    # D_t > delta, with delta_high on the A_t > 0 side and delta_low on the A_t < 0 side (either may be inf).
     if delta_low == delta_high:
         outside = divergence > delta_high
     else:
-        outside = divergence > delta_low + (delta_high - delta_low) * (advantages > 0)
+        outside = torch.where(advantages > 0, divergence > delta_high, divergence > delta_low)
     blocked = moving_away & outside
     if relax_below > 0:
         if rollout_prob is None:
