@@ -3,7 +3,7 @@
 Why a patch: verl 0.9.1 turns the engine's logits hook on only for distillation (`distillation_use_topk`, set by the
 trainer from the distillation config), and averages every loss metric over micro-batches with equal weight, which
 biases a mean over a condition (`verl_dppo.plugin.metrics`). Neither has an extension point.
-What the wrapper does: for a `dppo_topk_*` mode, refuse the settings under which the hook cannot run and set
+What the wrapper does: for a `dppo_topk_*` mode or `troll`, refuse the settings under which the hook cannot run and set
 `distillation_use_topk=True` on the mini-batch; after verl has gathered the mini-batch's metrics from every
 data-parallel rank, make the plugin's ratio diagnostics exact.
 What would make it unnecessary upstream: a per-loss "needs logits" flag on the loss function (or the worker's
@@ -20,9 +20,11 @@ from verl_dppo.plugin.topk_mode import (
     ROLLOUT_SETTINGS,
     TOPK_IDS,
     TOPK_LOGPROBS,
+    TROLL_MODES,
     dynamic_cp_problem,
     fused_kernels_problem,
     is_topk_mode,
+    megatron_troll_problem,
     pad_to_length_problem,
     policy_loss_get,
 )
@@ -46,7 +48,8 @@ def _topk_loss_mode(loss_fn: Any) -> Optional[str]:
 
 
 def prepare_train_batch(worker: Any, data: Any) -> None:
-    """Turn the engine's logits hook on for a Top-K mode, refusing settings under which it cannot work."""
+    """Turn the engine's logits hook on for a Top-K mode or troll, refusing settings under which it cannot work
+    (troll: the Megatron engine too)."""
     mode = _topk_loss_mode(getattr(worker, "loss_fn", None))
     if mode is None:
         return
@@ -59,6 +62,8 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     if use_fused:
         raise ValueError(fused_kernels_problem(mode))
     megatron = getattr(engine_config, "strategy", None) == "megatron"
+    if megatron and mode in TROLL_MODES:
+        raise ValueError(megatron_troll_problem(mode))
     if getattr(engine_config, "pad_to_length", False):
         raise ValueError(pad_to_length_problem(mode, megatron))
     if megatron and getattr(engine_config, "dynamic_context_parallel", False):
@@ -70,7 +75,29 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
     if missing:
         raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")
+    if mode in TROLL_MODES and _uses_kl_loss(worker.loss_fn.keywords["config"]):
+        _disable_inplace_cross_entropy(mode)
     tu.assign_non_tensor(data, distillation_use_topk=True, distillation_only=False)
+
+
+def _uses_kl_loss(config: Any) -> bool:
+    getter = getattr(config, "get", None)
+    return bool(getter("use_kl_loss", False) if getter is not None else getattr(config, "use_kl_loss", False))
+
+
+def _disable_inplace_cross_entropy(mode: str) -> None:
+    """verl's ppo_loss adds its KL loss on verl's own log_prob, whose flash-attn cross entropy (inplace_backward=True
+    unless the entropy is computed) writes its gradient into the logits' storage, which TROLL's backward still reads
+    (it would raise). `logprobs_from_logits` reads VERL_DISABLE_FLASH_ATTN_CE at each call: its pure-torch path
+    leaves the logits alone (at the memory cost of its saved log-softmax)."""
+    import logging
+    import os
+
+    if os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1":
+        os.environ["VERL_DISABLE_FLASH_ATTN_CE"] = "1"
+        logging.getLogger("verl_dppo").warning(
+            "%s with actor.use_kl_loss=True: VERL_DISABLE_FLASH_ATTN_CE=1 set in this worker, so that the KL loss's "
+            "backward through verl's log-probs does not overwrite the logits TROLL's backward reads", mode)
 
 
 def patch_engine_workers(module: Any) -> None:

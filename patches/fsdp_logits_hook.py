@@ -20,18 +20,22 @@ from typing import Any, Optional
 import torch
 
 from verl_dppo.math.topk import topk_divergence
+from verl_dppo.math.troll import troll_token_terms
+from verl_dppo.plugin import troll_mode
 from verl_dppo.plugin.topk_mode import (
     OUTPUT_KEYS,
     ROLLOUT_SETTINGS,
     TOPK_MODES,
+    TROLL_MODES,
     TOPK_IDS,
     TOPK_LOGPROBS,
     configured_topk,
     is_topk_mode,
+    megatron_troll_problem,
     policy_loss_get,
 )
 
-__all__ = ["logits_processor", "packed_rollout_fields", "unusable_rows"]
+__all__ = ["logits_processor", "packed_rollout_fields", "troll_outputs", "unusable_rows"]
 
 
 def _jagged_values(data: Any, key: str) -> torch.Tensor:
@@ -119,15 +123,20 @@ def logits_processor(
     config: Any, student_logits: torch.Tensor, data: Any, data_format: Optional[str] = None
 ) -> dict[str, torch.Tensor]:
     """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl}, float32, shaped like the logits'
-    leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`."""
+    leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`. For troll:
+    TROLL's terms (`troll_outputs`), FSDP only."""
     loss_mode = policy_loss_get(config, "loss_mode")
     if not is_topk_mode(loss_mode):
-        raise RuntimeError(f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {sorted(TOPK_MODES)} use it")
+        raise RuntimeError(
+            f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {sorted(TOPK_MODES) + list(TROLL_MODES)} use it"
+        )
     for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
         if key not in data.keys():
             raise ValueError(f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}")
     k = configured_topk(config)
     if data_format is not None:
+        if loss_mode in TROLL_MODES:
+            raise ValueError(megatron_troll_problem(loss_mode))
         from verl_dppo.patches.megatron_logits_hook import megatron_logits_processor
 
         return megatron_logits_processor(loss_mode, k, student_logits, data, data_format)
@@ -143,8 +152,30 @@ def logits_processor(
             "(actor_rollout_ref.actor.fsdp_config.pad_to_length) is not supported with Top-K: disable it"
         )
     unusable = unusable_rows(full_lp, full_sampled_lp, full_mask)
+    if loss_mode in TROLL_MODES:
+        return troll_outputs(config, logits, full_ids, full_lp, full_sampled, full_sampled_lp, full_mask & ~unusable)
     tv, kl = topk_divergence(logits, full_ids, full_lp, full_sampled, full_sampled_lp, mask=full_mask & ~unusable)
     tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)
     return {OUTPUT_KEYS["tv"]: tv.unsqueeze(0), OUTPUT_KEYS["kl"]: kl.unsqueeze(0)}
 
 
+
+
+def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                  sampled_ids: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TROLL's per-token terms on the packed stream, (1, local_nnz) float32 each, under `troll_mode.OUTPUT_KEYS`.
+
+    Called inside verl's training forward (no `no_grad`), so log p(a_t) and the regression KL stay attached to the
+    logits: verl's engine stores them in model_output as it does the distillation losses, which it back-propagates
+    through. `troll_token_terms` saves the logits themselves (no copy) and reads them again in backward; verl's
+    flash-attn cross entropy for log_probs writes into the logits in place only if a gradient reaches verl's own
+    log_prob, which the troll loss never uses (`verl_dppo.patches.engine_workers` disables that kernel for a run
+    whose ppo_loss adds a KL loss on log_prob). Rows outside `mask` hold 0 and valid = 0."""
+    options = troll_mode.troll_options(config)
+    terms = troll_token_terms(
+        logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
+        eps=options.eps, support_mass=options.support_mass, topk=options.topk,
+    )
+    values = {"log_p": terms.log_p_sampled, "regression_kl": terms.regression_kl, "log_mu": terms.log_mu_sampled,
+              **terms.diagnostics}
+    return {key: values[term].float().unsqueeze(0) for term, key in troll_mode.OUTPUT_KEYS.items()}

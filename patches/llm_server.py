@@ -5,7 +5,7 @@ driver; `LLMServerClient.generate` is every server call an agent loop makes (eve
 rollout).
 What the wrappers do: `__init__` runs the run-level checks of the DPPO modes (`verl_dppo.plugin.run_config`: the
 anchor against bypass mode, how the rollout computes mu) and, for the Top-K modes, copies K =
-`policy_loss.topk` into `rollout.custom.dppo_topk` (raising vLLM's `max_logprobs` when K > 20) before any server is
+`policy_loss.topk` (or the mode's default) into `rollout.custom.dppo_topk` (troll too: it reads the same top-K) (raising vLLM's `max_logprobs` when K > 20) before any server is
 built; `generate` moves each reply's top-K rows out of `extra_fields` into the current trajectory
 (`agent_loop.record_turn`).
 Why no extension point: verl 0.9.1 has no driver-side hook that sees the whole config before the servers start,
@@ -21,7 +21,7 @@ from typing import Any, Optional
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
 from verl_dppo.patches.agent_loop import record_turn
-from verl_dppo.plugin.topk_mode import is_topk_mode
+from verl_dppo.plugin.topk_mode import configured_topk, is_topk_mode
 
 __all__ = ["sync_rollout_config", "patch_llm_server"]
 
@@ -30,9 +30,10 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20
 
 
 def sync_rollout_config(config: Any) -> Optional[int]:
-    """Driver side: copy K = actor.policy_loss.topk into rollout.custom.dppo_topk and check the rollout settings.
+    """Driver side: copy K = actor.policy_loss.topk (unset: 20 for dppo_topk_*, 64 for troll) into
+    rollout.custom.dppo_topk and check the rollout settings.
 
-    Returns K, or None when the loss mode is not a Top-K mode (then nothing is touched).
+    Returns K, or None when the loss mode neither is a Top-K mode nor troll (then nothing is touched).
     """
     from omegaconf import open_dict
 
@@ -41,13 +42,7 @@ def sync_rollout_config(config: Any) -> Optional[int]:
     mode = policy_loss.get("loss_mode", None) if policy_loss is not None else None
     if not is_topk_mode(mode):
         return None
-    k = policy_loss.get("topk", None)
-    if k is None:
-        raise ValueError(
-            f"{mode} needs policy_loss.topk: set actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
-            "(topk defaults to 20; +actor_rollout_ref.actor.policy_loss.topk=K to change it)"
-        )
-    k = int(k)
+    k = configured_topk(arr.actor)  # policy_loss.topk, or the mode's default (20 for dppo_topk_*, 64 for troll)
     rollout = arr.rollout
     if rollout.name not in ("vllm", "sglang"):
         raise ValueError(f"{mode} captures the top-K in vLLM or SGLang: set actor_rollout_ref.rollout.name=vllm or sglang")

@@ -3,9 +3,9 @@
 Which verl function: `ppo_loss(config, model_output, data, dp_group)` calls a registered policy loss with
 `old_log_prob` only; `rollout_log_probs` sits in the micro-batch unused. At plugin load we wrap `ppo_loss`: for a
 DPPO loss mode the wrapper pads the micro-batch's `rollout_log_probs` (and the model's entropy, and the Top-K
-statistics of the logits hook) exactly as `ppo_loss` pads `old_log_probs`, binds them for the duration of the call
+statistics or TROLL's terms of the logits hook) exactly as `ppo_loss` pads `old_log_probs`, binds them for the duration of the call
 (`verl_dppo.plugin.extras`), and turns the loss's mean-type diagnostics into exact `RatioMetric`s. A call with
-`student_logits=` (the engine's logits hook, on for the Top-K modes only) goes to `fsdp_logits_hook` /
+`student_logits=` (the engine's logits hook, on for the Top-K modes and troll only) goes to `fsdp_logits_hook` /
 `megatron_logits_hook`. For every other loss mode the wrapper is a plain pass-through.
 Why no extension point: verl 0.9.1's `PolicyLossFn` signature has no slot for the rollout log-probs (its type alias
 names a 7th argument `rollout_log_probs` that `ppo_loss` never passes).
@@ -48,6 +48,16 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
         value = model_output.get(key, None) if hasattr(model_output, "get") else None
         if value is not None:
             setattr(extras, f"topk_{statistic}", no_padding_2_padding(value, data).detach())
+    from verl_dppo.plugin import troll_mode
+
+    troll = {}
+    for term, key in troll_mode.OUTPUT_KEYS.items():
+        value = model_output.get(key, None) if hasattr(model_output, "get") else None
+        if value is not None:
+            # log p(a_t) and the regression KL keep their graph: TROLL's gradient reaches the logits through them.
+            padded = no_padding_2_padding(value, data)
+            troll[term] = padded if term in troll_mode.DIFFERENTIABLE else padded.detach()
+    extras.troll = troll or None
     return extras
 
 
@@ -56,7 +66,7 @@ def _wrap(original: Callable) -> Callable:
     def ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None, data_format=None):
         loss_mode = config.policy_loss.get("loss_mode", "vanilla")
         if student_logits is not None:
-            # The engine's logits hook (`distillation_use_topk`), turned on for the dppo_topk_* modes only; Megatron's
+            # The engine's logits hook (`distillation_use_topk`), turned on for dppo_topk_* and troll only; Megatron's
             # engine also passes data_format ("thd" / "bshd") with its vocabulary-parallel logits.
             from verl_dppo.patches.fsdp_logits_hook import logits_processor
 

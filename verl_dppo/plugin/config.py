@@ -19,7 +19,7 @@ from verl.workers.config import PolicyLossConfig
 
 from verl_dppo.math.trust_region import RELAX_SIDES
 
-__all__ = ["ANCHORS", "DPPOLossConfig", "ResolvedOptions", "resolve_options"]
+__all__ = ["ANCHORS", "DPPOLossConfig", "ResolvedOptions", "check_troll_options", "resolve_options"]
 
 logger = logging.getLogger("verl_dppo")
 
@@ -51,12 +51,27 @@ class DPPOLossConfig(PolicyLossConfig):
     relax_side: str = "high"
     """Which side `relax_below` frees: "high" (A > 0), "low" (A < 0) or "both" (Sec. 6)."""
 
-    topk: int = 20
-    """K of the Top-K divergences (Eq. 15, 16); the paper's ablation uses 20. Only read by the dppo_topk_* modes."""
+    topk: Optional[int] = None
+    """K: how many top log-probs of mu the rollout engine reports per token (one setting per run: the plugin hands it
+    to vLLM/SGLang). None = the mode's default: 20 for dppo_topk_* (K of Eq. 15/16; the paper's ablation) and 64 for
+    troll (TROLL's K: at most 64 tokens of mu and of pi in the sparse support). Only read by those modes."""
+
+    troll_eps: float = 0.05
+    """TROLL (Becker et al. 2025, arXiv 2510.03817, their Eq. 3/4): trust-region radius eps, KL(p || mu) <= eps per
+    token for the projected policy p. Reported value: 0.05. Only read by the troll mode."""
+
+    troll_alpha: float = 1.0
+    """TROLL (their Eq. 5): weight alpha of the regression term KL(pi || sg(p)) that pulls pi towards its projection.
+    Reported value: 1.0. Only read by the troll mode."""
+
+    troll_support_mass: float = 1.0 - 1e-5
+    """TROLL's sparse support: each policy's most probable tokens until their mass reaches 1 - delta (at most K =
+    `topk`), delta = 1e-5 (reported value). Only read by the troll mode."""
 
     def __post_init__(self):
         # Hydra passes override values through unconverted ("inf", "1e4", "20" may arrive as strings).
-        for name in ("delta_low", "delta_high", "ratio_cap", "relax_below"):
+        for name in ("delta_low", "delta_high", "ratio_cap", "relax_below", "troll_eps", "troll_alpha",
+                     "troll_support_mass"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _to_float(name, value))
@@ -74,8 +89,18 @@ class DPPOLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.relax_side must be one of {RELAX_SIDES}, got {self.relax_side!r}")
         if not 0.0 <= self.relax_below <= 1.0:
             raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {self.relax_below!r}")
-        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+        if self.topk is not None and (isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1):
             raise ValueError(f"policy_loss.topk must be an integer >= 1, got {self.topk!r}")
+        check_troll_options(self.troll_eps, self.troll_alpha, self.troll_support_mass)
+
+
+def check_troll_options(eps: float, alpha: float, support_mass: float) -> None:
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"policy_loss.troll_eps must be a finite number > 0 (TROLL: 0.05), got {eps!r}")
+    if not (alpha >= 0 and math.isfinite(alpha)):
+        raise ValueError(f"policy_loss.troll_alpha must be a finite number >= 0 (TROLL: 1.0), got {alpha!r}")
+    if not 0 < support_mass <= 1:
+        raise ValueError(f"policy_loss.troll_support_mass must lie in (0, 1] (TROLL: 1 - 1e-5), got {support_mass!r}")
 
 
 def _to_float(name: str, value: Any) -> float:
@@ -101,13 +126,13 @@ class ResolvedOptions:
     anchor: str
     relax_below: float
     relax_side: str
-    topk: int
+    topk: Optional[int]  # None: the mode's default (topk_mode.configured_topk)
     sources: tuple[str, ...]  # which values came from verl's clip_ratio_* fallbacks
 
     def describe(self) -> str:
         text = (
             f"delta_low={self.delta_low:g} delta_high={self.delta_high:g} ratio_cap={self.ratio_cap:g} "
-            f"anchor={self.anchor} relax_below={self.relax_below:g} relax_side={self.relax_side} topk={self.topk}"
+            f"anchor={self.anchor} relax_below={self.relax_below:g} relax_side={self.relax_side} topk={self.topk if self.topk is not None else 'default'}"
         )
         if self.sources:
             text += " (from verl's " + ", ".join(self.sources) + ")"
@@ -155,7 +180,7 @@ def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOp
         anchor=str(_get(policy_loss, "anchor", "rollout")),
         relax_below=float(_get(policy_loss, "relax_below", 0.0)),
         relax_side=str(_get(policy_loss, "relax_side", "high")),
-        topk=int(_get(policy_loss, "topk", 20)),
+        topk=None if _get(policy_loss, "topk", None) is None else int(_get(policy_loss, "topk")),
         sources=tuple(sources),
     )
     # The same checks as DPPOLossConfig, for runs that reach us with a plain PolicyLossConfig or a DictConfig.

@@ -1,5 +1,5 @@
 """What the loss needs beyond the seven arguments verl 0.9.1's `ppo_loss` passes: the micro-batch's rollout
-log-probs (mu), the entropy, the Top-K statistics of the engine's logits hook.
+log-probs (mu), the entropy, the Top-K statistics or TROLL's terms from the engine's logits hook.
 
 The `ppo_loss` wrapper (`verl_dppo.patches.workers_utils_losses`) fills a `BatchExtras` per micro-batch and binds it
 for the duration of the loss call; the loss (`verl_dppo.plugin.losses`) reads it with `current_extras()`.
@@ -31,6 +31,9 @@ class BatchExtras:
     """Top-K D_TV (Eq. 15) per token, from the actor's logits hook (patches.fsdp_logits_hook); Top-K modes only."""
     topk_kl: Optional[torch.Tensor] = None
     """Top-K D_KL (Eq. 16) per token, from the same hook."""
+    troll: Optional[dict[str, torch.Tensor]] = None
+    """troll mode: TROLL's per-token terms from the same hook, keyed as `troll_mode.OUTPUT_KEYS` (log_p, regression_kl,
+    log_mu, valid, projected, eta, kl_before, kl_after, support_size); log_p and regression_kl keep their gradient."""
     ratio_parts: Optional[dict] = None
     """Filled by the loss: each mean-type diagnostic as (numerator, denominator), for exact aggregation."""
 

@@ -5,7 +5,9 @@ Every mode is one row of `LOSS_MODES` over one shared function, `dppo_policy_los
     loss_t = -A_t * sg(min(r_t, C)) * M_t * log pi(a_t),   r_t = pi(a_t) / mu(a_t)        (Eq. 11)
     M_t    = Eq. (12) with the mode's divergence D_t, taken against the anchor             (trust_region.py)
 
-aggregated with verl's `agg_loss` and the run's `loss_agg_mode`. mu is the rollout engine's log-prob of the
+aggregated with verl's `agg_loss` and the run's `loss_agg_mode`. The `troll` row (TROLL, arXiv 2510.03817) swaps
+the per-token loss for its Eq. 5 on the logits hook's terms (`verl_dppo.plugin.troll_mode`) and masks nothing; the
+dropped-token rule, the aggregation and the diagnostics are the same. mu is the rollout engine's log-prob of the
 sampled token, handed over by the anchoring hook; without it (a direct registry call, or a batch without
 `rollout_log_probs`, as in bypass mode where old_log_probs ARE the rollout's), `old_log_prob` is mu.
 """
@@ -24,6 +26,7 @@ from verl_dppo.plugin.config import resolve_options
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.metrics import ratio_of
 from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
+from verl_dppo.plugin import troll_mode
 from verl_dppo.math.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
 from verl_dppo.math.trust_region import trust_region_blocked
 
@@ -50,6 +53,8 @@ class LossMode:
     paper: str
     topk: bool = False
     """True: D is the Top-K statistic (Eq. 15/16) the actor's logits hook computed (verl_dppo.patches.fsdp_logits_hook)."""
+    troll: bool = False
+    """True: the loss is TROLL's Eq. 5 on the hook's projected log p(a_t) and regression KL, instead of Eq. (11)."""
 
 
 LOSS_MODES = (
@@ -59,6 +64,7 @@ LOSS_MODES = (
     LossMode("pg_is", None, True, "PG-IS; with a finite ratio_cap, PG-TIS (= CISPO)"),
     LossMode("dppo_topk_tv", None, True, "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", topk=True),
     LossMode("dppo_topk_kl", None, True, "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", topk=True),
+    LossMode("troll", None, True, "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K", troll=True),
 )
 
 _logged_options: set[tuple[str, str]] = set()
@@ -91,10 +97,11 @@ def dppo_policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     options = resolve_options(config, mode.uses_divergence_thresholds)
-    log_key = (mode.name, options.describe())
+    troll_options = troll_mode.troll_options(config) if mode.troll else None
+    log_key = (mode.name, (troll_options or options).describe())
     if log_key not in _logged_options:
         _logged_options.add(log_key)
-        logger.warning("verl-dppo %s in effect: %s", mode.name, options.describe())
+        logger.warning("verl-dppo %s in effect: %s", mode.name, log_key[1])
 
     extras = current_extras()
     rollout_log_prob = extras.rollout_log_probs if extras is not None else None
@@ -114,7 +121,7 @@ def dppo_policy_loss(
             "(algorithm.rollout_correction.rollout_is) are ignored so the correction is not applied twice.",
         )
 
-    if mode.topk:
+    if mode.topk or mode.troll:
         check_anchor(mode.name, options.anchor)
     if options.anchor == "recompute" and rollout_log_prob is None:
         raise ValueError(
@@ -144,6 +151,10 @@ def dppo_policy_loss(
     # all-finite case then needs no masking of its inputs at all.
     # Top-K modes: D from the logits hook, NaN where the rollout's top-K statistics of a token are unusable.
     topk_d = divergence_from_extras(mode.name, extras, options.anchor, response) if mode.topk else None
+    terms = None
+    if mode.troll:  # no D; NaN in its place marks the tokens the hook left out (unusable rollout statistics)
+        terms = troll_mode.troll_from_extras(mode.name, extras, options.anchor, response)
+        topk_d = torch.where(terms["valid"].bool() | ~response, 0.0, float("nan"))
     probe = pi.sum() + mu.sum() + adv.sum() + (0.0 if anchored_on_mu else anchor.sum())
     if topk_d is not None:
         probe = probe + topk_d.sum()
@@ -167,7 +178,7 @@ def dppo_policy_loss(
     log_ratio_to_anchor = log_ratio if anchored_on_mu else pi - anchor
     if mode.topk:
         divergence = topk_d
-    elif mode.divergence is None:
+    elif mode.divergence is None:  # PG-IS, and TROLL (its trust region is the projection)
         divergence = None
     elif anchored_on_mu:  # the mismatch statistics above are already D against the anchor
         divergence = {binary_tv: mismatch_tv, binary_kl: mismatch_kl}.get(mode.divergence)
@@ -185,11 +196,14 @@ def dppo_policy_loss(
         relax_below=options.relax_below,
         relax_side=options.relax_side,
     )
-    coefficient = (adv * weight).mul_((~blocked).float()).neg_()  # -M_t * min(r_t, C) * A_t
-    log_pi = log_prob.float()
-    if sanitized:  # a dropped token contributes nothing, not even a NaN gradient
-        log_pi = log_pi.masked_fill(~valid, 0.0)
-    loss_mat = coefficient * log_pi
+    if terms is not None:  # TROLL's Eq. 5; no ratio cap (truncated stays False)
+        loss_mat = troll_mode.troll_loss_matrix(terms, adv, valid, troll_options.alpha)
+    else:
+        coefficient = (adv * weight).mul_((~blocked).float()).neg_()  # -M_t * min(r_t, C) * A_t
+        log_pi = log_prob.float()
+        if sanitized:  # a dropped token contributes nothing, not even a NaN gradient
+            log_pi = log_pi.masked_fill(~valid, 0.0)
+        loss_mat = coefficient * log_pi
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = agg_loss(loss_mat=loss_mat, loss_mask=response, loss_agg_mode=loss_agg_mode, **global_batch_info)
 
@@ -198,7 +212,7 @@ def dppo_policy_loss(
         n_response=response.sum(),
         blocked=blocked & valid,
         adv=adv,
-        truncated=ratio >= options.ratio_cap,
+        truncated=(ratio >= options.ratio_cap) & (terms is None),
         mu_prob=mu_prob,
         drop=drop,
         mismatch_tv=mismatch_tv,
@@ -206,6 +220,10 @@ def dppo_policy_loss(
         log_ratio_to_anchor=log_ratio_to_anchor,
         entropy=entropy,
     )
+    if terms is not None:
+        troll_parts = troll_mode.troll_ratio_parts(terms, valid)
+        ratio_parts.update(troll_parts)
+        metrics.update({name: ratio_of(*part) for name, part in troll_parts.items()})
     if extras is not None:
         # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
         # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
@@ -213,7 +231,10 @@ def dppo_policy_loss(
     if ratio_parts["actor/dppo/dropped_frac"][1] == 0:
         # Empty responses: verl's local normalisers would divide 0 by 0. Nothing to learn from: a zero loss that
         # still reaches the parameters, so backward() works.
-        loss = log_prob.float().masked_fill(~response, 0.0).sum() * 0.0
+        if mode.troll:
+            loss = troll_mode.zero_loss(terms, log_prob)
+        else:
+            loss = log_prob.float().masked_fill(~response, 0.0).sum() * 0.0
     return loss, metrics
 
 

@@ -1,5 +1,9 @@
 """The Top-K modes' settings and their loss side: which statistic is D, the batch fields, what cannot run.
 
+"Top-K mode" here means every mode that reads the rollout's top-K inside the engine's logits hook: the dppo_topk_*
+modes and `troll` (whose loss side is `verl_dppo.plugin.troll_mode`). They share the batch fields, K's hand-over
+to the rollout servers, the hook and the settings under which it cannot run.
+
 The statistics themselves are computed inside verl's engine by the logits hook (`verl_dppo.patches.fsdp_logits_hook`,
 `verl_dppo.patches.megatron_logits_hook`) with the math of `verl_dppo.math.topk`; the loss reads them back here.
 """
@@ -11,14 +15,22 @@ from typing import Any, Optional
 import torch
 
 __all__ = [
-    "TOPK_MODES", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
+    "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
-    "pad_to_length_problem", "dynamic_cp_problem",
+    "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem",
 ]
 
 
 TOPK_MODES = {"dppo_topk_tv": "tv", "dppo_topk_kl": "kl"}
 """Loss mode -> which statistic of Eq. (15)/(16) is its D."""
+
+
+TROLL_MODES = ("troll",)
+"""Modes that project pi onto the KL ball around mu's top-K inside the logits hook (TROLL, arXiv 2510.03817)."""
+
+
+DEFAULT_TOPK = {"dppo_topk_tv": 20, "dppo_topk_kl": 20, "troll": 64}
+"""K when policy_loss.topk is unset: the DPPO paper's Top-K ablation uses 20, TROLL reports 64."""
 
 
 TOPK_IDS = "rollout_topk_ids"
@@ -40,7 +52,8 @@ ROLLOUT_SETTINGS = (
 
 
 def is_topk_mode(loss_mode: Optional[str]) -> bool:
-    return loss_mode in TOPK_MODES
+    """True for every mode that needs the rollout's top-K and the engine's logits hook (dppo_topk_*, troll)."""
+    return loss_mode in TOPK_MODES or loss_mode in TROLL_MODES
 
 
 def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
@@ -52,12 +65,10 @@ def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def configured_topk(config: Any) -> int:
+    """K in effect: policy_loss.topk, or the mode's default (DEFAULT_TOPK) when it is unset or None."""
     topk = policy_loss_get(config, "topk", None)
     if topk is None:
-        raise ValueError(
-            "Top-K DPPO needs policy_loss.topk: set actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
-            "(its topk defaults to 20; override with +actor_rollout_ref.actor.policy_loss.topk=K)"
-        )
+        return DEFAULT_TOPK[policy_loss_get(config, "loss_mode")]
     return int(topk)
 
 
@@ -111,6 +122,13 @@ def dynamic_cp_problem(mode: str) -> str:
     )
 
 
+def megatron_troll_problem(mode: str) -> str:
+    return (
+        f"{mode} runs on the FSDP engine only: its projection needs each token's full vocabulary row, which Megatron "
+        "splits across tensor-parallel ranks (not implemented): set actor_rollout_ref.actor.strategy=fsdp (or fsdp2)"
+    )
+
+
 def unsupported_settings(config: Any) -> list[str]:
     """What in a composed run config (actor_rollout_ref...) keeps a Top-K mode's logits hook from running; [] when
     nothing does or the loss is not Top-K. `prepare_train_batch` refuses the same settings at the first update."""
@@ -121,6 +139,8 @@ def unsupported_settings(config: Any) -> list[str]:
     megatron = arr.actor.get("strategy") == "megatron"
     engine = arr.actor.get("megatron" if megatron else "fsdp_config", None) or {}
     problems = []
+    if megatron and mode in TROLL_MODES:
+        problems.append(megatron_troll_problem(mode))
     if arr.model.get("use_fused_kernels", False):
         problems.append(fused_kernels_problem(mode))
     if engine.get("pad_to_length", False):

@@ -1,0 +1,135 @@
+"""The `troll` loss mode's loss side: TROLL's per-token loss from the terms the engine's logits hook computed.
+
+TROLL (Becker, Freymuth, Thilges, Otto, Neumann 2025, arXiv 2510.03817), anchored like DPPO on the rollout policy
+mu (its top-K as vLLM/SGLang reported it; no extra forward pass of an old policy):
+
+    loss_t = -(p(a_t) / mu'(a_t)) A_t + alpha KL(pi' || sg(p))          (their Eq. 5, minimised; no clipping)
+
+p is pi projected onto {KL(. || mu') <= eps} over the sparse support (`verl_dppo.math.troll`). The projection
+needs the whole vocabulary row, so it runs inside verl's engine (`verl_dppo.patches.fsdp_logits_hook`), WITH
+gradient: the hook returns log p(a_t) and KL(pi' || sg(p)) per token still attached to the logits, plus detached
+diagnostics; the `ppo_loss` wrapper pads them into `BatchExtras.troll`. The loss's gradient flows only through those
+two tensors, never through verl's own log_prob (whose flash-attn cross entropy would write its gradient into the
+logits in place, under TROLL's saved tensors). Aggregation, the dropped-token rule and the shared diagnostics are
+`verl_dppo.plugin.losses.dppo_policy_loss`'s, with nothing masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from verl_dppo.plugin.config import check_troll_options
+from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk, policy_loss_get
+
+__all__ = ["OUTPUT_KEYS", "DIFFERENTIABLE", "TrollOptions", "troll_options", "troll_from_extras", "troll_loss_matrix",
+           "troll_ratio_parts", "zero_loss"]
+
+
+OUTPUT_KEYS = {
+    "log_p": "troll_log_p",
+    "regression_kl": "troll_regression_kl",
+    "log_mu": "troll_log_mu",
+    "valid": "troll_valid",
+    "projected": "troll_projected",
+    "eta": "troll_eta",
+    "kl_before": "troll_kl_before",
+    "kl_after": "troll_kl_after",
+    "support_size": "troll_support_size",
+}
+"""Term -> model_output key the logits hook fills: (nnz,) float32 per token of the packed stream."""
+
+DIFFERENTIABLE = ("log_p", "regression_kl")
+"""The terms that keep their autograd graph to the logits; every other one is detached."""
+
+
+@dataclass(frozen=True)
+class TrollOptions:
+    eps: float
+    alpha: float
+    support_mass: float
+    topk: int
+
+    def describe(self) -> str:
+        return (f"troll_eps={self.eps:g} troll_alpha={self.alpha:g} troll_support_mass={self.support_mass:.10g} "
+                f"topk={self.topk}")
+
+
+def troll_options(config: Any) -> TrollOptions:
+    """The values in effect from an actor config (DPPOLossConfig, a plain PolicyLossConfig or a DictConfig):
+    TROLL's reported values where unset."""
+    options = TrollOptions(
+        eps=float(_or(policy_loss_get(config, "troll_eps", None), 0.05)),
+        alpha=float(_or(policy_loss_get(config, "troll_alpha", None), 1.0)),
+        support_mass=float(_or(policy_loss_get(config, "troll_support_mass", None), 1.0 - 1e-5)),
+        topk=configured_topk(config),
+    )
+    check_troll_options(options.eps, options.alpha, options.support_mass)
+    return options
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The hook's terms of this micro-batch, [batch, response_len] each (padded like old_log_probs)."""
+    check_anchor(mode_name, anchor)
+    terms = getattr(extras, "troll", None) if extras is not None else None
+    if not terms or any(key not in terms for key in OUTPUT_KEYS):
+        raise ValueError(
+            f"{mode_name} needs TROLL's per-token terms, which the actor's logits hook computes, but this micro-batch "
+            "has none. Either the batch lacks the rollout's top-K fields (set "
+            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's engine with the hook on "
+            "(actor_rollout_ref.model.use_fused_kernels must be False: fused kernels never materialise logits)"
+        )
+    for key, value in terms.items():
+        if tuple(value.shape) != tuple(response.shape):
+            raise ValueError(f"{mode_name}: TROLL term {key} {tuple(value.shape)} vs response {tuple(response.shape)}")
+    return terms
+
+
+def troll_loss_matrix(terms: dict[str, torch.Tensor], advantages: torch.Tensor, valid: torch.Tensor,
+                      alpha: float) -> torch.Tensor:
+    """Eq. 5 per token (the same formula as `verl_dppo.math.troll.troll_token_loss`), 0 outside `valid`; gradient
+    only through log p(a_t) and KL(pi' || sg(p))."""
+    log_p = torch.where(valid, terms["log_p"].float(), 0.0)
+    log_mu = torch.where(valid, terms["log_mu"].detach().float(), 0.0)
+    ratio = torch.exp(log_p - log_mu)
+    loss = -ratio * advantages + alpha * terms["regression_kl"].float()
+    return torch.where(valid, loss, 0.0)
+
+
+def troll_ratio_parts(terms: dict[str, torch.Tensor], valid: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """actor/troll/* as (numerator, denominator) over the valid tokens, read back in one host transfer."""
+    v = valid.float()
+    projected = terms["projected"].float() * v
+    sums = torch.stack([
+        v.sum(), projected.sum(),
+        (terms["eta"].float() * projected).sum(),
+        (terms["kl_before"].float() * v).sum(),
+        (terms["kl_after"].float() * v).sum(),
+        (terms["support_size"].float() * v).sum(),
+        (terms["regression_kl"].detach().float() * v).sum(),
+    ])
+    n_valid, n_projected, eta_sum, before_sum, after_sum, support_sum, regression_sum = sums.tolist()
+    return {
+        "actor/troll/projected_frac": (n_projected, n_valid),
+        "actor/troll/eta_mean": (eta_sum, n_projected),
+        "actor/troll/kl_before_mean": (before_sum, n_valid),
+        "actor/troll/kl_after_mean": (after_sum, n_valid),
+        "actor/troll/support_size_mean": (support_sum, n_valid),
+        "actor/troll/regression_kl_mean": (regression_sum, n_valid),
+    }
+
+
+def zero_loss(terms: Optional[dict[str, torch.Tensor]], log_prob: torch.Tensor) -> torch.Tensor:
+    """A zero loss that still reaches the parameters (empty responses). Through TROLL's terms when they carry a
+    graph: a backward through verl's log_prob would run its in-place cross entropy under TROLL's saved logits."""
+    for key in DIFFERENTIABLE:
+        value = terms.get(key) if terms else None
+        if value is not None and value.requires_grad:
+            return value.float().sum() * 0.0
+    return log_prob.float().sum() * 0.0
