@@ -15,6 +15,7 @@ holding half of the vocabulary, stand for two tensor-parallel ranks.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -227,6 +228,26 @@ def _check_hook(tp_rank, tp_size, data_format, where):
                                         int(data["responses"][i][t]))
                 want = 0.0 if masked else (tv if statistic == "tv" else kl)
                 assert per_token[i, t].item() == pytest.approx(want, rel=1e-4, abs=1e-6), f"{where} {key} [{i},{t}]"
+
+    # Issue 8.5: a token whose rollout statistics are unusable (log mu(a_t) NaN, a top-K log-prob +inf) gets D = NaN
+    # (the loss drops it, as in every mode) instead of an error; every other token keeps its value.
+    poisoned = {"rollout_log_probs": (2, 0, None, math.nan), "rollout_topk_logprobs": (0, 2, 0, math.inf)}
+    for key, (i, t, column, bad) in poisoned.items():
+        rows = [row.clone() for row in data[key].unbind()]
+        if column is None:
+            rows[i][t] = bad
+        else:
+            rows[i][t, column] = bad
+        data[key] = _nested(rows)
+    again = hook(student_logits=logits, data=data, data_format=data_format)["dppo_topk_kl"]
+    if data_format == "thd":
+        again = postprocess_thd_engine(again, packed_seq_params, data["input_ids"], len(prompt_lens))
+    else:
+        again = postprocess_bshd_engine(again, attention_mask)
+    again = no_padding_2_padding(again, data)
+    for i, t in ((2, 0), (0, 2)):
+        assert math.isnan(again[i, t].item()), f"{where} poisoned [{i},{t}]"
+    assert again[1, 0].item() == pytest.approx(per_token[1, 0].item()), where
 
 
 def test_megatron_logits_hook_matches_reference_thd_and_bshd_tp1_and_tp2():
