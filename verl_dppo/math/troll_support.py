@@ -1,0 +1,185 @@
+"""TROLL's sparse support from the full logits, chunk by chunk: pi on S_t U {other} with autograd (the logits saved,
+not copied; softmax recomputed in backward), and mu coarsened to the same atoms. Part of `verl_dppo.math.troll`, the
+public entry point (its module doc gives the support rule, the "other" bucket and what backward keeps).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from verl_dppo.math.troll_projection import _logsumexp
+
+__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms"]
+
+MU_FLOOR = 1e-12
+"""Smallest probability mu' gives an atom (the unreported tail, "other"): the authors' tiny probability."""
+
+
+def _candidates(sampled, mu_ids, pi_ids):
+    """Every id that may enter S_t, {a_t} U mu's reported ids U Top-K(pi), sorted by id. `first` marks the first
+    occurrence of each id, which comes from the best-known source for mu (a_t, then mu's report, then pi's top);
+    `source` is the candidate column (0: a_t, 1..K: mu's report, then pi's top)."""
+    candidates = torch.cat([sampled[:, None], mu_ids, pi_ids], dim=1)
+    width = candidates.shape[1]
+    key = (candidates * width + torch.arange(width, device=candidates.device)).sort(dim=1).values
+    ids, source = key // width, key % width
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return candidates, ids, source, first
+
+
+def _kept(ids, source, first, selected):
+    """S_t: the ids with at least one selected occurrence (`selected` per candidate column), once each."""
+    group = first.long().cumsum(dim=1) - 1
+    group_selected = torch.zeros_like(ids).scatter_add_(1, group, selected.gather(1, source).long()) > 0
+    return first & group_selected.gather(1, group)
+
+
+class _PiOnSupport(torch.autograd.Function):
+    """log pi at the support ids and log pi(other) from the full logits, with Top(pi) and S_t found on the way.
+
+    Saves the logits (no copy), the support ids and [n]-sized log-normalisers; recomputes softmax in backward.
+    Two float32 chunk buffers are reused across chunks (fresh multi-MiB allocations cost page faults on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace):
+        vocab = logits.shape[1]
+        n = sampled.shape[0]
+        reader = _ChunkReader(logits, rows, rows_per_chunk)
+        k_pi = min(topk, vocab)
+        width = 1 + mu_ids.shape[1] + k_pi
+        dev = logits.device
+        ids = torch.empty(n, width, dtype=torch.long, device=dev)
+        source = torch.empty_like(ids)
+        valid = torch.empty(n, width, dtype=torch.bool, device=dev)
+        log_pi = torch.empty(n, width, dtype=reader.work, device=dev)
+        log_z = torch.empty(n, dtype=reader.work, device=dev)
+        log_z_tail = torch.empty_like(log_z)
+        for start, end, block, scratch in reader:
+            sampled_c, mu_ids_c = sampled[start:end], mu_ids[start:end]
+            top_logits, top_ids = block.topk(k_pi, dim=1)
+            row_max = top_logits[:, :1]
+            shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
+            candidates, c_ids, c_source, c_first = _candidates(sampled_c, mu_ids_c, top_ids)
+            c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
+            rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # one pass: every id that is no candidate
+            lz = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
+            top_p = (top_logits - lz[:, None]).exp()
+            pi_selected = (top_p.cumsum(dim=1) - top_p) < support_mass
+            always = torch.ones_like(sampled_c[:, None], dtype=torch.bool)  # a_t
+            keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected[start:end], pi_selected], dim=1))
+            # pi(other) from the tail's own exponentials: exact however close pi's support mass is to 1.
+            tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)
+            order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
+            s_ids = torch.where(keep, c_ids, sampled_c[:, None]).gather(1, order)
+            ids[start:end], source[start:end] = s_ids, c_source.gather(1, order)
+            valid[start:end] = keep.gather(1, order)
+            log_pi[start:end] = block.gather(1, s_ids) - lz[:, None]
+            log_z[start:end] = lz
+            log_z_tail[start:end] = row_max.squeeze(1) + tail.log()
+        used = int(valid.sum(dim=1).max()) if n else 0
+        ids, source, valid = ids[:, :used].contiguous(), source[:, :used].contiguous(), valid[:, :used].contiguous()
+        log_pi = log_pi[:, :used].contiguous()
+        ctx.rows, ctx.rows_per_chunk, ctx.inplace = rows, rows_per_chunk, inplace
+        ctx.save_for_backward(logits, ids, valid, log_pi, log_z, log_z_tail)
+        ctx.mark_non_differentiable(ids, source, valid)
+        return ids, source, valid, log_pi, log_z_tail - log_z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _g_ids, _g_source, _g_valid, g_log_pi, g_log_other):
+        logits, ids, valid, log_pi, log_z, log_z_tail = ctx.saved_tensors
+        rows = ctx.rows
+        work = log_pi.dtype
+        g_s = torch.zeros_like(log_pi) if g_log_pi is None else torch.where(valid, g_log_pi.to(work), 0.0)
+        has_tail = torch.isfinite(log_z_tail)
+        g_o = torch.zeros_like(log_z) if g_log_other is None else torch.where(has_tail, g_log_other.to(work), 0.0)
+        # d/dl_j: on S, g_j - G pi_j; off S, q_j (g_o - G pi_o) with q = softmax of the tail (G = sum of all g).
+        total = g_s.sum(dim=1) + g_o
+        pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
+        tail_coef = g_o - total * pi_other
+        on_support = torch.where(valid, g_s - total[:, None] * log_pi.exp(), 0.0)
+        tail_base = torch.where(has_tail, log_z_tail, log_z)
+        grad = logits if ctx.inplace else torch.zeros_like(logits) if rows is not None else torch.empty_like(logits)
+        changed = torch.zeros((), dtype=torch.bool, device=logits.device)  # checked once, after the loop
+        for start, end, block, scratch in _ChunkReader(logits, rows, ctx.rows_per_chunk):
+            s_ids, s_valid = ids[start:end], valid[start:end]
+            reread, before = block.gather(1, s_ids) - log_z[start:end, None], log_pi[start:end]
+            changed |= (s_valid & (reread != before) & ~(reread.isnan() & before.isnan())).any()
+            q = torch.sub(block, tail_base[start:end, None], out=scratch).exp_().scatter_(1, s_ids, 0.0)
+            q.mul_(tail_coef[start:end, None]).scatter_add_(1, s_ids, on_support[start:end])
+            if rows is None:
+                grad[start:end].copy_(q)
+            else:
+                grad.index_copy_(0, rows[start:end], q.to(grad.dtype))
+        if bool(changed):
+            raise RuntimeError(
+                "TROLL's backward found the logits changed since its forward: another backward overwrote them in "
+                "place (verl's flash-attn cross entropy with inplace_backward=True does). Take the loss's gradient "
+                "only through TROLL's outputs, or disable the in-place cross entropy (VERL_DISABLE_FLASH_ATTN_CE=1, "
+                "or calculate_entropy=True)"
+            )
+        if ctx.inplace and rows is not None:
+            unused = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+            unused[rows] = False
+            grad.masked_fill_(unused[:, None], 0.0)
+        return grad, None, None, None, None, None, None, None, None
+
+
+class _ChunkReader:
+    """Iterates (start, end, block, scratch) over the selected rows: block holds the rows' logits in float32 at
+    least (a view of the logits when no conversion is needed: never written), scratch is a same-sized buffer."""
+
+    def __init__(self, logits: torch.Tensor, rows: Optional[torch.Tensor], rows_per_chunk: int):
+        self.logits, self.rows, self.step = logits, rows, rows_per_chunk
+        self.work = torch.promote_types(logits.dtype, torch.float32)
+        self.n = logits.shape[0] if rows is None else rows.numel()
+
+    def __iter__(self):
+        size = (min(self.step, self.n), self.logits.shape[1])
+        converted = torch.empty(size, dtype=self.work, device=self.logits.device)
+        scratch = torch.empty_like(converted)
+        for start in range(0, self.n, self.step):
+            end = min(start + self.step, self.n)
+            if self.rows is None:
+                source = self.logits[start:end]
+            else:
+                source = self.logits.index_select(0, self.rows[start:end])
+            if source.dtype == self.work:
+                block = source
+            else:
+                block = converted[: end - start]
+                block.copy_(source)
+            yield start, end, block, scratch[: end - start]
+
+
+
+def _mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, valid, vocab):
+    """log mu' on S_t U {other} (float64): known where reported, the uniform unreported share elsewhere."""
+    k = mu_ids.shape[1]
+    reported = torch.isfinite(mu_lp)
+    known = torch.cat([sampled_lp[:, None], mu_lp, torch.full_like(sampled_lp[:, None], -math.inf)], dim=1)
+    slot_lp = known.gather(1, source.clamp(max=k + 1))
+    sampled_reported = ((mu_ids == sampled[:, None]) & reported).any(dim=1)
+    unreported_mass = 1.0 - torch.where(reported, mu_lp.exp(), 0.0).sum(dim=1)
+    unreported_mass = unreported_mass - torch.where(sampled_reported, 0.0, sampled_lp.exp())
+    unreported_count = vocab - reported.sum(dim=1) - (~sampled_reported).long()
+    share = unreported_mass.clamp(min=MU_FLOOR).log() - unreported_count.clamp(min=1).double().log()
+    share = torch.minimum(share, torch.where(reported, mu_lp, math.inf).amin(dim=1))
+    slot_lp = torch.where(torch.isfinite(slot_lp), slot_lp, share[:, None])
+    slot_lp = torch.where(valid, slot_lp, -math.inf)
+    other = (1.0 - slot_lp.exp().sum(dim=1)).clamp(min=MU_FLOOR).log()
+    atoms = torch.cat([slot_lp, other[:, None]], dim=1)
+    return atoms - _logsumexp(atoms)
+
+
+
+pi_on_support = _PiOnSupport.apply
+"""(logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace) -> (ids, source, valid,
+log pi at the ids, log pi(other)): see `_PiOnSupport`."""
+
+mu_on_atoms = _mu_on_atoms
