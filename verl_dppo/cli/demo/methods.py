@@ -13,6 +13,9 @@ from typing import Any
 NO_TRUNCATION = 10000.0
 TOPK = 4
 """K of the demo's Top-K methods: mu's top-K comes from the rollout copy, as vLLM reports it with logprobs=K."""
+TROLL_TOPK = 16
+"""K of the demo's TROLL: the support takes mu's and pi's top tokens up to mass 1 - 1e-5, at most K (TROLL: 64 of
+151,936); 16 of the 64-token vocabulary covers the 14 tokens that carry meaning."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class Method:
     actor: dict[str, Any] = field(default_factory=dict)
     """Extra ActorConfig fields (actor_rollout_ref.actor.<key>=...)."""
     needs_rollout_topk: bool = False
-    """True for the Top-K modes: the rollout reports mu's top-K per token and the loss gets Eq. (15)/(16)."""
+    """True for the Top-K modes and troll: the rollout reports mu's top-K per token and the loss gets Eq. (15)/(16)
+    (TROLL: its projection's terms, with gradient)."""
 
 
 METHODS = (
@@ -45,6 +49,9 @@ METHODS = (
            {"delta_low": 0.15, "delta_high": 0.15, "topk": TOPK}, needs_rollout_topk=True),
     Method("dppo_topk_kl", "dppo_topk_kl", "DPPO-TopK-KL, K 4, delta 0.05",
            {"delta_low": 0.05, "delta_high": 0.05, "topk": TOPK}, needs_rollout_topk=True),
+    # TROLL's reported values (eps 0.05, alpha 1, support mass 1 - 1e-5); no mask: pg_clipfrac stays 0.
+    Method("troll", "troll", "TROLL, eps 0.05, alpha 1, K 16",
+           {"troll_eps": 0.05, "troll_alpha": 1.0, "topk": TROLL_TOPK}, needs_rollout_topk=True),
 )
 
 

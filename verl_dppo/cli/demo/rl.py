@@ -97,6 +97,28 @@ def topk_statistics(logits, responses, response_mask, rollout_log_probs, topk_id
     return statistics
 
 
+def troll_terms(config, logits, responses, response_mask, rollout_log_probs, topk_ids, topk_log_probs,
+                attention_mask):
+    """What the plugin's logits hook hands the loss inside verl's engine for troll: TROLL's per-token terms from the
+    learner's logits (the hook's own `troll_outputs`), log p(a_t) and the regression KL WITH gradient, in the
+    engine's no-padding layout under the model-output keys the `ppo_loss` wrapper reads."""
+    from verl_dppo.patches.fsdp_logits_hook import troll_outputs
+
+    n, length = responses.shape
+    cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)
+    outputs = troll_outputs(
+        config, logits[:, cols].reshape(n * length, -1), topk_ids.reshape(n * length, -1),
+        topk_log_probs.reshape(n * length, -1), responses.reshape(-1), rollout_log_probs.reshape(-1),
+        response_mask.reshape(-1).bool(),
+    )
+    terms = {}
+    for key, value in outputs.items():
+        full = torch.zeros(n, attention_mask.shape[1], dtype=value.dtype)
+        full[:, cols] = value.view(n, length)
+        terms[key] = to_no_padding(full, attention_mask)
+    return terms
+
+
 def _scalar(value) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
@@ -197,7 +219,11 @@ def train_method(
                     log_probs.retain_grad()
                     log_probs_nnz = to_no_padding(log_probs, attention_mask[rows])
                     model_output = {"log_probs": log_probs_nnz, "entropy": to_no_padding(entropy, attention_mask[rows])}
-                    if topk_ids is not None:
+                    if method.loss_mode == "troll":
+                        model_output.update(troll_terms(config, logits, responses[rows], response_mask[rows],
+                                                        rollout_log_probs[rows], topk_ids[rows],
+                                                        topk_log_probs[rows], attention_mask[rows]))
+                    elif topk_ids is not None:
                         model_output.update(topk_statistics(logits.detach(), responses[rows], response_mask[rows],
                                                             rollout_log_probs[rows], topk_ids[rows],
                                                             topk_log_probs[rows], attention_mask[rows]))
@@ -207,9 +233,11 @@ def train_method(
                         if isinstance(metric, Metric):
                             mini_metrics.setdefault(name, metric.init_list()).extend(metric)
                     # A token the loss masked (M_t = 0) gets exactly zero gradient even though A_t != 0.
-                    token_grad = log_probs.grad[:, response_cols]
+                    # TROLL's gradient reaches the logits through its projection, not through log pi: it masks nothing.
                     has_update = response_mask[rows].bool() & (advantages[rows] != 0)
-                    blocked_tokens.add(rollout_log_probs[rows].exp(), has_update, has_update & (token_grad == 0))
+                    blocked = has_update & (log_probs.grad[:, response_cols] == 0) if log_probs.grad is not None \
+                        else torch.zeros_like(has_update)
+                    blocked_tokens.add(rollout_log_probs[rows].exp(), has_update, blocked)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip)
                 if not torch.isfinite(grad_norm):
                     raise FloatingPointError(f"{method.name}: non-finite gradient norm at step {step}")
