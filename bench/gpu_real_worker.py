@@ -1,0 +1,302 @@
+"""Every loss mode of the plugin through verl 0.9.1's real `ActorRolloutRefWorker` at a realistic size, on one GPU.
+
+Per mode it prints the actor's step time, the peak GPU memory, the loss and the masked fraction, and for the
+Top-K modes the step time and peak memory as ratios to `dppo_binary_tv` measured in the same run.
+
+    python bench/gpu_real_worker.py                         # one CUDA GPU (nccl, strategy=fsdp, bf16)
+    python bench/gpu_real_worker.py --device cpu --tiny     # the CPU smoke path (tests/e2e runs it)
+
+What runs is the CPU end-to-end suite's driver (tests/e2e/driver.py) with the device and the sizes as parameters:
+each mode's config is composed from the recipes (`sanity_1p5b` x the mode's method, as `verl-dppo run` composes
+it) with the model, batch and token budget below; verl's worker is built on it (FSDP1 with verl's default bf16
+mixed precision and gradient checkpointing on CUDA; FSDP2 over gloo in fp32 on CPU), and driven as verl's v1
+trainer drives it (`update_actor` with the trainer's batch keys and settings; bypass mode, so no recompute pass).
+
+Default size (CUDA): a random-init Qwen3 with Qwen3-0.6B's widths and 8 of its 28 layers, Qwen3's real vocabulary
+of 151,936 (about 280M parameters), 8 prompts x 4 samples, prompts of 128-256 tokens, responses of 512-1,024
+tokens (max_response_length 1,024), 2 mini-batches per step, 8,192 tokens per micro-batch (several micro-batches
+per mini-batch), K = 20, the recipe's lr 1e-6. One rollout batch is sampled once by the bf16 copy of the initial
+policy (mu and its top-K per token, as an inference engine reports them) and every mode trains on it, each with a
+fresh worker from the same initial weights: --warmup steps, then --steps timed steps. Step time: the median of the
+timed `update_actor` calls; peak memory: torch.cuda.max_memory_allocated over them (on CPU: the process's
+resident-set high-water mark); loss and masked fraction (actor/pg_clipfrac): the first timed step.
+
+With the `device` tool (this machine has no GPU; the GPU machine has torch and transformers but neither verl nor
+network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in all):
+
+  1. Here, once, in the repository root:
+
+       echo /.whl/ >> .git/info/exclude
+       .venv/bin/pip wheel --no-deps -w .whl . antlr4-python3-runtime==4.9.3   # this package; antlr4 is sdist-only
+       python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
+         verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.1 hydra-core==1.3.8 datasets==5.2.0 \\
+         multiprocess==0.70.19 dill==0.4.1 codetiming==1.4.0 orjson==3.13.0 pydantic==2.14.3 pydantic_core==2.50.4 \\
+         typing_extensions==4.16.0 typing-inspection==0.4.5 annotated-types==0.8.0 fastapi==0.165.0 \\
+         starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+
+     (the set real-worker.md records as sufficient; Ray's wheel is too large to travel and is not needed: when
+     `import ray` fails, this script puts a stand-in in its place, whose every call raises.)
+
+  2. run(carry=[".whl"], timeout_s=600, command=
+       "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 python3
+        bench/gpu_real_worker.py --json $OUT/gpu_real_worker.json 2>&1 | tee $OUT/log")
+
+  A run takes a few minutes (one rollout of 32 x 1,024 tokens, then per mode a worker build and 3 steps); use
+  --modes to measure a subset (dppo_binary_tv is always added: the ratios are to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+import types
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BASELINE = "dppo_binary_tv"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray stand-in (the GPU machine has no Ray; verl's worker path only imports it)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+_DECORATORS = ("remote", "method")
+"""`@ray.remote` / `@ray.remote(...)` / `@ray.method(...)` run at import time in modules verl imports: as
+decorators they leave the decorated object as it is (a later `.remote()` on it fails)."""
+
+
+class _RayUnavailable:
+    """Any name under `ray`: importable, usable as a base class or an annotation; calling it raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if self._name.rsplit(".", 1)[-1] in _DECORATORS:
+            if len(args) == 1 and not kwargs and callable(args[0]):
+                return args[0]
+            return lambda decorated: decorated
+        raise RuntimeError(f"{self._name}(): Ray is not installed here (bench/gpu_real_worker.py's stand-in)")
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _RayUnavailable(f"{self._name}.{attr}")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _RayModule(types.ModuleType):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _RayUnavailable(f"{self.__name__}.{attr}")
+
+
+class _RayFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "ray" or fullname.startswith("ray."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _RayModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stand-in"
+        return module
+
+    def exec_module(self, module):
+        module.is_initialized = lambda: False
+
+
+def install_ray_stand_in() -> None:
+    if "ray" in sys.modules:
+        raise RuntimeError("ray is already imported; the stand-in must be installed first")
+    sys.meta_path.insert(0, _RayFinder())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak memory over a block: CUDA's allocator, or on CPU the process's resident-set high-water mark."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def reset(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as clear:
+                    clear.write("5")  # VmHWM := current RSS
+            except OSError:
+                pass
+
+    def peak_bytes(self) -> float:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return float(torch.cuda.max_memory_allocated())
+        try:
+            with open("/proc/self/status") as status:
+                return float(re.search(r"^VmHWM:\s+(\d+) kB", status.read(), re.M).group(1)) * 1024
+        except (OSError, AttributeError):
+            return math.nan
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the CPU suite's tiny model and batch (smoke test)")
+    parser.add_argument("--modes", default="", help="comma-separated loss modes (default: every registered one)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=None)
+    parser.add_argument("--prompt-length", type=int, default=None)
+    parser.add_argument("--response-length", type=int, default=None)
+    parser.add_argument("--token-budget", type=int, default=None, help="ppo_max_token_len_per_gpu")
+    parser.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import torch
+
+    import driver
+
+    driver.init_distributed(args.device)
+    size = driver.TINY_MODEL if args.tiny else driver.GPU_MODEL
+    if args.layers:
+        size = replace(size, num_layers=args.layers)
+    if args.tiny:
+        shape = driver.RunShape(prompts=4, samples_per_prompt=4, mini_batches=2, prompt_length=8, response_length=16,
+                                token_budget=64, lr=1e-2)
+    else:
+        shape = driver.RunShape(prompts=8, samples_per_prompt=4, mini_batches=2, prompt_length=256,
+                                response_length=1024, token_budget=8192, lr=None)
+    shape = replace(shape, **{k: v for k, v in {
+        "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt, "prompt_length": args.prompt_length,
+        "response_length": args.response_length, "token_budget": args.token_budget}.items() if v is not None})
+    modes = [m for m in args.modes.split(",") if m] or driver.plugin_loss_modes()
+    modes = [BASELINE] + [m for m in modes if m != BASELINE]
+    unknown = set(modes) - set(driver.plugin_loss_modes())
+    if unknown:
+        raise SystemExit(f"unknown loss modes {sorted(unknown)}; registered: {driver.plugin_loss_modes()}")
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu_real_worker_"))
+    model_dir = driver.save_model(workdir / "model", size)
+    configs = {mode: driver.compose_config(mode, model_dir, shape, device=args.device) for mode in modes}
+    topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
+    started = time.perf_counter()
+    rollout_copy = driver.RolloutCopy(model_dir, args.device)
+    n_params = sum(p.numel() for p in rollout_copy.model.parameters())
+    rollout = rollout_copy.sample(shape, torch.Generator().manual_seed(shape.seed), topk)
+    rewards = driver.target_token_reward(rollout)
+    del rollout_copy
+    rollout_seconds = time.perf_counter() - started
+    tokens = sum(p.numel() + r.numel() for p, r in zip(rollout.prompts, rollout.responses))
+
+    memory = PeakMemory(args.device)
+    rows = []
+    for mode, config in configs.items():
+        worker = driver.build_worker(config)
+        trainer = driver.Trainer(config, worker)
+        times, peaks, first = [], [], None
+        for step in range(args.warmup + args.steps):
+            memory.reset()
+            start = time.perf_counter()
+            metrics = trainer.step(rollout, rewards)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                times.append(elapsed)
+                peaks.append(memory.peak_bytes())
+                first = first or metrics
+        rows.append({
+            "mode": mode,
+            "method": driver.method_for_mode(mode),
+            "step_seconds": statistics.median(times),
+            "peak_memory_gib": max(peaks) / 2**30,
+            "loss": first["actor/loss"],
+            "grad_norm": first["actor/grad_norm"],
+            "masked_frac": first["actor/pg_clipfrac"],
+            "mismatch_tv_mean": first["actor/dppo/mismatch_tv_mean"],
+        })
+        del worker, trainer
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    baseline = rows[0]
+    for row in rows:
+        row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
+        peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
+        row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    return {
+        "device": device_name, "parameters": n_params, "vocab_size": size.vocab_size, "layers": size.num_layers,
+        "sequences": shape.batch_size, "tokens": tokens, "response_length": shape.response_length,
+        "token_budget": shape.token_budget, "topk": topk, "rollout_seconds": rollout_seconds,
+        "warmup": args.warmup, "steps": args.steps, "modes": rows,
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\nverl's real worker, {result['device']}: Qwen3 random init, {result['parameters'] / 1e6:.1f}M parameters, "
+          f"vocabulary {result['vocab_size']:,}, {result['layers']} layers; {result['sequences']} sequences, "
+          f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
+          f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up")
+    memory_label = "peak GiB" if result["device"] != "CPU" else "peak RSS GiB"
+    print(f"{'mode':<16} {'step s':>8} {memory_label:>12} {'loss':>10} {'masked':>7} {'time vs ' + BASELINE:>24} "
+          f"{'memory vs ' + BASELINE:>26}")
+    for row in result["modes"]:
+        ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
+                  if row["mode"] != BASELINE else f"{'':>24} {'':>26}")
+        print(f"{row['mode']:<16} {row['step_seconds']:>8.3f} {row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} "
+              f"{row['masked_frac']:>7.4f} {ratios}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.ray_stand_in or importlib.util.find_spec("ray") is None:
+        install_ray_stand_in()
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+    result = run(args)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
