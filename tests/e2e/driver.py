@@ -339,7 +339,10 @@ def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: Opti
     if not torch.distributed.is_initialized():
         if device != "cpu":
             torch.cuda.set_device(rank)
-        torch.distributed.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world_size)
+        backend = "gloo" if device == "cpu" else "nccl"
+        # One process: an in-memory store (no port to race for with processes started beside this one).
+        store = torch.distributed.HashStore() if world_size == 1 else None
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, store=store)
 
 
 def build_worker(config: Any) -> Any:
