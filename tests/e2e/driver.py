@@ -26,17 +26,11 @@ import numpy as np
 import torch
 
 # The one import of the plugin's recipe composition: update it here when the module moves.
-try:
-    from verl_dppo.cli.compose import compose_recipe, recipes_dir, validate_recipe
-except ModuleNotFoundError:  # the layout before verl_dppo/cli/
-    from verl_dppo.compose import compose_recipe, recipes_dir, validate_recipe
+from verl_dppo.cli.compose import compose_recipe, recipes_dir, validate_recipe
 
 # The plugin's launch step on the driver (README, Top-K: "on the driver the plugin copies [K] into
 # actor_rollout_ref.rollout.custom.dppo_topk"), which tells the rollout servers to report mu's top-K.
-try:
-    from verl_dppo.patches.llm_server import sync_rollout_config
-except ModuleNotFoundError:  # the layout before patches/
-    from verl_dppo.adapter.topk_agent_loop import sync_rollout_config
+from verl_dppo.patches.llm_server import sync_rollout_config
 
 SETUP = "sanity_1p5b"
 PLUGIN_LOGGER = "verl_dppo"
