@@ -12,6 +12,9 @@ So, like verl's own Megatron distillation loss (`trainer/distillation/megatron/l
 fields out on each full sequence, split them with the very functions that split the input ids
 (`preprocess_thd_engine` / `preprocess_bshd_engine`), and reduce across the tensor-parallel group
 (`verl_dppo.math.topk.vocab_parallel_topk_divergence`: all-reduced max and sum of exp, each id's logit from its owner).
+
+Why no extension point, and what would make this unnecessary: as for `fsdp_logits_hook` (verl's logits hook exists
+for top-K distillation only); a logits-processor slot on the policy loss would serve both engines.
 """
 
 from __future__ import annotations
