@@ -71,7 +71,7 @@ def test_actor_config_is_verls_own_dataclass():
     assert isinstance(config, FSDPActorConfig) and isinstance(config.policy_loss, DPPOLossConfig)
     assert (config.clip_ratio_low, config.clip_ratio_high, config.ppo_mini_batch_size) == (0.2, 0.28, 8)
     assert math.isinf(actor_config(by_name["pg_is"], 32, 8, 4, 32, 1e-3, 1.0).policy_loss.ratio_cap)
-    with pytest.raises(ValueError, match="multiple of --mini-batches"):
+    with pytest.raises(ValueError, match="must split into --mini-batches"):
         actor_config(by_name["pg_is"], 30, 8, 4, 32, 1e-3, 1.0)
 
 
