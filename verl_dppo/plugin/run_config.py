@@ -4,6 +4,12 @@ The loss sees one micro-batch and the actor's config; whether verl recomputed `o
 how the rollout engine computed mu are settings of other sections. They are decided here, from the configuration,
 on the driver: by `verl-dppo run` (also in a dry run) and at launch (the plugin's `LLMServerManager.__init__`
 patch), before anything slow starts.
+
+Under verl's asynchronous v1 trainers (`trainer.v1.trainer_mode=colocate_async` / `separate_async`) the rollout
+policy lags the trained one. What `PPOTrainerSeparateAsync.__init__` asserts (verl 0.9.1,
+`trainer/ppo/v1/trainer_separate_async.py`) is refused here for every loss mode, one line naming the key, so that a
+dry run catches it; what the DPPO modes need there (the rollout's per-token log-probs, the anchor) is checked for
+the DPPO modes.
 """
 
 from __future__ import annotations
@@ -11,9 +17,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["RunConfigError", "check_run_config"]
+__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config"]
 
 logger = logging.getLogger("verl_dppo")
+
+ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
+"""verl 0.9.1's asynchronous v1 trainers (`get_trainer_cls`); both resume aborted responses across weight updates
+(`FullyAsyncLLMServerClient`)."""
+
+_logged: set[str] = set()
+"""Warnings already logged in this process: the check runs once per server manager (separate_async builds two)."""
 
 
 class RunConfigError(ValueError):
@@ -28,9 +41,74 @@ def _dppo_mode(config: Any) -> str | None:
     return mode if mode in DPPO_MODES else None
 
 
+def async_trainer_mode(config: Any) -> str | None:
+    """`colocate_async` / `separate_async` when verl will run that trainer, else None (`main_ppo` reads
+    `trainer.v1.trainer_mode` only with `trainer.use_v1=True`)."""
+    trainer = config.get("trainer", None) or {}
+    if not trainer.get("use_v1", True):
+        return None
+    mode = (trainer.get("v1", None) or {}).get("trainer_mode", "sync")
+    return mode if mode in ASYNC_TRAINER_MODES else None
+
+
+def _check_separate_async(config: Any) -> None:
+    """What `PPOTrainerSeparateAsync.__init__` asserts before anything starts (verl 0.9.1)."""
+    switch = "trainer.v1.trainer_mode=separate_async"
+    arr = config.actor_rollout_ref
+    rollout = arr.rollout
+    separate = config.trainer.v1.get("separate_async", None) or {}
+    sync_step = int(separate.get("parameter_sync_step", 4))
+    mini_batch = int(arr.actor.ppo_mini_batch_size)
+    train_batch = int(config.data.train_batch_size)
+    # Weights reach the rollout every parameter_sync_step mini-batch updates, and one step trains one batch.
+    if train_batch != sync_step * mini_batch:
+        raise RunConfigError(
+            f"{switch} needs data.train_batch_size == trainer.v1.separate_async.parameter_sync_step * "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size, got {train_batch} != {sync_step} * {mini_batch}: set "
+            f"data.train_batch_size={sync_step * mini_batch} (or change parameter_sync_step / ppo_mini_batch_size)."
+        )
+    # The rollout runs on its own GPUs (a standalone server pool beside the trainer's trainer.nnodes x
+    # trainer.n_gpus_per_node); verl's default rollout.nnodes is 0.
+    for key in ("nnodes", "n_gpus_per_node"):
+        if int(rollout.get(key, 0) or 0) <= 0:
+            raise RunConfigError(
+                f"{switch} runs the rollout on GPUs of its own: set actor_rollout_ref.rollout.{key} > 0 (got "
+                f"{rollout.get(key, None)}), beside trainer.nnodes / trainer.n_gpus_per_node for the trainer."
+            )
+    backend = (rollout.get("checkpoint_engine", None) or {}).get("backend", "naive")
+    if backend == "naive":
+        raise RunConfigError(
+            f"{switch} sends weights to a separate rollout pool, which the naive checkpoint engine cannot: set "
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or nixl, mooncake, hccl)."
+        )
+    reward_model = (config.get("reward", None) or {}).get("reward_model", None) or {}
+    if reward_model.get("enable", False) and not reward_model.get("enable_resource_pool", False):
+        raise RunConfigError(
+            f"{switch} cannot colocate the reward model (the standalone rollout never pauses to free GPU memory): "
+            "set reward.reward_model.enable_resource_pool=True."
+        )
+    hybrid = separate.get("hybrid_rollout", None) or {}
+    if hybrid.get("enable_switch", False) and (rollout.get("disaggregation", None) or {}).get("enabled", False):
+        raise RunConfigError(
+            f"{switch}: trainer.v1.separate_async.hybrid_rollout.enable_switch=True does not support "
+            "actor_rollout_ref.rollout.disaggregation.enabled=True: set one of them to False."
+        )
+
+
+def _log_once(warnings: list[str]) -> None:
+    for warning in warnings:
+        if warning not in _logged:
+            _logged.add(warning)
+            logger.warning(warning)
+
+
 def check_run_config(config: Any) -> list[str]:
-    """Raise `RunConfigError` for a setting under which a DPPO mode would train on the wrong policy; return the
-    warnings (each also logged) for settings that run but are probably not what the user meant."""
+    """Raise `RunConfigError` for a setting under which a DPPO mode would train on the wrong policy, or under which
+    verl's asynchronous trainer would stop at its start (any loss mode); return the warnings (each also logged, once
+    per process) for settings that run but are probably not what the user meant."""
+    async_mode = async_trainer_mode(config)
+    if async_mode == "separate_async":
+        _check_separate_async(config)
     mode = _dppo_mode(config)
     if mode is None:
         return []
@@ -53,12 +131,28 @@ def check_run_config(config: Any) -> list[str]:
             "the temperature alone. Set actor_rollout_ref.rollout.logprobs_mode=processed_logprobs (or temperature=1)."
         )
     warnings = []
+    if async_mode is not None:
+        switch = f"trainer.v1.trainer_mode={async_mode}"
+        if not rollout.get("calculate_log_probs", False):
+            # mu of a resumed response comes only from the rollout: each token's log-prob as the version that
+            # sampled it reported it. Nothing can recompute it once the weights moved on (bypass mode would even
+            # fail on the missing rollout_log_probs).
+            raise RunConfigError(
+                f"{mode} under {switch} needs the rollout's per-token log-probs (mu, the policy version that sampled "
+                "each token): set actor_rollout_ref.rollout.calculate_log_probs=True."
+            )
+        if anchor == "recompute":
+            warnings.append(
+                f"{mode}: policy_loss.anchor=recompute under {switch} anchors the trust region on the recomputed "
+                "policy, not on the versions that sampled the response (up to "
+                "trainer.v1.sampler.max_off_policy_threshold versions older): the decoupled objective the paper "
+                "shows collapsing (Sec. 5.2). Set actor_rollout_ref.actor.policy_loss.anchor=rollout."
+            )
     if not bypass and not rollout.get("calculate_log_probs", False):
         warnings.append(
             f"{mode}: rollout.calculate_log_probs=False with bypass_mode=False: the batch has no rollout log-probs, "
             "so the ratio and the trust region are anchored on the recomputed policy (the paper's unstable decoupled "
             "variant, Sec. 5.2): set actor_rollout_ref.rollout.calculate_log_probs=True."
         )
-    for warning in warnings:
-        logger.warning(warning)
+    _log_once(warnings)
     return warnings

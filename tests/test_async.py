@@ -1,0 +1,163 @@
+"""Every loss mode under verl 0.9.1's asynchronous v1 trainers (`trainer.v1.trainer_mode=colocate_async` /
+`separate_async`, issue 14, parts 1-3).
+
+1. What `PPOTrainerSeparateAsync.__init__` asserts at start (`trainer/ppo/v1/trainer_separate_async.py`: the batch
+   split `data.train_batch_size == parameter_sync_step * ppo_mini_batch_size`, the rollout's own GPUs, a checkpoint
+   engine that can reach them, a reward model on its own pool, no hybrid switch with disaggregation) and what the
+   DPPO modes need there (the rollout's per-token log-probs) is refused by the run-config check, one line naming the
+   key, on a composed recipe and through `verl-dppo run ... --dry-run` (exit 2).
+2. `anchor=recompute` under an async trainer warns once, naming the setting.
+3. A response aborted by a weight update and resumed (verl's real `FullyAsyncLLMServerClient.generate` loop) keeps
+   exactly one top-K row per generated token, in order, each from the reply that generated it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_dppo.cli.compose import compose_recipe, validate_recipe
+from verl_dppo.plugin import run_config
+from verl_dppo.plugin.run_config import RunConfigError, check_run_config
+
+SETUP = "sanity_1p5b"  # data.train_batch_size 64 = verl's default parameter_sync_step 4 x ppo_mini_batch_size 16
+# One recipe per loss mode the plugin registers.
+METHOD_OF_MODE = {
+    "dppo_binary_tv": "dppo_binary_tv", "dppo_binary_kl": "dppo_binary_kl", "dppo_topk_tv": "dppo_topk_tv",
+    "dppo_topk_kl": "dppo_topk_kl", "grpo_clip": "grpo_clip_higher", "pg_is": "pg_is", "troll": "troll",
+}
+# What separate_async needs beyond the recipes: a rollout pool of its own and a checkpoint engine that reaches it.
+SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+_cache: dict = {}
+
+
+def separate_async(method: str):
+    """The recipe composed for separate_async with the settings verl asserts; callers get their own copy."""
+    if method not in _cache:
+        _cache[method] = compose_recipe(SETUP, method, SEPARATE)
+    return copy.deepcopy(_cache[method])
+
+
+def with_values(config, **values):
+    for key, value in values.items():
+        OmegaConf.update(config, key.replace("__", "."), value, force_add=True)
+    return config
+
+
+@pytest.mark.parametrize("mode", sorted(METHOD_OF_MODE))
+def test_every_loss_mode_composes_under_both_async_trainers(mode):
+    """The recipes run under either async trainer once verl's start-up settings are met: verl's checks pass, and the
+    run-config check neither refuses nor warns (the recipes anchor on the rollout, bypass mode on)."""
+    for trainer_mode in ("separate_async", "colocate_async"):
+        config = with_values(separate_async(METHOD_OF_MODE[mode]), trainer__v1__trainer_mode=trainer_mode)
+        assert config.actor_rollout_ref.actor.policy_loss.loss_mode == mode
+        validate_recipe(config)
+        assert run_config.async_trainer_mode(config) == trainer_mode
+        assert check_run_config(config) == []
+
+
+@pytest.mark.parametrize("values, key", [
+    # PPOTrainerSeparateAsync.__init__: weights reach the rollout every parameter_sync_step mini-batches
+    ({"data.train_batch_size": 48}, "data.train_batch_size=64"),
+    ({"trainer.v1.separate_async.parameter_sync_step": 2}, "data.train_batch_size=32"),
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 32}, "data.train_batch_size=128"),
+    # ... the standalone rollout pool (verl's default rollout.nnodes is 0)
+    ({"actor_rollout_ref.rollout.nnodes": 0}, "actor_rollout_ref.rollout.nnodes > 0"),
+    ({"actor_rollout_ref.rollout.n_gpus_per_node": 0}, "actor_rollout_ref.rollout.n_gpus_per_node > 0"),
+    # ... weights pushed to that pool (verl's default backend is naive)
+    ({"actor_rollout_ref.rollout.checkpoint_engine.backend": "naive"},
+     "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"),
+    ({"reward.reward_model.enable": True}, "reward.reward_model.enable_resource_pool=True"),
+    ({"trainer.v1.separate_async.hybrid_rollout.enable_switch": True,
+      "actor_rollout_ref.rollout.disaggregation.enabled": True}, "actor_rollout_ref.rollout.disaggregation.enabled"),
+])
+def test_separate_async_start_up_asserts_are_refused_naming_the_key(values, key):
+    config = separate_async("dppo_binary_tv")
+    for name, value in values.items():
+        OmegaConf.update(config, name, value, force_add=True)
+    with pytest.raises(RunConfigError) as error:
+        check_run_config(config)
+    message = str(error.value)
+    assert key in message and "trainer.v1.trainer_mode=separate_async" in message and "\n" not in message
+    # verl's own check is the same condition: its assert fires on exactly these configs (the batch split)
+    if "data.train_batch_size" in key:
+        sync_step = config.trainer.v1.separate_async.parameter_sync_step
+        assert config.data.train_batch_size != sync_step * config.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
+def test_verls_assert_is_checked_for_every_loss_mode_not_only_ours():
+    """verl's start-up asserts hold for any loss mode; the plugin's own needs only for its modes."""
+    config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48)
+    config.actor_rollout_ref.actor.policy_loss.loss_mode = "vanilla"
+    with pytest.raises(RunConfigError, match="data.train_batch_size"):
+        check_run_config(config)
+    # colocate_async asserts none of them; sync and the v0 trainer ignore trainer.v1 altogether
+    for values in ({"trainer.v1.trainer_mode": "colocate_async"}, {"trainer.v1.trainer_mode": "sync"},
+                   {"trainer.use_v1": False}):
+        config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48)
+        for name, value in values.items():
+            OmegaConf.update(config, name, value)
+        assert check_run_config(config) == []
+
+
+@pytest.mark.parametrize("trainer_mode", ["colocate_async", "separate_async"])
+def test_async_dppo_without_rollout_log_probs_is_refused(trainer_mode):
+    """A resumed response's mu exists only as the rollout reported it, token by token: without
+    calculate_log_probs nothing can stand in for it (sync mode, decoupled, only warns)."""
+    config = with_values(separate_async("dppo_binary_kl"), trainer__v1__trainer_mode=trainer_mode,
+                         algorithm__rollout_correction__bypass_mode=False,
+                         actor_rollout_ref__rollout__calculate_log_probs=False)
+    with pytest.raises(RunConfigError, match=rf"under trainer.v1.trainer_mode={trainer_mode} .*"
+                                             r"set actor_rollout_ref.rollout.calculate_log_probs=True"):
+        check_run_config(config)
+    config.trainer.v1.trainer_mode = "sync"
+    assert len(check_run_config(config)) == 1  # the sync trainer's warning, as before
+    config.actor_rollout_ref.actor.policy_loss.loss_mode = "vanilla"  # verl's own decoupled PPO: not ours
+    config.trainer.v1.trainer_mode = trainer_mode
+    assert check_run_config(config) == []
+
+
+def test_recompute_anchor_under_async_warns_once_naming_the_setting(caplog, monkeypatch):
+    """Part 2: the decoupled anchor is the recomputed policy, not the versions that sampled the response."""
+    monkeypatch.setattr(run_config, "_logged", set())
+    config = compose_recipe(SETUP, "dppo_binary_kl_decoupled", ["trainer.v1.trainer_mode=colocate_async"])
+    assert config.actor_rollout_ref.actor.policy_loss.anchor == "recompute"
+    with caplog.at_level(logging.WARNING, logger="verl_dppo"):
+        for _ in range(3):  # separate_async builds two server managers, each runs the check at launch
+            warnings = check_run_config(config)
+            assert len(warnings) == 1
+            assert "policy_loss.anchor=recompute under trainer.v1.trainer_mode=colocate_async" in warnings[0]
+            assert "set actor_rollout_ref.actor.policy_loss.anchor=rollout" in warnings[0].lower()
+    logged = [r for r in caplog.records if "anchor=recompute under" in r.getMessage()]
+    assert len(logged) == 1
+    config.trainer.v1.trainer_mode = "sync"
+    assert check_run_config(config) == []  # sync: the decoupled variant on purpose, no warning
+
+
+def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
+    """The real command line: a refused async setting is exit 2 and one line; a warned one still prints the YAML."""
+    env = dict(os.environ, DPPO_ROOT=str(tmp_path))
+    refused = subprocess.run(
+        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_topk_kl", "--dry-run", *SEPARATE,
+         "data.train_batch_size=48"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert refused.returncode == 2, refused.stderr
+    error_lines = [line for line in refused.stderr.splitlines() if "data.train_batch_size" in line]
+    assert len(error_lines) == 1 and "data.train_batch_size=64" in error_lines[0], refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stdout == ""
+    warned = subprocess.run(
+        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_binary_kl_decoupled", "--dry-run",
+         "trainer.v1.trainer_mode=colocate_async"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert warned.returncode == 0, warned.stderr
+    assert warned.stderr.count("policy_loss.anchor=recompute under trainer.v1.trainer_mode=colocate_async") == 1
+    assert "trainer_mode: colocate_async" in warned.stdout
