@@ -161,3 +161,140 @@ def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
     assert warned.returncode == 0, warned.stderr
     assert warned.stderr.count("policy_loss.anchor=recompute under trainer.v1.trainer_mode=colocate_async") == 1
     assert "trainer_mode: colocate_async" in warned.stdout
+
+
+# ------------------------------------------------------------------- part 3: top-K rows across partial rollouts
+
+import asyncio  # noqa: E402
+
+import numpy as np  # noqa: E402
+from test_topk_token_builders import (  # noqa: E402
+    PROMPT, assert_rows_follow_the_log_probs, compose_config, family_named,
+)
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap  # noqa: E402
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop  # noqa: E402
+from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
+from verl.workers.rollout import llm_server  # noqa: E402
+from verl.workers.rollout.replica import TokenOutput  # noqa: E402
+
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS  # noqa: E402
+from verl_dppo.patches.agent_loop import trajectory  # noqa: E402
+
+K = 3
+ANSWER = "The answer is 5.<|im_end|>"
+# (characters generated, stop reason, weights version): aborted by a weight update mid-response, an abort that
+# generated nothing (the update landed before the next token), resumed twice under newer weights.
+SEGMENTS = [(6, "aborted", 1), (0, "abort", 1), (7, "aborted", 2), (None, "completed", 3)]
+
+
+class AbortingServer:
+    """Stands in for the vLLM server (as the plugin's server patch leaves its reply): generates `ANSWER` in the
+    segments above, each reply with its token ids, log-probs, `global_steps` and one top-K row per generated token
+    in `extra_fields` (numpy [T, K]). Row of the n-th token generated under version v: ids [token, 1000 v + n, ...],
+    log-probs [-n/64 - v/8, ...], so every row says which reply made it. `empty_rows`: the empty abort carries
+    [0, K] rows (else none, as the vLLM / SGLang patches send for a reply without tokens)."""
+
+    def __init__(self, tokenizer, empty_rows=False):
+        self.generate = self  # verl awaits `server.generate.remote(...)`
+        self.answer = tokenizer.encode(ANSWER, add_special_tokens=False)
+        self.empty_rows = empty_rows
+        self.calls: list[dict] = []  # what verl's resume loop sent: prompt + tokens so far, the budget left
+        self.row_of: dict[float, tuple[list[int], list[float]]] = {}
+        self.version_of: list[int] = []  # the version that generated each token, in order
+        self.done = 0
+
+    async def remote(self, *, prompt_ids, sampling_params, **kwargs):
+        count, stop_reason, version = SEGMENTS[len(self.calls)]
+        self.calls.append({"prompt_ids": list(prompt_ids), "max_tokens": sampling_params.get("max_tokens")})
+        count = len(self.answer) - self.done if count is None else count
+        token_ids = self.answer[self.done:self.done + count]
+        ids, lps = np.zeros((count, K), np.int64), np.zeros((count, K), np.float32)
+        for row, token in enumerate(token_ids):
+            n = self.done + row + 1
+            ids[row] = [token, 1000 * version + n, 1000 * version + n + 1]
+            lps[row] = -n / 64 - version / 8 - np.arange(K)
+            self.row_of[float(lps[row, 0])] = (ids[row].tolist(), lps[row].tolist())
+            self.version_of.append(version)
+        self.done += count
+        extra = {"global_steps": version}
+        if count or self.empty_rows:
+            extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = ids, lps
+        return TokenOutput(token_ids=token_ids, log_probs=lps[:, 0].tolist(), stop_reason=stop_reason,
+                           extra_fields=extra)
+
+
+class ResumingClient(llm_server.FullyAsyncLLMServerClient):
+    """verl's real resume loop (`FullyAsyncLLMServerClient.generate`, the async trainers' client) over the base
+    `LLMServerClient.generate` the plugin patches, against one stand-in server."""
+
+    def __init__(self, config, server):
+        super().__init__(config)
+        self.server = server
+
+    async def _acquire_server(self, request_id, **extra):
+        return "server", self.server
+
+    def _release_server(self, server_id, request_id=None):
+        pass
+
+
+@pytest.fixture
+def no_resume_pause(monkeypatch):
+    """verl's loop sleeps 1 s before each resume; the order of events is what matters here."""
+    sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server.asyncio, "sleep", lambda delay, *args: sleep(0, *args))
+
+
+@pytest.mark.parametrize("empty_rows", [False, True], ids=["empty-abort-without-rows", "empty-abort-with-0xK-rows"])
+def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_it(empty_rows, no_resume_pause):
+    tokenizer = family_named("default").make_tokenizer()
+    config = compose_config(response_length=64)
+    server = AbortingServer(tokenizer, empty_rows)
+    prompt = tokenizer.encode("2 + 3?", add_special_tokens=False)
+
+    async def scenario():
+        with trajectory() as current:
+            output = await ResumingClient(config, server).generate("r", prompt_ids=prompt, sampling_params={})
+            return output, current.turns
+
+    output, turns = asyncio.run(scenario())
+    answer = server.answer
+    # verl's loop: four server calls, each resuming from the prompt and the tokens generated so far
+    assert [call["prompt_ids"] for call in server.calls] == [prompt, prompt + answer[:6], prompt + answer[:6],
+                                                             prompt + answer[:13]]
+    assert [call["max_tokens"] for call in server.calls] == [64, 58, 58, 51]
+    assert output.token_ids == answer and output.stop_reason == "completed"
+    assert (output.extra_fields["min_global_steps"], output.extra_fields["max_global_steps"]) == (1, 3)
+    # exactly one row per generated token, in order, each the row of the reply (version) that generated it
+    generated = np.concatenate([turn[0] for turn in turns])
+    ids = np.concatenate([turn[1] for turn in turns])
+    lps = np.concatenate([turn[2] for turn in turns])
+    assert generated.tolist() == answer and ids.shape == lps.shape == (len(answer), K)
+    assert ids[:, 0].tolist() == answer
+    assert ids[:, 1].tolist() == [1000 * version + n + 1 for n, version in enumerate(server.version_of)]
+    assert lps[:, 0].tolist() == pytest.approx(output.log_probs)
+    assert server.version_of == [1] * 6 + [2] * 7 + [3] * (len(answer) - 13)
+    # the abort that generated nothing adds no row
+    assert sum(turn[0].size for turn in turns) == len(answer)
+    assert [turn[0].size for turn in turns if turn[0].size] == [6, 7, len(answer) - 13]
+
+
+def test_resumed_response_rows_reach_the_training_batch_through_the_agent_loop(no_resume_pause):
+    """verl's real `SingleTurnAgentLoop` on the resuming client: `as_dict` lays each token's row where
+    `rollout_log_probs` holds that token's log-prob (the three replies merged as one assistant turn)."""
+    family = family_named("default")
+    tokenizer = family.make_tokenizer()
+    config = compose_config(response_length=64)
+    server = AbortingServer(tokenizer)
+
+    async def scenario():
+        loop = SingleTurnAgentLoop(DictConfigWrap(config), ResumingClient(config, server), tokenizer, None,
+                                   RLHFDataset, DictConfigWrap(config.data), hf_model_type=family.model_type)
+        with trajectory():
+            output = await loop.run(sampling_params={}, raw_prompt=list(PROMPT))
+            return output.as_dict()
+
+    fields = asyncio.run(scenario())
+    assert fields["responses"].tolist() == server.answer and bool(fields["response_mask"].all())
+    assert_rows_follow_the_log_probs(fields, server)
+    assert fields["rollout_topk_ids"][:, 1].tolist() == [1000 * v + n + 1 for n, v in enumerate(server.version_of)]
