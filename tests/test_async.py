@@ -13,16 +13,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from test_topk_token_builders import PROMPT, assert_rows_follow_the_log_probs, compose_config, family_named
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+from verl.utils.dataset.rl_dataset import RLHFDataset
+from verl.workers.rollout import llm_server
+from verl.workers.rollout.replica import TokenOutput
 
 from verl_dppo.cli.compose import compose_recipe, validate_recipe
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS
+from verl_dppo.patches.agent_loop import trajectory
 from verl_dppo.plugin import run_config
 from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
@@ -164,21 +174,6 @@ def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
 
 
 # ------------------------------------------------------------------- part 3: top-K rows across partial rollouts
-
-import asyncio  # noqa: E402
-
-import numpy as np  # noqa: E402
-from test_topk_token_builders import (  # noqa: E402
-    PROMPT, assert_rows_follow_the_log_probs, compose_config, family_named,
-)
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap  # noqa: E402
-from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop  # noqa: E402
-from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
-from verl.workers.rollout import llm_server  # noqa: E402
-from verl.workers.rollout.replica import TokenOutput  # noqa: E402
-
-from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS  # noqa: E402
-from verl_dppo.patches.agent_loop import trajectory  # noqa: E402
 
 K = 3
 ANSWER = "The answer is 5.<|im_end|>"
