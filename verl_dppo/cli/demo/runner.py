@@ -49,7 +49,8 @@ def _train_one(job: tuple) -> dict:
                 "traceback": traceback.format_exc()}
 
 
-def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: TextIO = sys.stdout) -> int:
+def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: Optional[TextIO] = None) -> int:
+    stream = stream if stream is not None else sys.stdout  # read at call time: tests swap sys.stdout
     import torch
     from tqdm import tqdm
 
