@@ -126,3 +126,54 @@ def test_no_default_metric_present_names_the_available_ones(tmp_path, capsys):
     assert main(["plot", str(log), "-o", str(tmp_path / "f.png")]) == 2
     err = capsys.readouterr().err
     assert "choose some with --metrics" in err and "my/metric" in err
+
+
+def test_run_pins_verl_file_logger_under_dppo_root_and_plot_finds_it_by_name(tmp_path, monkeypatch, capsys):
+    """`verl-dppo run` hands VERL_FILE_LOGGER_ROOT=$DPPO_ROOT/logs to Ray through the config verl merges into
+    ray.init's runtime_env; verl's own FileLogger, in an actor's unrelated working directory, then writes
+    logs/<project>/<experiment>.jsonl, and `plot <experiment>` / `plot --latest` find it there."""
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+    from verl.utils.tracking import FileLogger
+
+    from verl_dppo.cli.compose import compose_recipe
+    from verl_dppo.cli.run_logs import pin_file_logger
+
+    root = tmp_path / "root"
+    monkeypatch.setenv("DPPO_ROOT", str(root))
+    for name in ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    config = compose_recipe("dense_8b", "dppo_binary_tv")
+    pin_file_logger(config)
+    OmegaConf.resolve(config)  # as `run` does on the driver
+    ray_init = config.ray_kwargs.ray_init
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.runtime_env)  # verl's run_ppo
+    actor_root = runtime_env.env_vars.VERL_FILE_LOGGER_ROOT
+    assert actor_root == f"{root}/logs"
+
+    worker_cwd = tmp_path / "ray_worker_cwd"
+    worker_cwd.mkdir()
+    monkeypatch.chdir(worker_cwd)
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", actor_root)
+    logger = FileLogger(config.trainer.project_name, config.trainer.experiment_name)
+    for step in range(1, 6):
+        logger.log({"critic/score/mean": step / 10, "actor/pg_clipfrac": 0.0}, step)
+    logger.finish()
+    assert (root / "logs" / "verl-dppo" / "dense_8b-dppo_binary_tv.jsonl").is_file()
+    assert not list(worker_cwd.iterdir())
+    monkeypatch.delenv("VERL_FILE_LOGGER_ROOT")
+
+    assert main(["plot", "dense_8b-dppo_binary_tv", "-o", str(tmp_path / "by_name.png")]) == 0
+    assert main(["plot", "verl-dppo/dense_8b-dppo_binary_tv", "-o", str(tmp_path / "by_project.png")]) == 0
+    assert main(["plot", "--latest", "-o", str(tmp_path / "latest.png")]) == 0
+    for name in ("by_name", "by_project", "latest"):
+        assert_png(tmp_path / f"{name}.png")
+    capsys.readouterr()
+
+    assert main(["plot", "dense_8b-dppo_binary_kl", "-o", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no run of that experiment name" in err and "verl-dppo/dense_8b-dppo_binary_tv" in err
+    assert main(["plot", "--latest", "--log-root", str(tmp_path / "empty"), "-o", str(tmp_path / "f.png")]) == 2
+    assert "no run has logged under" in capsys.readouterr().err
+    assert main(["plot", "-o", str(tmp_path / "f.png")]) == 2
+    assert "give the runs to draw" in capsys.readouterr().err

@@ -259,6 +259,8 @@ def test_dry_run_prints_only_the_resolved_yaml(tmp_path):
     assert config["actor_rollout_ref"]["actor"]["megatron"]["router_replay"]["mode"] == "R3"
     assert config["actor_rollout_ref"]["model"]["path"] == f"{tmp_path}/models/Qwen3-30B-A3B-Base"
     assert "${" not in result.stdout  # fully resolved
+    # verl's file logger writes under $DPPO_ROOT/logs, not in a Ray actor's working directory
+    assert config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["VERL_FILE_LOGGER_ROOT"] == f"{tmp_path}/logs"
     assert "validate_config" in result.stderr and "verl-dppo data dapo-math" in result.stderr
 
 

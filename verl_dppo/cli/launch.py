@@ -68,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr,
         validate_recipe,
     )
+    from verl_dppo.cli.run_logs import pin_file_logger
 
     # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
     ray_address = os.environ.get("RAY_ADDRESS") or None
@@ -81,6 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides)
             validate_recipe(config)
+        pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         problems = check_supported(config) + check_paths(config)
         site = check_launch_site(config, ray_address)
     except UsageError as error:

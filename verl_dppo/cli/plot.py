@@ -225,10 +225,40 @@ def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int =
 _FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
+def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[str] = None) -> list[str]:
+    """Each argument is a log file, or the experiment name of a `verl-dppo run` (its log is
+    <log root>/<project>/<experiment>.jsonl, verl_dppo.cli.run_logs); --latest adds the newest log there."""
+    from verl_dppo.cli import run_logs
+
+    root = log_root or run_logs.default_log_root()
+    paths = []
+    for name in names:
+        if os.path.exists(name):
+            paths.append(name)
+            continue
+        try:
+            found = run_logs.find_log(name, root)
+        except ValueError as error:
+            raise PlotError(str(error)) from None
+        if found is None:
+            raise PlotError(f"{name}: no such file, and no run of that experiment name ({run_logs.known_runs(root)})")
+        paths.append(found)
+    if latest:
+        found = run_logs.latest_log(root)
+        if found is None:
+            raise PlotError(f"--latest: {run_logs.known_runs(root)}")
+        paths.append(found)
+    if not paths:
+        raise PlotError("give the runs to draw: log files, experiment names of `verl-dppo run`, or --latest")
+    return paths
+
+
 def run(paths: Sequence[str], output: str, metrics: Optional[str] = None, smooth: int = 1,
-        labels: Optional[str] = None, title: Optional[str] = None, err=None, out=None) -> int:
+        labels: Optional[str] = None, title: Optional[str] = None, err=None, out=None, latest: bool = False,
+        log_root: Optional[str] = None) -> int:
     err, out = err or sys.stderr, out or sys.stdout
     try:
+        paths = resolve_runs(paths, latest, log_root)
         if not output.lower().endswith(_FORMATS):
             raise PlotError(f"-o {output}: give a file name ending in one of {', '.join(_FORMATS)}")
         if smooth < 1:
@@ -261,8 +291,13 @@ def add_command(commands) -> None:
         description="Overlay verl file-logger runs, one panel per metric. Default metrics: "
         + ", ".join(DEFAULT_METRICS) + " (those present).",
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl",
-                        help="verl file-logger logs ({\"step\", \"data\"} rows)")
+    parser.add_argument("runs", nargs="*", metavar="RUN",
+                        help="verl file-logger logs ({\"step\", \"data\"} rows), or the trainer.experiment_name of a "
+                        "`verl-dppo run` (e.g. dense_8b-dppo_binary_tv), found under $DPPO_ROOT/logs")
+    parser.add_argument("--latest", action="store_true", help="also draw the newest run logged under $DPPO_ROOT/logs")
+    parser.add_argument("--log-root", default=None, metavar="DIR",
+                        help="where to look for experiment names (default: $VERL_FILE_LOGGER_ROOT, else "
+                        "$DPPO_ROOT/logs, else ~/dppo/logs)")
     parser.add_argument("-o", "--output", required=True, metavar="FIG.png", help="figure to write (.png/.pdf/.svg)")
     parser.add_argument("--metrics", default=None, metavar="M1,M2",
                         help="comma-separated metric names or wildcards (e.g. 'actor/dppo/*')")
@@ -270,4 +305,4 @@ def add_command(commands) -> None:
     parser.add_argument("--labels", default=None, metavar="A,B", help="legend names, one per run (default: file names)")
     parser.add_argument("--title", default=None, help="figure title")
     parser.set_defaults(handler=lambda args: run(args.runs, args.output, args.metrics, args.smooth, args.labels,
-                                                 args.title))
+                                                 args.title, latest=args.latest, log_root=args.log_root))

@@ -1,0 +1,76 @@
+"""Where a `verl-dppo run`'s JSONL log lands, and how `verl-dppo plot` finds it again.
+
+verl's file logger (verl/utils/tracking.py, `FileLogger`) writes `$VERL_FILE_LOGGER_PATH` if that is set, else
+`$VERL_FILE_LOGGER_ROOT/<trainer.project_name>/<trainer.experiment_name>.jsonl`, the root defaulting to "." - the
+working directory of the Ray actor that runs the trainer, which the user never chose. `run` pins the root under
+`dppo.root` (`$DPPO_ROOT/logs`) by handing the variable to every Ray actor through
+`ray_kwargs.ray_init.runtime_env.env_vars`, which verl merges into `ray.init`'s runtime_env: a local Ray and an
+existing cluster alike, and the dry run's YAML carries it for a plain `main_ppo` launch too.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Optional
+
+ROOT_VARIABLE = "VERL_FILE_LOGGER_ROOT"
+RECIPE_LOG_ROOT = "${oc.env:" + ROOT_VARIABLE + ",${dppo.root}/logs}"
+"""A root set in the launching shell wins; otherwise logs/ under the recipes' one root variable."""
+
+
+def pin_file_logger(config: Any) -> None:
+    """Set VERL_FILE_LOGGER_ROOT for the trainer's Ray actors, unless the user's overrides already set it."""
+    from omegaconf import open_dict
+
+    runtime_env = config.ray_kwargs.ray_init.runtime_env
+    with open_dict(runtime_env):
+        if runtime_env.get("env_vars") is None:
+            runtime_env.env_vars = {}
+        with open_dict(runtime_env.env_vars):
+            if ROOT_VARIABLE not in runtime_env.env_vars:
+                runtime_env.env_vars[ROOT_VARIABLE] = RECIPE_LOG_ROOT
+
+
+def default_log_root() -> str:
+    """The folder `run` logs into, as recipes/dppo.yaml resolves it: $VERL_FILE_LOGGER_ROOT, else
+    $DPPO_ROOT/logs, else ~/dppo/logs."""
+    if os.environ.get(ROOT_VARIABLE):
+        return os.path.expanduser(os.environ[ROOT_VARIABLE])
+    root = os.environ.get("DPPO_ROOT") or os.path.join(os.path.expanduser("~"), "dppo")
+    return os.path.join(os.path.expanduser(root), "logs")
+
+
+def _logs_under(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(root), "*", "*.jsonl")))
+
+
+def find_log(name: str, root: Optional[str] = None) -> Optional[str]:
+    """A run's log from its experiment name (`dense_8b-dppo_binary_tv`, or `PROJECT/EXPERIMENT`) under the log
+    root; None if there is none. Raises ValueError if the name matches runs of several projects."""
+    root = root or default_log_root()
+    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
+    if "/" in stem:
+        path = os.path.join(root, stem + ".jsonl")
+        return path if os.path.isfile(path) else None
+    matches = [path for path in _logs_under(root) if os.path.basename(path) == stem + ".jsonl"]
+    if len(matches) > 1:
+        projects = ", ".join(f"{os.path.basename(os.path.dirname(path))}/{stem}" for path in matches)
+        raise ValueError(f"{name!r} names runs of several projects under {root}: give one of {projects}")
+    return matches[0] if matches else None
+
+
+def latest_log(root: Optional[str] = None) -> Optional[str]:
+    """The most recently written log under the log root."""
+    logs = _logs_under(root or default_log_root())
+    return max(logs, key=os.path.getmtime) if logs else None
+
+
+def known_runs(root: Optional[str] = None, limit: int = 8) -> str:
+    """`project/experiment, ...` of the runs under the root (newest first), for an error message."""
+    root = root or default_log_root()
+    logs = sorted(_logs_under(root), key=os.path.getmtime, reverse=True)
+    names = [os.path.relpath(path, root)[: -len(".jsonl")] for path in logs]
+    if not names:
+        return f"no run has logged under {root} yet"
+    return f"runs under {root}: " + ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
