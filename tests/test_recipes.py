@@ -284,3 +284,49 @@ def test_every_recipe_file_ships_in_the_package(monkeypatch):
             package = ".".join(["verl_dppo", "recipes", *relative.parent.parts])
             assert package in packages, f"{package} is not in setup.py's packages"
             assert any(fnmatch.fnmatch(relative.name, pattern) for pattern in package_data.get(package, [])), relative
+
+
+def test_a_user_setup_and_method_from_config_dir_compose_and_dry_run(monkeypatch, tmp_path, capsys):
+    """Bring your own model and data: `run --config-dir DIR` reads DIR/setup/*.yaml and DIR/method/*.yaml like the
+    shipped ones; a user setup may start from a shipped one and change only the model and the data."""
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path / "root"))
+    user = tmp_path / "my recipes"  # a space in the path, too
+    (user / "setup").mkdir(parents=True)
+    (user / "method").mkdir()
+    (user / "setup" / "my_model.yaml").write_text(
+        "# @package _global_\n# My model on my data.\ndefaults:\n  - sanity_1p5b\n"
+        "dppo:\n  setup: my_model\n  setup_figure: none\n"
+        f"actor_rollout_ref:\n  model:\n    path: {tmp_path}/models/tiny\n"
+        f"data:\n  train_files: {tmp_path}/data/train.parquet\n  val_files: {tmp_path}/data/val.parquet\n"
+    )
+    (user / "method" / "my_tv.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - dppo_binary_tv\ndppo:\n  method: my_tv\n"
+        "actor_rollout_ref:\n  actor:\n    policy_loss:\n      delta_low: 0.1\n      delta_high: 0.1\n"
+    )
+    config = compose_recipe("my_model", "my_tv", ["trainer.nnodes=1"], config_dirs=[str(user)])
+    validate_recipe(config)
+    shipped = recipe("sanity_1p5b", "dppo_binary_tv")
+    assert config.actor_rollout_ref.model.path == f"{tmp_path}/models/tiny"
+    assert config.data.train_batch_size == shipped.data.train_batch_size  # the rest from the shipped setup
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "dppo_binary_tv"
+    assert config.actor_rollout_ref.actor.policy_loss.delta_low == 0.1
+
+    assert cli.main(["run", "my_model", "--method", "my_tv", "--config-dir", str(user), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    dumped = yaml.safe_load(captured.out)
+    assert dumped["dppo"]["setup"] == "my_model" and dumped["data"]["val_files"] == f"{tmp_path}/data/val.parquet"
+    # the pre-flight checks read the user's paths: a dry run warns that they do not exist yet
+    assert f"data.train_files: {tmp_path}/data/train.parquet does not exist" in captured.err
+    assert f"actor_rollout_ref.model.path: {tmp_path}/models/tiny does not exist" in captured.err
+
+    (user / "setup" / "dense_8b.yaml").write_text("# @package _global_\n")
+    cases = [
+        (["run", "dense_8b", "--method", "pg_is", "--config-dir", str(user), "--dry-run"], "rename your file"),
+        (["run", "my_model", "--method", "pg_is", "--config-dir", str(tmp_path / "nope"), "--dry-run"],
+         "no such folder"),
+        (["run", "my_modle", "--method", "pg_is", "--dry-run"], "--config-dir DIR adds"),
+    ]
+    for argv, message in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)

@@ -107,8 +107,15 @@ def list_recipes() -> dict[str, list[RecipeInfo]]:
     return {group: [_read_info(group, name) for name in _group_names(group)] for group in GROUPS}
 
 
-def _check_name(group: str, name: str) -> None:
-    names = _group_names(group)
+def _check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
+    from verl_dppo.cli.user_recipes import user_names
+
+    shipped, own = _group_names(group), user_names(group, folders)
+    clash = sorted(set(shipped) & set(own))
+    if clash:
+        raise RecipeError(f"--config-dir: {group} {', '.join(clash)} is also a shipped {group}, which Hydra would "
+                          "read instead: rename your file")
+    names = sorted(shipped + own)
     if name not in names:
         import difflib
 
@@ -116,7 +123,7 @@ def _check_name(group: str, name: str) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise RecipeError(
             f"unknown {group} {name!r}.{hint} Choose one of: {', '.join(names)} (`verl-dppo recipes` lists them "
-            "with the paper figure each reproduces)."
+            "with the paper figure each reproduces; --config-dir DIR adds DIR/setup/*.yaml, DIR/method/*.yaml)."
         )
 
 
@@ -127,14 +134,19 @@ def stdout_to_stderr() -> Iterator[None]:
         yield
 
 
-def compose_recipe(setup: str, method: str, overrides: Sequence[str] = ()) -> Any:
+def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
     """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + overrides into one DictConfig.
 
     `+key=value` is accepted for a key the recipe already sets (plain `main_ppo` scripts add DPPO's keys that way):
     it becomes Hydra's `++key=value`, add-or-override. An override must keep the type of the value it replaces
-    (`data.train_batch_size=abc` is refused here, not hours later in a worker)."""
-    _check_name("setup", setup)
-    _check_name("method", method)
+    (`data.train_batch_size=abc` is refused here, not hours later in a worker). `config_dirs`: the user's own
+    setups and methods (verl_dppo.cli.user_recipes)."""
+    from verl_dppo.cli.user_recipes import check_config_dirs, searchpath_override
+
+    folders = check_config_dirs(config_dirs)
+    _check_name("setup", setup, folders)
+    _check_name("method", method, folders)
+    searchpath = searchpath_override(recipes_dir(), folders)
     for override in overrides:
         if "=" not in override and not override.startswith("~"):
             raise RecipeError(
@@ -143,10 +155,10 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = ()) -> An
             )
     overrides = [f"+{item}" if item.startswith("+") and not item.startswith("++") else item for item in overrides]
     if not overrides:
-        return _compose(setup, method, [])
-    baseline = _compose(setup, method, [])
+        return _compose(setup, method, searchpath)
+    baseline = _compose(setup, method, searchpath)
     try:
-        config = _compose(setup, method, overrides)
+        config = _compose(setup, method, [*searchpath, *overrides])
     except RecipeError as error:
         raise RecipeError(str(error) + _key_hint(str(error), baseline)) from None
     _check_override_types(baseline, config, overrides)

@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             check_address(ray_address, "RAY_ADDRESS")
         with stdout_to_stderr():
-            config = compose_recipe(args.setup, args.method, args.overrides)
+            config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir)
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         problems = check_supported(config) + check_paths(config)
@@ -159,6 +159,14 @@ def add_command(commands) -> None:
         "--dry-run",
         action="store_true",
         help="do everything but the launch: print the fully resolved config as YAML on stdout (no GPU needed)",
+    )
+    run.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="your own setups and methods: DIR/setup/NAME.yaml, DIR/method/NAME.yaml, composed like the shipped ones "
+        "(a setup may start from one: `defaults: [sanity_1p5b]`); repeatable",
     )
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.nnodes=4 data.train_batch_size=128")
     run.set_defaults(handler=cmd_run)
