@@ -6,7 +6,9 @@ biases a mean over a condition (`verl_dppo.plugin.metrics`). Neither has an exte
 What the wrapper does: for a `dppo_topk_*` mode or `troll`, refuse the settings under which the hook cannot run and set
 `distillation_use_topk=True` on the mini-batch; after verl has gathered the mini-batch's metrics from every
 data-parallel rank, make the plugin's ratio diagnostics exact.
-What would make it unnecessary upstream: a per-loss "needs logits" flag on the loss function (or the worker's
+`ActorRolloutRefWorker.update_weights` is wrapped to record the pushed weights' version (`global_steps`), which each
+mini-batch then carries for the staleness diagnostics (verl_dppo.plugin.staleness).
+What would make it unnecessary upstream: the trainer's version in the actor's batch; a per-loss "needs logits" flag on the loss function (or the worker's
 config), and a ratio-type `AggregationType` (sum of numerators over sum of denominators) in `verl.utils.metric`.
 """
 
@@ -108,6 +110,7 @@ def patch_engine_workers(module: Any) -> None:
     def make(original):
         def train_batch(self, data, *args, **kwargs):
             prepare_train_batch(self, data)
+            _assign_trainer_version(data)
             output = original(self, data, *args, **kwargs)
             if output is not None:  # the rank that returns the mini-batch's metrics, gathered over the DP group
                 from verl.utils import tensordict_utils as tu
@@ -122,3 +125,29 @@ def patch_engine_workers(module: Any) -> None:
         return train_batch
 
     patch_once(module.TrainingWorker, "train_batch", make)
+    patch_once(module.ActorRolloutRefWorker, "update_weights", _record_version)
+
+
+def _assign_trainer_version(data: Any) -> None:
+    """The staleness diagnostics' trainer version (verl_dppo.plugin.staleness): the last weight push's label."""
+    from verl_dppo.plugin.staleness import TRAINER_VERSION, trainer_version
+
+    version = trainer_version()
+    if version is not None and "extra_fields" in data.keys():
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(data, **{TRAINER_VERSION: version})
+
+
+def _record_version(original):
+    """`ActorRolloutRefWorker.update_weights(global_steps=...)`: verl gives the actor worker, on every weight push
+    (every trainer mode, `naive` backend included), the version label the rollout records in its replies; the worker
+    keeps no copy of it, so the staleness diagnostics record it here."""
+
+    async def update_weights(self, global_steps=None, *args, **kwargs):
+        from verl_dppo.plugin.staleness import record_trainer_version
+
+        record_trainer_version(global_steps)
+        return await original(self, global_steps, *args, **kwargs)
+
+    return update_weights

@@ -58,6 +58,9 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
             padded = no_padding_2_padding(value, data)
             troll[term] = padded if term in troll_mode.DIFFERENTIABLE else padded.detach()
     extras.troll = troll or None
+    from verl_dppo.plugin.staleness import sample_lags
+
+    extras.lags = sample_lags(data)
     return extras
 
 

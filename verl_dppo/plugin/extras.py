@@ -34,6 +34,9 @@ class BatchExtras:
     troll: Optional[dict[str, torch.Tensor]] = None
     """troll mode: TROLL's per-token terms from the same hook, keyed as `troll_mode.OUTPUT_KEYS` (log_p, regression_kl,
     log_mu, valid, projected, eta, kl_before, kl_after, support_size); log_p and regression_kl keep their gradient."""
+    lags: Optional[torch.Tensor] = None
+    """Per-sample lag [batch] (trainer version - oldest version that sampled the response; NaN: unknown), when the
+    batch carries version information (`verl_dppo.plugin.staleness`)."""
     ratio_parts: Optional[dict] = None
     """Filled by the loss: each mean-type diagnostic as (numerator, denominator), for exact aggregation."""
 

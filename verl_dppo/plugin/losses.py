@@ -25,6 +25,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl_dppo.plugin.config import resolve_options
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.metrics import ratio_of
+from verl_dppo.plugin.staleness import staleness_parts, staleness_sums
 from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
 from verl_dppo.plugin import troll_mode
 from verl_dppo.math.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
@@ -219,6 +220,7 @@ def dppo_policy_loss(
         mismatch_kl=mismatch_kl,
         log_ratio_to_anchor=log_ratio_to_anchor,
         entropy=entropy,
+        lags=extras.lags if extras is not None else None,
     )
     if terms is not None:
         troll_parts = troll_mode.troll_ratio_parts(terms, valid)
@@ -278,7 +280,7 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, to
 
 
 def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
-                 log_ratio_to_anchor, entropy) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+                 log_ratio_to_anchor, entropy, lags=None) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Every diagnostic reduced on device to a few scalars, read back in one host transfer.
 
     Returns the metrics of this micro-batch, and each mean-type metric as (numerator, denominator): a mean over
@@ -303,8 +305,10 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
         torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
         (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
     ])
+    stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv)]  # same host transfer
+    values = torch.cat([counts, sums, *stale]).tolist()
     (n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated, n_response, tv_sum,
-     kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max) = torch.cat([counts, sums]).tolist()
+     kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max) = values[:15]
 
     parts = {
         "actor/pg_clipfrac": (n_blocked, n_valid),
@@ -320,6 +324,8 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
     }
     if entropy is not None:
         parts["actor/dppo/masked_entropy_mean"] = (masked_entropy_sum, n_blocked)
+    if lags is not None:
+        parts.update(staleness_parts(values[15:]))
     metrics = {name: ratio_of(*part) for name, part in parts.items()}
     metrics["actor/dppo/mismatch_tv_max"] = tv_max
     return metrics, parts

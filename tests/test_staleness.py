@@ -1,0 +1,147 @@
+"""Issue 14.4: staleness diagnostics. Each sample's lag is the trainer's version (the `global_steps` of the actor's
+last weight push) minus the oldest version that sampled its response (verl's `extra_fields["min_global_steps"]`);
+the token-weighted mean lag and, per lag bucket (0, 1, 2-3, 4+), the masked fraction and the mean mismatch TV are
+exact over the mini-batch and the data-parallel ranks, through verl's real `ppo_loss` and its metric aggregation.
+"""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from tensordict import NonTensorStack
+
+from helpers import actor_config, v1_micro_batch
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import Metric
+from verl.utils.py_functional import append_to_dict
+from verl.workers.utils.losses import ppo_loss
+
+from verl_dppo.plugin import staleness
+from verl_dppo.plugin.metrics import RatioMetric, exact_ratio_metrics
+
+T = 4
+VERSION = 10
+LAG_METRICS = [
+    "actor/dppo/lag_mean",
+    *(f"actor/dppo/lag_{b}/{m}" for b in ("0", "1", "2_3", "4plus")
+      for m in ("token_frac", "masked_frac", "mismatch_tv_mean")),
+]
+
+
+def sequence(lag, pi, mu, adv):
+    """(lag, pi(a_t), mu(a_t), A): probabilities per token; lag None = a sample without a version."""
+    return lag, torch.tensor(pi), torch.tensor(mu), float(adv)
+
+
+# dppo_binary_tv with delta 0.15: a token whose pi moved 0.4 from mu in the advantage's direction is masked (Eq. 12).
+SEQS = [
+    sequence(0, [0.9, 0.55], [0.5, 0.5], +1),          # 1 of 2 masked, TV 0.4 + 0.05
+    sequence(1, [0.9, 0.9, 0.9], [0.5, 0.5, 0.5], +1),  # 3 of 3 masked
+    sequence(3, [0.1, 0.5], [0.5, 0.5], -1),           # 1 of 2 masked (pi fell, A < 0)
+    sequence(8, [0.6], [0.5], +1),                     # none masked
+    sequence(0, [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], -1),
+    sequence(8, [0.9, 0.2, 0.5], [0.5, 0.6, 0.5], +1),  # 1 of 3 masked (the A > 0 rise)
+    sequence(3, [0.3], [0.5], -1),                     # masked
+    sequence(1, [0.5, 0.52], [0.5, 0.5], +1),
+]
+
+
+def micro_batch(seqs, with_versions=True):
+    lens = [s[1].numel() for s in seqs]
+    pi, mu, adv = torch.zeros(len(seqs), T), torch.zeros(len(seqs), T), torch.zeros(len(seqs), T)
+    for i, (_, p, m, a) in enumerate(seqs):
+        pi[i, : lens[i]], mu[i, : lens[i]], adv[i, : lens[i]] = p.log(), m.log(), a
+    model_output, data, _ = v1_micro_batch(pi, mu, adv, lens, rollout_log_prob=mu)
+    if with_versions:
+        # As the v1 agent loop stores them in TransferQueue: one extra_fields dict per sample.
+        data.set("extra_fields", NonTensorStack(*[
+            {"min_global_steps": None if lag is None else VERSION - lag,
+             "max_global_steps": None if lag is None else VERSION - max(lag - 1, 0)}
+            for lag, *_ in seqs
+        ]))
+        tu.assign_non_tensor(data, **{staleness.TRAINER_VERSION: VERSION})
+    return model_output, data
+
+
+def call(seqs, with_versions=True):
+    config = actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15)
+    _, metrics = ppo_loss(config, *micro_batch(seqs, with_versions))
+    return metrics
+
+
+def verl_aggregate(ranks):
+    """As verl's worker: per rank one Metric per name over its micro-batches, gathered over ranks, the plugin's
+    train_batch patch (exact_ratio_metrics), then Metric.aggregate_dp."""
+    gathered = {}
+    for micro_batches in ranks:
+        per_rank = {}
+        for seqs in micro_batches:
+            append_to_dict(per_rank, call(seqs))
+        for name, metric in per_rank.items():
+            gathered.setdefault(name, []).append(metric)
+    exact_ratio_metrics(gathered)
+    return {name: Metric.aggregate_dp(metrics) for name, metrics in gathered.items()}
+
+
+def by_hand(seqs):
+    """Token by token: lag, masked (Eq. 12, delta 0.15), |pi - mu|."""
+    tokens = []
+    for lag, pi, mu, adv in seqs:
+        for p, m in zip(pi.tolist(), mu.tolist()):
+            masked = (adv > 0 and p - m > 0.15) or (adv < 0 and m - p > 0.15)
+            tokens.append((lag, masked, abs(p - m)))
+    known = [t for t in tokens if t[0] is not None]
+    out = {"actor/dppo/lag_mean": math.fsum(t[0] for t in known) / len(known)}
+    for name, low, high in (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, 10**9)):
+        bucket = [t for t in known if low <= t[0] <= high]
+        out[f"actor/dppo/lag_{name}/token_frac"] = len(bucket) / len(known)
+        out[f"actor/dppo/lag_{name}/masked_frac"] = sum(t[1] for t in bucket) / len(bucket)
+        out[f"actor/dppo/lag_{name}/mismatch_tv_mean"] = math.fsum(t[2] for t in bucket) / len(bucket)
+    return out
+
+
+CUTS = [
+    [[[0, 1], [2], [3, 4]], [[5], [6, 7], [8]]],  # two ranks, three micro-batches each; 8 = the unversioned sample
+    [[[0], [1], [2], [3], [4, 5, 6, 7, 8]]],      # one rank, buckets split across micro-batches
+]
+
+
+@pytest.mark.parametrize("cut", range(len(CUTS)))
+def test_lag_metrics_equal_hand_computed_values_over_micro_batches_and_ranks(cut):
+    seqs = SEQS + [sequence(None, [0.9], [0.5], +1)]  # no version: in no lag metric
+    expected = by_hand(seqs)
+    assert expected["actor/dppo/lag_mean"] == pytest.approx((0 * 6 + 1 * 5 + 3 * 3 + 8 * 4) / 18)
+    got = verl_aggregate([[[seqs[i] for i in mb] for mb in rank] for rank in CUTS[cut]])
+    for name in LAG_METRICS:
+        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    # the same values the loss reports on the whole mini-batch in one call
+    truth = call(seqs)
+    for name in LAG_METRICS:
+        assert isinstance(truth[name], RatioMetric)
+        assert got[name] == pytest.approx(truth[name].aggregate(), rel=1e-5, abs=1e-7), name
+
+
+def test_a_batch_without_version_info_reports_no_lag_metric():
+    metrics = call(SEQS, with_versions=False)
+    assert not [name for name in metrics if "/lag_" in name]
+    assert "actor/dppo/masked_frac_pos" in metrics  # the other diagnostics are unchanged
+
+
+def test_the_worker_records_the_pushed_version_and_hands_it_to_the_mini_batch(monkeypatch):
+    monkeypatch.setattr(staleness, "_trainer_version", None)  # restored after the test: no leak into others
+    from verl_dppo.patches.engine_workers import _assign_trainer_version, _record_version
+
+    calls = []
+
+    async def update_weights(self, global_steps=None, mode="auto"):
+        calls.append((global_steps, mode))
+
+    asyncio.run(_record_version(update_weights)(None, global_steps=7, mode="naive"))
+    assert calls == [(7, "naive")] and staleness.trainer_version() == 7
+    _, data = micro_batch(SEQS[:2], with_versions=False)
+    _assign_trainer_version(data)
+    assert staleness.TRAINER_VERSION not in data.keys()  # no extra_fields: nothing to compare it with
+    data.set("extra_fields", NonTensorStack({"min_global_steps": 5}, {"min_global_steps": 7}))
+    _assign_trainer_version(data)
+    assert staleness.sample_lags(data).tolist() == [2.0, 0.0]

@@ -1,0 +1,89 @@
+"""Staleness diagnostics: how many policy versions behind the trainer each sample is, and how the trust region
+behaves per lag bucket (issue 14.4).
+
+Where the versions come from (verl 0.9.1): the rollout server labels each reply with the `global_steps` of its last
+weight update; `FullyAsyncLLMServerClient.generate` keeps, across a response's resumed replies, the oldest and newest
+labels as `extra_fields["min_global_steps"]` / `["max_global_steps"]`; the v1 agent loop stores `extra_fields` (one
+dict per sample) in TransferQueue, and the actor's `update_actor` reads every stored field, so each micro-batch that
+reaches `ppo_loss` carries `extra_fields`. The trainer's version is the `global_steps` of the last
+`update_weights` call on the actor worker (the same label the rollout got with those weights; verl passes it to the
+actor worker on every push, whatever the trainer mode): `patches.engine_workers` records it and hands it to each
+mini-batch as the non-tensor field `TRAINER_VERSION`.
+
+A sample's lag is trainer version - min_global_steps: the versions between the trainer and the oldest policy that
+sampled any of its tokens (0 = sampled by the weights being trained at the start of this step). Samples without a
+version (no `extra_fields`, or a server that never got one) count in no lag metric.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["TRAINER_VERSION", "LAG_BUCKETS", "record_trainer_version", "trainer_version", "sample_lags",
+           "staleness_sums", "staleness_parts"]
+
+TRAINER_VERSION = "dppo_trainer_version"
+"""Non-tensor field of a training mini-batch: the `global_steps` of the actor's last weight push."""
+
+LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, None))
+"""(name, lowest lag, highest lag or None): the buckets of the per-lag metrics."""
+
+_trainer_version: Optional[int] = None
+
+
+def record_trainer_version(global_steps: Any) -> None:
+    """Called with the `global_steps` of each `update_weights` on the actor worker (this process)."""
+    global _trainer_version
+    if global_steps is not None:
+        _trainer_version = int(global_steps)
+
+
+def trainer_version() -> Optional[int]:
+    return _trainer_version
+
+
+def sample_lags(data: Any) -> Optional[torch.Tensor]:
+    """Per-sample lag [batch] (float, NaN where a sample has no version) of a micro-batch, or None when the batch
+    carries no version information (sync runs without it, direct calls)."""
+    keys = data.keys()
+    if TRAINER_VERSION not in keys or "extra_fields" not in keys:
+        return None
+    from verl.utils import tensordict_utils as tu
+
+    version = tu.get_non_tensor_data(data, key=TRAINER_VERSION, default=None)
+    if version is None:
+        return None
+    lags = []
+    for extra in data["extra_fields"]:
+        oldest = extra.get("min_global_steps") if isinstance(extra, dict) else None
+        lags.append(float("nan") if oldest is None else float(int(version) - int(oldest)))
+    return torch.tensor(lags, dtype=torch.float32)
+
+
+def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tensor,
+                   mismatch_tv: torch.Tensor) -> torch.Tensor:
+    """The sums behind every lag metric, on device (read back with the loss's other sums): tokens with a known lag,
+    their summed lag, and per bucket its tokens, its masked tokens and its summed mismatch TV."""
+    lag = lags.to(valid.device).view(-1, 1).expand_as(valid)
+    known = valid & ~torch.isnan(lag)
+    lag = torch.nan_to_num(lag, nan=-1.0)
+    sums = [known.sum().float(), (lag * known).sum()]
+    for _, low, high in LAG_BUCKETS:
+        in_bucket = known & (lag >= low) & ((lag <= high) if high is not None else True)
+        sums += [in_bucket.sum().float(), (blocked & in_bucket).sum().float(),
+                 (mismatch_tv.float() * in_bucket).sum()]
+    return torch.stack(sums)
+
+
+def staleness_parts(values: list[float]) -> dict[str, tuple[float, float]]:
+    """(numerator, denominator) of each lag metric from the sums of `staleness_sums`."""
+    n_known, lag_sum = values[0], values[1]
+    parts = {"actor/dppo/lag_mean": (lag_sum, n_known)}
+    for i, (name, _, _) in enumerate(LAG_BUCKETS):
+        n, n_blocked, tv = values[2 + 3 * i: 5 + 3 * i]
+        parts[f"actor/dppo/lag_{name}/token_frac"] = (n, n_known)
+        parts[f"actor/dppo/lag_{name}/masked_frac"] = (n_blocked, n)
+        parts[f"actor/dppo/lag_{name}/mismatch_tv_mean"] = (tv, n)
+    return parts
