@@ -145,3 +145,10 @@ def test_the_worker_records_the_pushed_version_and_hands_it_to_the_mini_batch(mo
     data.set("extra_fields", NonTensorStack({"min_global_steps": 5}, {"min_global_steps": 7}))
     _assign_trainer_version(data)
     assert staleness.sample_lags(data).tolist() == [2.0, 0.0]
+
+
+def test_a_single_sample_micro_batch_and_equal_extra_fields_give_their_lag():
+    _, data = micro_batch(SEQS[3:4])
+    assert staleness.sample_lags(data).tolist() == [8.0]
+    _, data = micro_batch([SEQS[1], SEQS[7]])  # both lag 1: equal dicts
+    assert staleness.sample_lags(data).tolist() == [1.0, 1.0]

@@ -55,8 +55,13 @@ def sample_lags(data: Any) -> Optional[torch.Tensor]:
     version = tu.get_non_tensor_data(data, key=TRAINER_VERSION, default=None)
     if version is None:
         return None
+    extra_fields = data["extra_fields"]
+    # tensordict may hand back one dict for a single sample, or for a stack of equal dicts
+    extra_fields = [extra_fields] * len(data) if isinstance(extra_fields, dict) else list(extra_fields)
+    if len(extra_fields) != len(data):
+        return None
     lags = []
-    for extra in data["extra_fields"]:
+    for extra in extra_fields:
         oldest = extra.get("min_global_steps") if isinstance(extra, dict) else None
         lags.append(float("nan") if oldest is None else float(int(version) - int(oldest)))
     return torch.tensor(lags, dtype=torch.float32)
