@@ -8,8 +8,9 @@ What the wrapper does: for a `dppo_topk_*` mode or `troll`, refuse the settings 
 data-parallel rank, make the plugin's ratio diagnostics exact.
 `ActorRolloutRefWorker.update_weights` is wrapped to record the pushed weights' version (`global_steps`), which each
 mini-batch then carries for the staleness diagnostics (verl_dppo.plugin.staleness).
-What would make it unnecessary upstream: the trainer's version in the actor's batch; a per-loss "needs logits" flag on the loss function (or the worker's
-config), and a ratio-type `AggregationType` (sum of numerators over sum of denominators) in `verl.utils.metric`.
+What would make it unnecessary upstream: the trainer's version in the actor's batch; a per-loss "needs logits" flag
+on the loss function (or the worker's config); a ratio-type `AggregationType` (sum of numerators over sum of
+denominators) in `verl.utils.metric`.
 """
 
 from __future__ import annotations
