@@ -177,3 +177,46 @@ def test_run_pins_verl_file_logger_under_dppo_root_and_plot_finds_it_by_name(tmp
     assert "no run has logged under" in capsys.readouterr().err
     assert main(["plot", "-o", str(tmp_path / "f.png")]) == 2
     assert "give the runs to draw" in capsys.readouterr().err
+
+
+def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bars(tmp_path, monkeypatch):
+    """Issue 12: blocked_probs.png's legend sat on the bars at mu < 0.45; reward.png had no collapse line (the
+    demo's verdict: a COLLAPSE_WINDOW-step mean below COLLAPSE_FRACTION x the warm-start reward) and did not say
+    its held-out panel is one seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from verl_dppo.cli.demo.figures import draw_all
+    from verl_dppo.cli.demo.rl import COLLAPSE_FRACTION
+
+    bins = [0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]
+    results = []
+    for index, method in enumerate(("pg_is", "grpo_clip", "dppo_binary_tv")):
+        write_log(tmp_path / f"{method}.jsonl", score=lambda s, i=index: 0.5 - 0.01 * i * s)
+        results.append({"method": method, "initial_reward": 0.5, "collapse_window": 20, "prob_bins": bins,
+                        "blocked_by_prob": [0, 0, 0, 0, 0, 0, 0] if method == "pg_is" else [40, 30, 20, 10, 2, 1, 0],
+                        "updates_by_prob": [100] * 7})
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda figure=None: figures.append(figure))
+    paths = draw_all(str(tmp_path), results)
+    for path in paths:
+        assert open(path, "rb").read(8) == PNG_SIGNATURE
+    reward, blocked = figures[0], figures[3]
+
+    left, right = reward.axes
+    collapse = [line for line in left.get_lines() if line.get_label().startswith("collapse")]
+    assert len(collapse) == 1 and set(collapse[0].get_ydata()) == {COLLAPSE_FRACTION * 0.5}
+    assert "20-step mean" in collapse[0].get_label()
+    assert "one seed" in right.get_title()
+
+    renderer = blocked.canvas.get_renderer()
+    assert all(axis.get_legend() is None for axis in blocked.axes)
+    (legend,) = blocked.legends
+    assert [text.get_text() for text in legend.get_texts()] == ["grpo_clip (103 tokens)", "dppo_binary_tv (103 tokens)"]
+    box = legend.get_window_extent(renderer)
+    for axis in blocked.axes:
+        assert not box.overlaps(axis.get_window_extent(renderer))
+    monkeypatch.undo()
+    plt.close("all")
