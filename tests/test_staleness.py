@@ -64,20 +64,20 @@ def micro_batch(seqs, with_versions=True):
     return model_output, data
 
 
-def call(seqs, with_versions=True):
-    config = actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15)
+def call(seqs, with_versions=True, threshold=None):
+    config = actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15, max_off_policy_threshold=threshold)
     _, metrics = ppo_loss(config, *micro_batch(seqs, with_versions))
     return metrics
 
 
-def verl_aggregate(ranks):
+def verl_aggregate(ranks, threshold=None):
     """As verl's worker: per rank one Metric per name over its micro-batches, gathered over ranks, the plugin's
     train_batch patch (exact_ratio_metrics), then Metric.aggregate_dp."""
     gathered = {}
     for micro_batches in ranks:
         per_rank = {}
         for seqs in micro_batches:
-            append_to_dict(per_rank, call(seqs))
+            append_to_dict(per_rank, call(seqs, threshold=threshold))
         for name, metric in per_rank.items():
             gathered.setdefault(name, []).append(metric)
     exact_ratio_metrics(gathered)
@@ -152,3 +152,37 @@ def test_a_single_sample_micro_batch_and_equal_extra_fields_give_their_lag():
     assert staleness.sample_lags(data).tolist() == [8.0]
     _, data = micro_batch([SEQS[1], SEQS[7]])  # both lag 1: equal dicts
     assert staleness.sample_lags(data).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("threshold, over", [(8, 2), (4, 2), (3, 4), (1, 6), (9, 0)])
+@pytest.mark.parametrize("cut", range(len(CUTS)))
+def test_samples_older_than_verl_keeps_are_counted_exactly(cut, threshold, over):
+    """verl's replay buffer keeps a trajectory spanning at most T = max_off_policy_threshold versions up to the
+    trainer's (lag + 1 <= T); an older sample that reaches the loss is counted, as a share of the versioned samples,
+    exact over micro-batches and ranks. The samples' lags: 0, 1, 3, 8, 0, 8, 3, 1 (and one without a version)."""
+    seqs = SEQS + [sequence(None, [0.9], [0.5], +1)]
+    got = verl_aggregate([[[seqs[i] for i in mb] for mb in rank] for rank in CUTS[cut]], threshold=threshold)
+    assert got[staleness.OVER_THRESHOLD] == pytest.approx(over / 8)
+
+
+def test_an_over_threshold_sample_is_warned_once_naming_the_setting(monkeypatch, caplog):
+    from verl_dppo.plugin import losses
+
+    monkeypatch.setattr(losses, "_warned", set())
+    call(SEQS[:3], threshold=8)  # lags 0, 1, 3: nothing to say
+    assert not [r for r in caplog.records if "max_off_policy_threshold" in r.getMessage()]
+    call(SEQS, threshold=8)
+    call(SEQS, threshold=8)
+    warned = [r.getMessage() for r in caplog.records if "max_off_policy_threshold=8" in r.getMessage()]
+    assert len(warned) == 1 and staleness.OVER_THRESHOLD in warned[0]
+
+
+def test_no_threshold_no_over_threshold_metric():
+    assert staleness.OVER_THRESHOLD not in call(SEQS)
+    assert staleness.OVER_THRESHOLD not in call(SEQS, with_versions=False, threshold=8)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "x", True])
+def test_a_bad_threshold_is_refused_naming_the_key(bad):
+    with pytest.raises(ValueError, match="max_off_policy_threshold"):
+        actor_config("dppo_binary_tv", max_off_policy_threshold=bad)

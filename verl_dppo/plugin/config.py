@@ -19,7 +19,7 @@ from verl.workers.config import PolicyLossConfig
 
 from verl_dppo.math.trust_region import RELAX_SIDES
 
-__all__ = ["ANCHORS", "DPPOLossConfig", "ResolvedOptions", "check_troll_options", "resolve_options"]
+__all__ = ["ANCHORS", "DPPOLossConfig", "ResolvedOptions", "check_threshold", "check_troll_options", "resolve_options"]
 
 logger = logging.getLogger("verl_dppo")
 
@@ -68,6 +68,12 @@ class DPPOLossConfig(PolicyLossConfig):
     """TROLL's sparse support: each policy's most probable tokens until their mass reaches 1 - delta (at most K =
     `topk`), delta = 1e-5 (reported value). Only read by the troll mode."""
 
+    max_off_policy_threshold: Optional[int] = None
+    """verl's `trainer.v1.sampler.max_off_policy_threshold` T, copied here (the actor never sees the trainer's
+    section; the recipes interpolate it): under an asynchronous trainer, samples with lag >= T (a trajectory spanning
+    more than T versions up to the trainer's, which verl's replay buffer would not keep) are counted in
+    actor/dppo/lag_over_threshold_frac. None: not counted."""
+
     def __post_init__(self):
         # Hydra passes override values through unconverted ("inf", "1e4", "20" may arrive as strings).
         for name in ("delta_low", "delta_high", "ratio_cap", "relax_below", "troll_eps", "troll_alpha",
@@ -91,7 +97,22 @@ class DPPOLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {self.relax_below!r}")
         if self.topk is not None and (isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1):
             raise ValueError(f"policy_loss.topk must be an integer >= 1, got {self.topk!r}")
+        object.__setattr__(self, "max_off_policy_threshold", check_threshold(self.max_off_policy_threshold))
         check_troll_options(self.troll_eps, self.troll_alpha, self.troll_support_mass)
+
+
+def check_threshold(value: Any) -> Optional[int]:
+    """policy_loss.max_off_policy_threshold: None, or an integer >= 1 (verl's own rule for the sampler's)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            "policy_loss.max_off_policy_threshold must be null or an integer >= 1 (verl's "
+            f"trainer.v1.sampler.max_off_policy_threshold), got {value!r}"
+        )
+    return value
 
 
 def check_troll_options(eps: float, alpha: float, support_mass: float) -> None:
@@ -127,6 +148,7 @@ class ResolvedOptions:
     relax_below: float
     relax_side: str
     topk: Optional[int]  # None: the mode's default (topk_mode.configured_topk)
+    max_off_policy_threshold: Optional[int]  # None: over-threshold samples not counted
     sources: tuple[str, ...]  # which values came from verl's clip_ratio_* fallbacks
 
     def describe(self) -> str:
@@ -181,6 +203,7 @@ def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOp
         relax_below=float(_get(policy_loss, "relax_below", 0.0)),
         relax_side=str(_get(policy_loss, "relax_side", "high")),
         topk=None if _get(policy_loss, "topk", None) is None else int(_get(policy_loss, "topk")),
+        max_off_policy_threshold=check_threshold(_get(policy_loss, "max_off_policy_threshold", None)),
         sources=tuple(sources),
     )
     # The same checks as DPPOLossConfig, for runs that reach us with a plain PolicyLossConfig or a DictConfig.

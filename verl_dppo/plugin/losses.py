@@ -25,7 +25,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl_dppo.plugin.config import resolve_options
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.metrics import ratio_of
-from verl_dppo.plugin.staleness import staleness_parts, staleness_sums
+from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
 from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
 from verl_dppo.plugin import troll_mode
 from verl_dppo.math.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
@@ -221,6 +221,7 @@ def dppo_policy_loss(
         log_ratio_to_anchor=log_ratio_to_anchor,
         entropy=entropy,
         lags=extras.lags if extras is not None else None,
+        threshold=options.max_off_policy_threshold,
     )
     if terms is not None:
         troll_parts = troll_mode.troll_ratio_parts(terms, valid)
@@ -280,7 +281,7 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, to
 
 
 def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
-                 log_ratio_to_anchor, entropy, lags=None) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+                 log_ratio_to_anchor, entropy, lags=None, threshold=None) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Every diagnostic reduced on device to a few scalars, read back in one host transfer.
 
     Returns the metrics of this micro-batch, and each mean-type metric as (numerator, denominator): a mean over
@@ -305,7 +306,7 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
         torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
         (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
     ])
-    stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv)]  # same host transfer
+    stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv, threshold)]  # one transfer
     values = torch.cat([counts, sums, *stale]).tolist()
     (n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated, n_response, tv_sum,
      kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max) = values[:15]
@@ -325,7 +326,11 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
     if entropy is not None:
         parts["actor/dppo/masked_entropy_mean"] = (masked_entropy_sum, n_blocked)
     if lags is not None:
-        parts.update(staleness_parts(values[15:]))
+        parts.update(staleness_parts(values[15:], threshold))
+        if threshold is not None and parts[OVER_THRESHOLD][0] > 0:
+            _warn_once("over_threshold", f"some samples are {threshold}+ policy versions older than the trainer "
+                       f"(policy_loss.max_off_policy_threshold={threshold}): older than verl's replay buffer keeps; "
+                       f"counted in {OVER_THRESHOLD}.")
     metrics = {name: ratio_of(*part) for name, part in parts.items()}
     metrics["actor/dppo/mismatch_tv_max"] = tv_max
     return metrics, parts

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["TRAINER_VERSION", "LAG_BUCKETS", "record_trainer_version", "trainer_version", "sample_lags",
+__all__ = ["TRAINER_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version", "trainer_version", "sample_lags",
            "staleness_sums", "staleness_parts"]
 
 TRAINER_VERSION = "dppo_trainer_version"
@@ -67,11 +67,14 @@ def sample_lags(data: Any) -> Optional[torch.Tensor]:
     return torch.tensor(lags, dtype=torch.float32)
 
 
-def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tensor,
-                   mismatch_tv: torch.Tensor) -> torch.Tensor:
+def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tensor, mismatch_tv: torch.Tensor,
+                   threshold: Optional[int] = None) -> torch.Tensor:
     """The sums behind every lag metric, on device (read back with the loss's other sums): tokens with a known lag,
-    their summed lag, and per bucket its tokens, its masked tokens and its summed mismatch TV."""
-    lag = lags.to(valid.device).view(-1, 1).expand_as(valid)
+    their summed lag, per bucket its tokens, its masked tokens and its summed mismatch TV, and the samples with a
+    known lag (and a token in the update) and those of them at or over the threshold (lag >= `threshold`; none
+    when `threshold` is None)."""
+    sample_lags = lags.to(valid.device)
+    lag = sample_lags.view(-1, 1).expand_as(valid)
     known = valid & ~torch.isnan(lag)
     lag = torch.nan_to_num(lag, nan=-1.0)
     sums = [known.sum().float(), (lag * known).sum()]
@@ -79,10 +82,18 @@ def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tenso
         in_bucket = known & (lag >= low) & ((lag <= high) if high is not None else True)
         sums += [in_bucket.sum().float(), (blocked & in_bucket).sum().float(),
                  (mismatch_tv.float() * in_bucket).sum()]
+    known_samples = known.any(dim=-1) if known.dim() > 1 else known
+    over = known_samples & (sample_lags >= threshold) if threshold is not None else torch.zeros_like(known_samples)
+    sums += [known_samples.sum().float(), over.sum().float()]
     return torch.stack(sums)
 
 
-def staleness_parts(values: list[float]) -> dict[str, tuple[float, float]]:
+OVER_THRESHOLD = "actor/dppo/lag_over_threshold_frac"
+"""Share of the samples (with a version) whose lag reaches policy_loss.max_off_policy_threshold T: older than what
+verl's replay buffer keeps (it drops a trajectory spanning more than T versions, the trainer's included)."""
+
+
+def staleness_parts(values: list[float], threshold: Optional[int] = None) -> dict[str, tuple[float, float]]:
     """(numerator, denominator) of each lag metric from the sums of `staleness_sums`."""
     n_known, lag_sum = values[0], values[1]
     parts = {"actor/dppo/lag_mean": (lag_sum, n_known)}
@@ -91,4 +102,7 @@ def staleness_parts(values: list[float]) -> dict[str, tuple[float, float]]:
         parts[f"actor/dppo/lag_{name}/token_frac"] = (n, n_known)
         parts[f"actor/dppo/lag_{name}/masked_frac"] = (n_blocked, n)
         parts[f"actor/dppo/lag_{name}/mismatch_tv_mean"] = (tv, n)
+    if threshold is not None:
+        n_samples, n_over = values[2 + 3 * len(LAG_BUCKETS): 4 + 3 * len(LAG_BUCKETS)]
+        parts[OVER_THRESHOLD] = (n_over, n_samples)
     return parts
