@@ -17,6 +17,7 @@ from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 COMMAND_MODULES = (
     "verl_dppo.cli.doctor",  # doctor
     "verl_dppo.cli.demo",  # demo
+    "verl_dppo.cli.demo.staleness",  # staleness
     "verl_dppo.cli.plot",  # plot
     "verl_dppo.cli.launch",  # recipes, run, data
 )

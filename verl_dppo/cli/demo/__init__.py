@@ -30,17 +30,28 @@ def add_command(commands) -> None:
         "and a table to --out. Seeded and reproducible; ~2-5 minutes on 2 cores with the defaults.",
     )
     parser.add_argument("--out", default="out/demo", help="output folder (default: out/demo)")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"RL steps per method ({defaults.steps})")
+    add_training_options(parser, defaults, defaults.steps, METHODS, "method")
+    parser.add_argument("--rollout-precision", default=defaults.rollout_precision,
+                        choices=("bf16-emulated", "bf16", "fp32"),
+                        help="the rollout copy's arithmetic (bf16-emulated: fast on CPU; fp32: no mismatch)")
+    add_process_options(parser, defaults, "method")
+    parser.set_defaults(handler=_handler)
+
+
+def add_training_options(parser, defaults, steps: int, methods, unit: str) -> None:
+    """--steps, --seed, --lr, --mini-batches, --methods: shared by `demo` and `staleness`."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"RL steps per {unit} ({steps})")
     parser.add_argument("--seed", type=int, default=defaults.seed, help=f"seed ({defaults.seed})")
     parser.add_argument("--lr", type=float, default=defaults.lr, help=f"RL learning rate ({defaults.lr:g})")
     parser.add_argument("--mini-batches", type=int, default=defaults.mini_batches,
                         help=f"optimizer updates per rollout batch ({defaults.mini_batches})")
     parser.add_argument("--methods", default="", metavar="A,B",
-                        help="comma-separated subset of: " + ", ".join(m.name for m in METHODS) + " (default: all)")
-    parser.add_argument("--rollout-precision", default=defaults.rollout_precision,
-                        choices=("bf16-emulated", "bf16", "fp32"),
-                        help="the rollout copy's arithmetic (bf16-emulated: fast on CPU; fp32: no mismatch)")
+                        help="comma-separated subset of: " + ", ".join(m.name for m in methods) + " (default: all)")
+
+
+def add_process_options(parser, defaults, unit: str) -> None:
+    """--workers, --no-progress: shared by `demo` and `staleness`."""
     parser.add_argument("--workers", type=int, default=defaults.workers,
-                        help=f"methods trained at once, one process each ({defaults.workers})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars, one line per finished method (the default when stdout is not a terminal)")
-    parser.set_defaults(handler=_handler)
+                        help=f"{unit}s trained at once, one process each ({defaults.workers})")
+    parser.add_argument("--no-progress", action="store_true", help=f"no progress bars, one line per finished {unit} "
+                        "(the default when stdout is not a terminal)")

@@ -54,20 +54,28 @@ METHODS = (
            {"troll_eps": 0.05, "troll_alpha": 1.0, "topk": TROLL_TOPK}, needs_rollout_topk=True),
 )
 
+STUDY_METHODS = (
+    # The decoupled variant (Sec. 5.2): the trust region anchored on the learner's recompute, the ratio still pi/mu.
+    Method("dppo_binary_tv_recompute", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15, anchored on the recompute",
+           {"delta_low": 0.15, "delta_high": 0.15, "anchor": "recompute"}),
+)
+"""Rows of `verl-dppo staleness` only (not in the demo's default list): the anchoring question needs them."""
 
-def runnable_methods(names: list[str] | None = None) -> list[Method]:
-    """The methods to run: `names` in order (all registered ones when empty). Unknown names raise ValueError."""
+
+def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...] = METHODS) -> list[Method]:
+    """The methods to run: `names` in order (every registered one of `default` when empty); a name is any row of
+    METHODS or STUDY_METHODS. Unknown names raise ValueError."""
     import verl  # noqa: F401  (loads the plugin: registers the loss modes)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    by_name = {method.name: method for method in METHODS}
+    by_name = {method.name: method for method in (*METHODS, *STUDY_METHODS)}
     if names:
         unknown = [name for name in names if name not in by_name]
         if unknown:
             raise ValueError(f"unknown demo method(s) {unknown}; choose from {sorted(by_name)}")
         chosen = [by_name[name] for name in names]
     else:
-        chosen = list(METHODS)
+        chosen = list(default)
     missing = [m.loss_mode for m in chosen if m.loss_mode not in POLICY_LOSS_REGISTRY]
     if missing and names:
         raise ValueError(f"loss mode(s) {missing} are not registered in verl: run `verl-dppo doctor`")

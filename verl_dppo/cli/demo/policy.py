@@ -70,10 +70,17 @@ class RolloutEngine:
                 module.register_forward_hook(_round_to_bf16)
         self.sync(policy)
 
-    @torch.no_grad()
     def sync(self, policy: nn.Module) -> None:
         """Load the learner's weights (the weight sync of an RL step), rounded to the engine's precision."""
-        for target, source in zip(self.model.parameters(), policy.parameters()):
+        self._load(zip(self.model.parameters(), policy.parameters()))
+
+    def sync_state(self, state: dict) -> None:
+        """`sync` from a learner's state_dict: an older version of the weights (a stale rollout engine)."""
+        self._load((target, state[name]) for name, target in self.model.named_parameters())
+
+    @torch.no_grad()
+    def _load(self, pairs) -> None:
+        for target, source in pairs:
             if self.precision == "bf16-emulated":
                 target.copy_(source.detach().to(torch.bfloat16).float())
             else:

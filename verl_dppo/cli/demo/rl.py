@@ -1,10 +1,12 @@
 """One method's RL phase: rollout from the bf16 copy, verl's GRPO advantage, mini-batch updates via verl's ppo_loss.
 
 Per step, mirroring verl's v1 trainer:
-  1. sync the rollout engine, sample `samples_per_prompt` responses per prompt; mu = the engine's log-probs
+  1. sync the rollout engine, sample `samples_per_prompt` responses per prompt; mu = the engine's log-probs.
+     With `rollout_lag` L the engine syncs from the weights of L steps ago (a stale rollout, `verl-dppo staleness`)
   2. reward, `compute_grpo_outcome_advantage` (verl)
   3. old_log_probs: the fp32 learner's recompute (verl's default, non-bypass flow); with it verl's own
-     `calculate_debug_metrics` measures the pure training-inference mismatch (training/rollout_probs_diff_*)
+     `calculate_debug_metrics` measures the pure training-inference mismatch (training/rollout_probs_diff_*).
+     `bypass`: the rollout's log-probs instead (verl's bypass mode), except for an anchor="recompute" method
   4. `mini_batches` optimizer steps; each mini-batch is cut into micro-batches and every micro-batch's loss
      comes from `verl.workers.utils.losses.ppo_loss` (the plugin's wrapper) with a real `ActorConfig`
   5. one row in verl's file-logger format (verl.utils.tracking.Tracking, backend "file")
@@ -12,6 +14,7 @@ Per step, mirroring verl's v1 trainer:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -45,9 +48,12 @@ class BlockedTokens:
 
 
 def micro_batch(prompts, responses, response_mask, old_log_probs, rollout_log_probs, advantages,
-                mini_batch_tokens: int, mini_batch_size: int):
-    """A TensorDict micro-batch as verl's engine hands it to ppo_loss (padded layout, global batch info set)."""
-    from tensordict import TensorDict
+                mini_batch_tokens: int, mini_batch_size: int, versions: Optional[tuple[int, int]] = None):
+    """A TensorDict micro-batch as verl's engine hands it to ppo_loss (padded layout, global batch info set).
+
+    versions = (trainer version, rollout version): attached as verl's async trainer does (the plugin's
+    TRAINER_VERSION field and one `extra_fields` dict per sample with `min_global_steps`), for the lag metrics."""
+    from tensordict import NonTensorStack, TensorDict
     from verl.utils import tensordict_utils as tu
 
     data = TensorDict(
@@ -64,6 +70,13 @@ def micro_batch(prompts, responses, response_mask, old_log_probs, rollout_log_pr
     )
     # What FSDPEngine.forward_backward_batch and the trainer attach: loss normalisers over the whole mini-batch.
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=mini_batch_tokens, global_batch_size=mini_batch_size)
+    if versions is not None:
+        from verl_dppo.plugin.staleness import TRAINER_VERSION
+
+        trainer, rollout = versions
+        data.set("extra_fields", NonTensorStack(*[{"min_global_steps": rollout, "max_global_steps": rollout}
+                                                  for _ in range(prompts.shape[0])]))
+        tu.assign_non_tensor(data, **{TRAINER_VERSION: trainer})
     return data
 
 
@@ -136,8 +149,9 @@ def train_method(
     warm: WarmStart,
     out_dir: str,
     on_step: Optional[Callable[[int, float], None]] = None,
+    run_name: Optional[str] = None,
 ) -> dict:
-    """Run one method's RL phase; write `<out_dir>/<method.name>.jsonl`; return its summary."""
+    """Run one method's RL phase; write `<out_dir>/<run_name or method.name>.jsonl`; return its summary."""
     import verl  # noqa: F401  (loads the plugin: loss modes registered, ppo_loss wrapped)
     import verl.workers.utils.losses as verl_losses
     from verl import DataProto
@@ -158,10 +172,15 @@ def train_method(
     policy.load_state_dict(warm.policy_state)
     engine = RolloutEngine(policy, settings.rollout_precision)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=settings.lr, weight_decay=config.optim.weight_decay)
+    # The last rollout_lag + 1 versions of the weights (CPU copies); versions[0] is what the stale rollout samples.
+    versions: collections.deque = collections.deque(maxlen=settings.rollout_lag + 1)
+    # verl's bypass mode: old_log_probs are the rollout's, unless the method anchors on the learner's recompute.
+    bypass = settings.bypass and method.policy_loss.get("anchor", "rollout") != "recompute"
 
-    os.environ["VERL_FILE_LOGGER_PATH"] = os.path.join(out_dir, f"{method.name}.jsonl")
+    run_name = run_name or method.name
+    os.environ["VERL_FILE_LOGGER_PATH"] = os.path.join(out_dir, f"{run_name}.jsonl")
     with contextlib.redirect_stdout(io.StringIO()):  # FileLogger announces its path on stdout
-        tracker = Tracking("verl_dppo_demo", method.name, default_backend=["file"])
+        tracker = Tracking("verl_dppo_demo", run_name, default_backend=["file"])
     blocked_tokens = BlockedTokens()
     scores, clipfracs = [], []
     try:
@@ -174,7 +193,12 @@ def train_method(
             digits = np.repeat(digits, settings.samples_per_prompt, axis=0)
             uid = np.repeat(np.arange(settings.prompts_per_step), settings.samples_per_prompt)
             prompts = task.encode_prompts(digits)
-            engine.sync(policy)
+            if settings.rollout_lag:
+                versions.append({name: value.detach().clone() for name, value in policy.state_dict().items()})
+                engine.sync_state(versions[0])  # version max(0, step - 1 - rollout_lag)
+            else:
+                engine.sync(policy)
+            trainer_version, rollout_version = step - 1, max(0, step - 1 - settings.rollout_lag)
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
             k = method.policy_loss.get("topk", 0) if method.needs_rollout_topk else 0
             responses, rollout_log_probs, topk_ids, topk_log_probs = engine.generate_with_topk(
@@ -195,10 +219,11 @@ def train_method(
             with torch.no_grad():
                 full_log_probs, full_entropy = sequence_log_probs(policy, input_ids, attention_mask, with_entropy=True)
             response_cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + task.RESPONSE_LEN)
-            old_log_probs = full_log_probs[:, response_cols] * response_mask
+            recomputed = full_log_probs[:, response_cols] * response_mask
+            old_log_probs = rollout_log_probs if bypass else recomputed
             old_entropy = full_entropy[:, response_cols]
             mismatch = calculate_debug_metrics(DataProto.from_dict(tensors={
-                "rollout_log_probs": rollout_log_probs, "old_log_probs": old_log_probs,
+                "rollout_log_probs": rollout_log_probs, "old_log_probs": recomputed,
                 "response_mask": response_mask, "responses": responses,
             }))
 
@@ -212,7 +237,8 @@ def train_method(
                 for micro_first in range(first, first + mini_size, settings.micro_batch_size):
                     rows = slice(micro_first, micro_first + settings.micro_batch_size)
                     data = micro_batch(prompts[rows], responses[rows], response_mask[rows], old_log_probs[rows],
-                                       rollout_log_probs[rows], advantages[rows], mini_tokens, mini_size)
+                                       rollout_log_probs[rows], advantages[rows], mini_tokens, mini_size,
+                                       (trainer_version, rollout_version) if settings.version_fields else None)
                     logits = policy(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
                                     use_cache=False).logits.float()
                     log_probs, entropy = log_probs_from_logits(logits, input_ids[rows], with_entropy=True)

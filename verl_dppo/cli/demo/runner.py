@@ -28,7 +28,8 @@ def _init_worker(queue) -> None:
 
 
 def _train_one(job: tuple) -> dict:
-    method_name, settings_dict, warm_path, out_dir = job
+    run_name, method_name, settings_dict, warm_path, out_dir = job
+    named = {"run": run_name} if run_name != method_name else {}  # the demo's rows stay as they were
     try:
         import torch
 
@@ -41,32 +42,66 @@ def _train_one(job: tuple) -> dict:
 
         def on_step(step: int, score: float) -> None:
             if _progress_queue is not None:
-                _progress_queue.put((method_name, step, score))
+                _progress_queue.put((run_name, step, score))
 
-        return train_method(method, settings, warm, out_dir, on_step)
-    except Exception as error:  # reported by the parent with the method's name
-        return {"method": method_name, "error": f"{type(error).__name__}: {error}",
+        return {**train_method(method, settings, warm, out_dir, on_step, run_name=run_name), **named}
+    except Exception as error:  # reported by the parent with the run's name
+        return {"method": method_name, **named, "error": f"{type(error).__name__}: {error}",
                 "traceback": traceback.format_exc()}
 
 
 def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: Optional[TextIO] = None) -> int:
     stream = stream if stream is not None else sys.stdout  # read at call time: tests swap sys.stdout
-    import torch
-    from tqdm import tqdm
-
     from verl_dppo.cli.demo.figures import draw_all
-    from verl_dppo.cli.demo.methods import actor_config, runnable_methods
-    from verl_dppo.cli.demo.warmup import warm_start
+    from verl_dppo.cli.demo.methods import runnable_methods
 
     start = time.perf_counter()
     methods = runnable_methods(settings.methods or None)
+    warm, warm_path = warm_up(settings, methods, out_dir, progress, stream,
+                              f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps")
+    jobs = [(m.name, m.name, settings.to_dict(), warm_path, out_dir) for m in methods]
+    results = run_jobs(jobs, settings.steps, settings.workers, progress, stream)
+
+
+    def outputs(good: list[dict]) -> list[str]:
+        figures = draw_all(out_dir, good)
+        write_summary(out_dir, settings, warm, results, time.perf_counter() - start)
+        return [table(good, settings), "figures: " + ", ".join(os.path.basename(f) for f in figures),
+                f"logs (verl file-logger format): {', '.join(r['method'] + '.jsonl' for r in good)}"]
+
+    return finish(results, outputs, start, stream)
+
+
+def finish(results: list[dict], outputs, start: float, stream: TextIO) -> int:
+    """Print what `outputs(successful results)` writes (figures, summary) and returns (table and file lines), then
+    every failure with its traceback on stderr and the total time; exit code 1 if any run failed."""
+    failed = [r for r in results if "error" in r]
+    good = [r for r in results if "error" not in r]
+    if good:
+        for line in outputs(good):
+            print(line, file=stream)
+    for result in failed:
+        print(f"{result.get('run', result['method'])} FAILED: {result['error']}\n{result['traceback']}",
+              file=sys.stderr)
+    print(f"total time {time.perf_counter() - start:.0f} s", file=stream)
+    return 1 if failed else 0
+
+
+def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, stream: TextIO, header: str):
+    """Check every method's batch sizes, print the run's header, warm-start once and save it for the workers.
+    Returns (warm, path of warmup.pt)."""
+    import torch
+    from tqdm import tqdm
+
+    from verl_dppo.cli.demo.methods import actor_config
+    from verl_dppo.cli.demo.warmup import warm_start
+
     for method in methods:  # batch-size problems surface here, before the warm-up, as one-line errors
         actor_config(method, settings.prompts_per_step, settings.samples_per_prompt, settings.mini_batches,
                      settings.micro_batch_size, settings.lr, settings.grad_clip)
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps, "
-          f"{settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples, "
+    print(f"{header}, {settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples, "
           f"{settings.mini_batches} mini-batch updates per step, lr {settings.lr:g}, "
           f"rollout {settings.rollout_precision}, seed {settings.seed} -> {out_dir}", file=stream)
 
@@ -86,13 +121,20 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
           f"on average ({warm.seconds:.0f} s)", file=stream)
     warm_path = os.path.join(out_dir, "warmup.pt")
     torch.save(warm, warm_path)
+    return warm, warm_path
 
-    jobs = [(m.name, settings.to_dict(), warm_path, out_dir) for m in methods]
+
+def run_jobs(jobs: list[tuple], steps: int, workers: int, progress: bool, stream: TextIO) -> list[dict]:
+    """Train each job (run name, method name, settings dict, warm-up path, out dir) in a pool of `workers`
+    processes, with a progress bar per run (or one line per finished run); returns the results in job order."""
+    from tqdm import tqdm
+
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    bars = {m.name: tqdm(total=settings.steps, desc=f"{m.name:<15}", position=i, disable=not progress,
-                         file=stream, mininterval=0.5) for i, m in enumerate(methods)}
-    workers = max(1, min(settings.workers, len(jobs)))
+    width = max(15, *(len(job[0]) for job in jobs))
+    bars = {job[0]: tqdm(total=steps, desc=f"{job[0]:<{width}}", position=i, disable=not progress,
+                         file=stream, mininterval=0.5) for i, job in enumerate(jobs)}
+    workers = max(1, min(workers, len(jobs)))
     with context.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
         pending = [pool.apply_async(_train_one, (job,)) for job in jobs]
         reported: set[int] = set()
@@ -111,26 +153,15 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
         results = [result.get() for result in pending]
     for bar in bars.values():
         bar.close()
-
-    failed = [r for r in results if "error" in r]
-    good = [r for r in results if "error" not in r]
-    if good:
-        figures = draw_all(out_dir, good)
-        _write_summary(out_dir, settings, warm, results, time.perf_counter() - start)
-        print(table(good, settings), file=stream)
-        print("figures: " + ", ".join(os.path.basename(f) for f in figures), file=stream)
-        print(f"logs (verl file-logger format): {', '.join(r['method'] + '.jsonl' for r in good)}", file=stream)
-    for result in failed:
-        print(f"{result['method']} FAILED: {result['error']}\n{result['traceback']}", file=sys.stderr)
-    print(f"total time {time.perf_counter() - start:.0f} s", file=stream)
-    return 1 if failed else 0
+    return results
 
 
 def _finished_line(result: dict) -> str:
     """One line per finished method (what a log file gets instead of progress bars)."""
+    name = result.get("run", result["method"])
     if "error" in result:
-        return f"{result['method']}: FAILED ({result['error']})"
-    return (f"{result['method']}: done, {result['steps']} steps in {result['seconds']:.0f} s, final reward "
+        return f"{name}: FAILED ({result['error']})"
+    return (f"{name}: done, {result['steps']} steps in {result['seconds']:.0f} s, final reward "
             f"{result['final_reward']:.2f} (start {result['initial_reward']:.2f})"
             + (", collapsed" if result["collapsed"] else ""))
 
@@ -168,11 +199,12 @@ def table(results: list[dict], settings: DemoSettings) -> str:
     return "\n".join(lines)
 
 
-def _write_summary(out_dir, settings, warm, results, seconds) -> None:
+def write_summary(out_dir, settings, warm, results, seconds, **extra) -> None:
     import json
 
     summary = {
         "settings": settings.to_dict(),
+        **extra,
         "warmup": {"supervised_steps": warm.supervised_steps, "probe_accuracy": warm.probe_accuracy,
                    "train_success_rate": warm.train_success_rate, "n_train": len(warm.train_problems)},
         "methods": results,

@@ -57,6 +57,18 @@ class DemoSettings:
     workers: int = 2
     """Methods trained at once, one process and one thread each."""
 
+    rollout_lag: int = 0
+    """Versions the rollout engine lags behind the learner (`verl-dppo staleness`): at RL step s it samples with the
+    weights after max(0, s - 1 - rollout_lag) steps, so every sample is min(rollout_lag, s - 1) versions stale."""
+
+    version_fields: bool = False
+    """Attach the trainer's version and each sample's rollout version to every micro-batch (as verl's async trainer
+    does), so the plugin logs its lag metrics (actor/dppo/lag_*). The staleness study turns it on at every lag."""
+
+    bypass: bool = False
+    """old_log_probs := the rollout's log-probs (verl's algorithm.rollout_correction.bypass_mode=True, how the async
+    recipes run); False: the learner's recompute. A method with policy_loss anchor="recompute" keeps the recompute."""
+
     methods: list[str] = field(default_factory=list)
     """Methods to run (names from verl_dppo.cli.demo.methods.METHODS); empty = every runnable one."""
 
