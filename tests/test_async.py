@@ -8,7 +8,9 @@
    key, on a composed recipe and through `verl-dppo run ... --dry-run` (exit 2).
 2. `anchor=recompute` under an async trainer warns once, naming the setting.
 3. A response aborted by a weight update and resumed (verl's real `FullyAsyncLLMServerClient.generate` loop) keeps
-   exactly one top-K row per generated token, in order, each from the reply that generated it.
+   exactly one top-K row per generated token, in order, each from the reply that generated it, whether the replies
+   come shaped as vLLM's or as SGLang's outputs (through the plugin's own extraction of each).
+The recipes switch trainer with `trainer_mode` (recipes/trainer_mode/, `verl-dppo run --trainer-mode MODE`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from vllm_fixtures import _Logprob as Logprob
 from test_topk_token_builders import PROMPT, assert_rows_follow_the_log_probs, compose_config, family_named
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
@@ -32,6 +35,8 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_dppo.cli.compose import compose_recipe, validate_recipe
 from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS
+from verl_dppo.patches.sglang_async_server import extract_sglang_topk
+from verl_dppo.patches.vllm_async_server import extract_vllm_topk
 from verl_dppo.patches.agent_loop import trajectory
 from verl_dppo.plugin import run_config
 from verl_dppo.plugin.run_config import RunConfigError, check_run_config
@@ -42,17 +47,19 @@ METHOD_OF_MODE = {
     "dppo_binary_tv": "dppo_binary_tv", "dppo_binary_kl": "dppo_binary_kl", "dppo_topk_tv": "dppo_topk_tv",
     "dppo_topk_kl": "dppo_topk_kl", "grpo_clip": "grpo_clip_higher", "pg_is": "pg_is", "troll": "troll",
 }
-# What separate_async needs beyond the recipes: a rollout pool of its own and a checkpoint engine that reaches it.
-SEPARATE = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
 _cache: dict = {}
 
 
+def composed(method: str, trainer_mode: str = "separate_async"):
+    """The recipe composed with the recipes' switch to an async trainer (recipes/trainer_mode/); callers get their
+    own copy."""
+    if (method, trainer_mode) not in _cache:
+        _cache[method, trainer_mode] = compose_recipe(SETUP, method, trainer_mode=trainer_mode)
+    return copy.deepcopy(_cache[method, trainer_mode])
+
+
 def separate_async(method: str):
-    """The recipe composed for separate_async with the settings verl asserts; callers get their own copy."""
-    if method not in _cache:
-        _cache[method] = compose_recipe(SETUP, method, SEPARATE)
-    return copy.deepcopy(_cache[method])
+    return composed(method, "separate_async")
 
 
 def with_values(config, **values):
@@ -63,11 +70,15 @@ def with_values(config, **values):
 
 @pytest.mark.parametrize("mode", sorted(METHOD_OF_MODE))
 def test_every_loss_mode_composes_under_both_async_trainers(mode):
-    """The recipes run under either async trainer once verl's start-up settings are met: verl's checks pass, and the
+    """The recipes run under either async trainer with the recipes' switch alone: verl's checks pass, and the
     run-config check neither refuses nor warns (the recipes anchor on the rollout, bypass mode on)."""
     for trainer_mode in ("separate_async", "colocate_async"):
-        config = with_values(separate_async(METHOD_OF_MODE[mode]), trainer__v1__trainer_mode=trainer_mode)
+        config = composed(METHOD_OF_MODE[mode], trainer_mode)
         assert config.actor_rollout_ref.actor.policy_loss.loss_mode == mode
+        assert config.trainer.v1.trainer_mode == config.dppo.trainer_mode == trainer_mode
+        assert config.actor_rollout_ref.rollout.calculate_log_probs and config.algorithm.rollout_correction.bypass_mode
+        # the staleness diagnostics count what verl's replay buffer would not keep
+        assert config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold == 8
         validate_recipe(config)
         assert run_config.async_trainer_mode(config) == trainer_mode
         assert check_run_config(config) == []
@@ -90,6 +101,7 @@ def test_every_loss_mode_composes_under_both_async_trainers(mode):
 ])
 def test_separate_async_start_up_asserts_are_refused_naming_the_key(values, key):
     config = separate_async("dppo_binary_tv")
+    config.trainer.v1.separate_async.parameter_sync_step = 4  # set by hand: no longer follows the batch
     for name, value in values.items():
         OmegaConf.update(config, name, value, force_add=True)
     with pytest.raises(RunConfigError) as error:
@@ -102,16 +114,43 @@ def test_separate_async_start_up_asserts_are_refused_naming_the_key(values, key)
         assert config.data.train_batch_size != sync_step * config.actor_rollout_ref.actor.ppo_mini_batch_size
 
 
+@pytest.mark.parametrize("setup, sync_step", [("sanity_1p5b", 4), ("efficiency_1p7b", 4), ("moe_base", 8)])
+def test_the_switch_pushes_weights_once_per_training_step_whatever_the_setups_batch(setup, sync_step):
+    """recipes/trainer_mode/separate_async.yaml: parameter_sync_step = train_batch_size / ppo_mini_batch_size, so
+    verl's assert holds for every setup, and follows a changed batch; a batch that does not split is one line."""
+    config = compose_recipe(setup, "dppo_binary_tv", trainer_mode="separate_async")
+    assert config.trainer.v1.separate_async.parameter_sync_step == sync_step
+    assert check_run_config(config) == []
+    config = compose_recipe(setup, "dppo_binary_tv", ["data.train_batch_size=96",
+                                                      "actor_rollout_ref.actor.ppo_mini_batch_size=32"],
+                            trainer_mode="separate_async")
+    assert config.trainer.v1.separate_async.parameter_sync_step == 3 and check_run_config(config) == []
+    config.data.train_batch_size = 100
+    with pytest.raises(Exception, match="not a whole number"):
+        validate_recipe(config)
+
+
+def test_the_bare_trainer_mode_key_is_refused_pointing_at_the_switch():
+    config = compose_recipe(SETUP, "dppo_binary_tv", ["trainer.v1.trainer_mode=colocate_async"])
+    with pytest.raises(Exception, match="--trainer-mode colocate_async") as error:
+        validate_recipe(config)
+    assert "\n" not in str(error.value)
+    with pytest.raises(Exception, match="unknown trainer mode 'async'.*separate_async"):
+        compose_recipe(SETUP, "dppo_binary_tv", trainer_mode="async")
+
+
 def test_verls_assert_is_checked_for_every_loss_mode_not_only_ours():
     """verl's start-up asserts hold for any loss mode; the plugin's own needs only for its modes."""
-    config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48)
+    config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48,
+                         trainer__v1__separate_async__parameter_sync_step=4)
     config.actor_rollout_ref.actor.policy_loss.loss_mode = "vanilla"
     with pytest.raises(RunConfigError, match="data.train_batch_size"):
         check_run_config(config)
     # colocate_async asserts none of them; sync and the v0 trainer ignore trainer.v1 altogether
     for values in ({"trainer.v1.trainer_mode": "colocate_async"}, {"trainer.v1.trainer_mode": "sync"},
                    {"trainer.use_v1": False}):
-        config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48)
+        config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48,
+                             trainer__v1__separate_async__parameter_sync_step=4)
         for name, value in values.items():
             OmegaConf.update(config, name, value)
         assert check_run_config(config) == []
@@ -134,10 +173,34 @@ def test_async_dppo_without_rollout_log_probs_is_refused(trainer_mode):
     assert check_run_config(config) == []
 
 
+@pytest.mark.parametrize("trainer_mode", ["colocate_async", "separate_async"])
+def test_bypass_without_rollout_log_probs_is_refused_for_every_loss_mode(trainer_mode):
+    """verl's `_compute_old_log_prob` reads `rollout_log_probs` in bypass mode: refused before the run, any mode."""
+    for method in ("dppo_binary_tv", "grpo_clip_higher"):
+        config = with_values(composed(method, trainer_mode), actor_rollout_ref__rollout__calculate_log_probs=False)
+        with pytest.raises(RunConfigError, match=r"bypass_mode=True .* set actor_rollout_ref.rollout.calculate_log_probs"
+                                                 r"=True"):
+            check_run_config(config)
+
+
+def test_a_threshold_that_differs_from_verls_is_warned_naming_the_key(monkeypatch):
+    """The actor counts samples older than what verl keeps only with verl's own threshold (the recipes copy it)."""
+    monkeypatch.setattr(run_config, "_logged", set())
+    config = composed("dppo_binary_tv", "separate_async")
+    config.trainer.v1.sampler.max_off_policy_threshold = 4  # the recipes' copy follows verl's value
+    assert config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold == 4
+    assert check_run_config(config) == []
+    config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold = None
+    (warning,) = check_run_config(config)
+    assert "set actor_rollout_ref.actor.policy_loss.max_off_policy_threshold=4" in warning
+    config.trainer.v1.trainer_mode = "sync"  # no stale samples: nothing to count
+    assert check_run_config(config) == []
+
+
 def test_recompute_anchor_under_async_warns_once_naming_the_setting(caplog, monkeypatch):
     """Part 2: the decoupled anchor is the recomputed policy, not the versions that sampled the response."""
     monkeypatch.setattr(run_config, "_logged", set())
-    config = compose_recipe(SETUP, "dppo_binary_kl_decoupled", ["trainer.v1.trainer_mode=colocate_async"])
+    config = composed("dppo_binary_kl_decoupled", "colocate_async")
     assert config.actor_rollout_ref.actor.policy_loss.anchor == "recompute"
     with caplog.at_level(logging.WARNING, logger="verl_dppo"):
         for _ in range(3):  # separate_async builds two server managers, each runs the check at launch
@@ -155,7 +218,8 @@ def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
     """The real command line: a refused async setting is exit 2 and one line; a warned one still prints the YAML."""
     env = dict(os.environ, DPPO_ROOT=str(tmp_path))
     refused = subprocess.run(
-        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_topk_kl", "--dry-run", *SEPARATE,
+        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_topk_kl", "--dry-run",
+         "--trainer-mode", "separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
          "data.train_batch_size=48"],
         capture_output=True, text=True, timeout=300, env=env,
     )
@@ -165,7 +229,7 @@ def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
     assert "Traceback" not in refused.stderr and refused.stdout == ""
     warned = subprocess.run(
         [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_binary_kl_decoupled", "--dry-run",
-         "trainer.v1.trainer_mode=colocate_async"],
+         "--trainer-mode", "colocate_async"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert warned.returncode == 0, warned.stderr
@@ -189,10 +253,11 @@ class AbortingServer:
     log-probs [-n/64 - v/8, ...], so every row says which reply made it. `empty_rows`: the empty abort carries
     [0, K] rows (else none, as the vLLM / SGLang patches send for a reply without tokens)."""
 
-    def __init__(self, tokenizer, empty_rows=False):
+    def __init__(self, tokenizer, empty_rows=False, engine=None):
         self.generate = self  # verl awaits `server.generate.remote(...)`
         self.answer = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.empty_rows = empty_rows
+        self.engine = engine
         self.calls: list[dict] = []  # what verl's resume loop sent: prompt + tokens so far, the budget left
         self.row_of: dict[float, tuple[list[int], list[float]]] = {}
         self.version_of: list[int] = []  # the version that generated each token, in order
@@ -212,10 +277,27 @@ class AbortingServer:
             self.version_of.append(version)
         self.done += count
         extra = {"global_steps": version}
-        if count or self.empty_rows:
+        if self.engine is not None:
+            if count:  # the patched server fills the rows of a reply with tokens only
+                extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = engine_shaped_rows(self.engine, token_ids, ids, lps)
+        elif count or self.empty_rows:
             extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = ids, lps
         return TokenOutput(token_ids=token_ids, log_probs=lps[:, 0].tolist(), stop_reason=stop_reason,
                            extra_fields=extra)
+
+
+def engine_shaped_rows(engine, token_ids, ids, lps):
+    """A reply's top-K rows as the plugin's server patch makes them from the engine's own output: vLLM's per-position
+    dicts {token_id: Logprob} with `logprobs=K` (the sampled token first; here it is the top-1), SGLang's
+    meta_info["output_top_logprobs"] tuples (logprob, token_id, text) with one entry more than K (the patch keeps
+    K), each through the patch's extraction."""
+    if engine == "vllm":
+        positions = [{int(i): Logprob(float(lp), rank + 1, "") for rank, (i, lp) in enumerate(zip(row_ids, row_lps))}
+                     for row_ids, row_lps in zip(ids, lps)]
+        return extract_vllm_topk(positions, list(token_ids), K)
+    top = [[(float(lp), int(i), None) for i, lp in zip(row_ids, row_lps)] + [(float(row_lps[-1]) - 1.0, 7, None)]
+           for row_ids, row_lps in zip(ids, lps)]
+    return extract_sglang_topk(top, K)
 
 
 class ResumingClient(llm_server.FullyAsyncLLMServerClient):
@@ -240,11 +322,13 @@ def no_resume_pause(monkeypatch):
     monkeypatch.setattr(llm_server.asyncio, "sleep", lambda delay, *args: sleep(0, *args))
 
 
-@pytest.mark.parametrize("empty_rows", [False, True], ids=["empty-abort-without-rows", "empty-abort-with-0xK-rows"])
-def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_it(empty_rows, no_resume_pause):
+@pytest.mark.parametrize("empty_rows, engine", [(False, None), (True, None), (False, "vllm"), (False, "sglang")],
+                         ids=["empty-abort-without-rows", "empty-abort-with-0xK-rows", "vllm-shaped", "sglang-shaped"])
+def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_it(empty_rows, engine,
+                                                                                  no_resume_pause):
     tokenizer = family_named("default").make_tokenizer()
     config = compose_config(response_length=64)
-    server = AbortingServer(tokenizer, empty_rows)
+    server = AbortingServer(tokenizer, empty_rows, engine)
     prompt = tokenizer.encode("2 + 3?", add_special_tokens=False)
 
     async def scenario():

@@ -1,9 +1,10 @@
 """Reproduction recipes: find them, compose one on top of verl's config, and check it the way verl will.
 
-A recipe is a pair (setup, method) of Hydra config groups under `recipes/`:
+A recipe is a pair (setup, method) of Hydra config groups under `recipes/`, run by one of verl's v1 trainer modes
+(a third group, `trainer_mode`: sync by default):
 
     verl/trainer/config/ppo_trainer.yaml -> recipes/dppo.yaml -> setup/<SETUP>.yaml -> method/<METHOD>.yaml
-    -> the user's overrides
+    -> trainer_mode/<MODE>.yaml -> the user's overrides
 
 The check is verl's own: `validate_config` (which builds the actor's dataclass, our `DPPOLossConfig` included) and
 the dataclass conversions verl's workers run, plus what verl does not check until the first actor update hours
@@ -34,6 +35,9 @@ __all__ = [
 
 PRIMARY_CONFIG = "dppo"
 GROUPS = ("setup", "method")
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+"""verl 0.9.1's v1 trainer modes (`trainer.v1.trainer_mode`), one file each in recipes/trainer_mode/."""
+GROUP_KEYS = (*GROUPS, "trainer_mode")
 _SECTIONS_IN_USE = ("actor_rollout_ref", "data", "algorithm", "trainer", "dppo")
 
 
@@ -103,8 +107,30 @@ def _first_sentence(text: str) -> str:
 
 
 def list_recipes() -> dict[str, list[RecipeInfo]]:
-    """Setups and methods, each with the paper figure it reproduces."""
-    return {group: [_read_info(group, name) for name in _group_names(group)] for group in GROUPS}
+    """Setups and methods, each with the paper figure it reproduces; the trainer modes."""
+    recipes = {group: [_read_info(group, name) for name in _group_names(group)] for group in GROUPS}
+    recipes["trainer_mode"] = [_read_info("trainer_mode", name) for name in TRAINER_MODES]
+    return recipes
+
+
+def register_resolvers() -> None:
+    """The recipes' own interpolation: `${dppo_div:A,B}` = A / B, a whole number (separate_async's
+    parameter_sync_step = train_batch_size / ppo_mini_batch_size). Registered before composing; a dry run prints
+    the resolved YAML, which plain `main_ppo` then reads without it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("dppo_div"):
+        OmegaConf.register_new_resolver("dppo_div", _whole_division)
+
+
+def _whole_division(numerator: Any, denominator: Any) -> int:
+    numerator, denominator = int(numerator), int(denominator)
+    if denominator <= 0 or numerator % denominator:
+        raise ValueError(
+            f"data.train_batch_size={numerator} is not a whole number of actor_rollout_ref.actor.ppo_mini_batch_size="
+            f"{denominator} mini-batches, which separate_async needs (one weight push per training step)"
+        )
+    return numerator // denominator
 
 
 def _check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
@@ -134,8 +160,12 @@ def stdout_to_stderr() -> Iterator[None]:
         yield
 
 
-def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = ()) -> Any:
-    """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + overrides into one DictConfig.
+def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = (),
+                   trainer_mode: Optional[str] = None) -> Any:
+    """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + trainer mode + overrides into one DictConfig.
+
+    `trainer_mode`: one of TRAINER_MODES (None: sync, the recipes' default), the recipe-level switch to verl's
+    asynchronous trainers (recipes/trainer_mode/<MODE>.yaml sets what they need besides `trainer.v1.trainer_mode`).
 
     `+key=value` is accepted for a key the recipe already sets (plain `main_ppo` scripts add DPPO's keys that way):
     it becomes Hydra's `++key=value`, add-or-override. An override must keep the type of the value it replaces
@@ -147,6 +177,10 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     _check_name("setup", setup, folders)
     _check_name("method", method, folders)
     searchpath = searchpath_override(recipes_dir(), folders)
+    if trainer_mode is not None:
+        if trainer_mode not in TRAINER_MODES:
+            raise RecipeError(f"unknown trainer mode {trainer_mode!r}: choose one of {', '.join(TRAINER_MODES)}")
+        searchpath = [*searchpath, f"trainer_mode={trainer_mode}"]
     for override in overrides:
         if "=" not in override and not override.startswith("~"):
             raise RecipeError(
@@ -170,6 +204,7 @@ def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_resolvers()
     try:
         with stdout_to_stderr(), initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             return compose(PRIMARY_CONFIG, overrides=[f"setup={setup}", f"method={method}", *overrides])
@@ -220,7 +255,7 @@ def _check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) 
         if override.startswith("~") or "=" not in override:
             continue
         key = override.split("=", 1)[0].lstrip("+")
-        if key in GROUPS or "@" in key:
+        if key in GROUP_KEYS or "@" in key:
             continue
         try:
             old = OmegaConf.select(baseline, key, throw_on_missing=False)
@@ -273,7 +308,10 @@ def validate_recipe(config: Any) -> None:
         # Every interpolation must resolve before anything is launched.
         resolved = OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as error:
-        raise RecipeError(f"the composed config does not resolve: {error}") from None
+        key = getattr(error, "full_key", None)
+        where = f" (at {key})" if key else ""
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RecipeError(f"the composed config does not resolve{where}: {first}") from None
     # Mandatory values (???) left unset in the sections a run uses (verl leaves some in disabled sections).
     missing = [key for section in _SECTIONS_IN_USE for key in _missing_paths(resolved.get(section), section)]
     if missing:
@@ -295,6 +333,12 @@ def validate_recipe(config: Any) -> None:
             f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
             "is not installed or failed to load (run `verl-dppo doctor`), or "
             "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
+        )
+    chosen, running = config.dppo.get("trainer_mode", "sync"), config.trainer.v1.get("trainer_mode", "sync")
+    if chosen != running:
+        raise RecipeError(
+            f"trainer.v1.trainer_mode={running} set by an override: choose the trainer with --trainer-mode {running} "
+            f"(recipes/trainer_mode/{running}.yaml also sets what that trainer needs), not the bare key."
         )
     if not config.trainer.get("use_v1", True):
         raise RecipeError(

@@ -1,7 +1,7 @@
 """`verl-dppo recipes | run | data`: list the paper's recipes, launch one on Ray, prepare its data.
 
     verl-dppo recipes
-    verl-dppo run SETUP --method METHOD [--dry-run] [hydra overrides ...]
+    verl-dppo run SETUP --method METHOD [--trainer-mode MODE] [--dry-run] [hydra overrides ...]
     verl-dppo data NAME --out DIR [--hub-id ID | --from-file PATH]
 
 `run` composes the recipe on verl's own ppo_trainer.yaml (verl_dppo.cli.compose), validates it with verl's
@@ -54,6 +54,11 @@ def cmd_recipes(args: argparse.Namespace) -> int:
             if args.verbose and info.summary:
                 print(f"  {'':<{width}}  {info.summary}")
         print()
+    print("Trainer modes (--trainer-mode MODE, verl's v1 trainers; default sync):")
+    width = max(len(info.name) for info in recipes["trainer_mode"])
+    for info in recipes["trainer_mode"]:
+        print(f"  {info.name:<{width}}  {info.summary}" if args.verbose else f"  {info.name}")
+    print()
     print("Any setup runs with any method. Paths come from DPPO_ROOT (default ~/dppo); see recipes/README.md.")
     return 0
 
@@ -80,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             check_address(ray_address, "RAY_ADDRESS")
         with stdout_to_stderr():
-            config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir)
+            config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir, args.trainer_mode)
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         problems = check_supported(config) + check_paths(config)
@@ -155,6 +160,14 @@ def add_command(commands) -> None:
     run.__class__ = _IntermixedParser
     run.add_argument("setup", help="a setup from `verl-dppo recipes` (model, data, lengths, parallelism)")
     run.add_argument("--method", required=True, help="a method from `verl-dppo recipes` (loss mode and options)")
+    run.add_argument(
+        "--trainer-mode",
+        default=None,
+        metavar="MODE",
+        help="verl's v1 trainer: sync (default), colocate_async (rollouts a batch ahead, on the same GPUs) or "
+        "separate_async (rollout on GPUs of its own, partial rollouts, samples up to "
+        "trainer.v1.sampler.max_off_policy_threshold versions old); recipes/trainer_mode/MODE.yaml",
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",

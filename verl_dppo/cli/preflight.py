@@ -79,9 +79,19 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
     (RAY_ADDRESS, asked within `ray_timeout_s`). Problems, each saying what to change; [] when it can start."""
     import importlib.util
 
+    from verl_dppo.plugin.run_config import async_trainer_mode
+
     problems = []
     trainer = config.trainer
     wanted = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+    # separate_async: the rollout pool's GPUs come on top of the trainer's.
+    rollout = config.actor_rollout_ref.rollout
+    pool = (int(rollout.get("nnodes", 0) or 0), int(rollout.get("n_gpus_per_node", 0) or 0))
+    if async_trainer_mode(config) != "separate_async":
+        pool = (0, 0)
+    pool_text = (f" + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = {pool[0] * pool[1]} for the separate "
+                 "rollout") if pool[0] else ""
+    wanted += pool[0] * pool[1]
     engine = str(config.actor_rollout_ref.rollout.get("name", ""))
     if engine in ("vllm", "sglang") and importlib.util.find_spec(engine) is None:
         problems.append(
@@ -89,17 +99,17 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
             "on every node, or choose the other engine)"
         )
     if not ray_address:
-        if int(trainer.nnodes) > 1:
+        if int(trainer.nnodes) > 1 or pool[0] > 1:
             problems.append(
                 f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: start one (`ray start --head` / "
                 "`ray start --address=...` on each node) and set RAY_ADDRESS, or set trainer.nnodes=1"
             )
         if str(trainer.get("device", "cuda")) == "cuda":
             visible = _visible_gpus()
-            if visible < int(trainer.n_gpus_per_node):
+            if visible < int(trainer.n_gpus_per_node) + pool[1]:
                 problems.append(
-                    f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}, but {visible} GPU(s) are visible here "
-                    "(local Ray): set trainer.n_gpus_per_node, or RAY_ADDRESS to a cluster"
+                    f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}{pool_text}, but {visible} GPU(s) are visible "
+                    "here (local Ray): set trainer.n_gpus_per_node, or RAY_ADDRESS to a cluster"
                 )
         return problems
     from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
@@ -111,7 +121,7 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
         return problems + [str(error)]
     if resources.get("GPU", 0) < wanted:
         problems.append(
-            f"trainer.nnodes x trainer.n_gpus_per_node = {wanted} GPU(s), but the Ray cluster at {ray_address} has "
+            f"trainer.nnodes x trainer.n_gpus_per_node{pool_text} = {wanted} GPU(s), but the Ray cluster at {ray_address} has "
             f"{resources.get('GPU', 0):g} ({resources.get('nodes', '?')} node(s)): lower them or add nodes"
         )
     return problems

@@ -109,14 +109,21 @@ def check_run_config(config: Any) -> list[str]:
     async_mode = async_trainer_mode(config)
     if async_mode == "separate_async":
         _check_separate_async(config)
+    arr = config.actor_rollout_ref
+    rollout = arr.rollout
+    correction = config.get("algorithm", {}).get("rollout_correction", None) or {}
+    bypass = bool(correction.get("bypass_mode", False))
+    if async_mode is not None and bypass and not rollout.get("calculate_log_probs", False):
+        # verl's _compute_old_log_prob reads rollout_log_probs from the batch in bypass mode (any loss mode).
+        raise RunConfigError(
+            f"trainer.v1.trainer_mode={async_mode} with algorithm.rollout_correction.bypass_mode=True takes "
+            "old_log_probs from the rollout's log-probs, which it does not compute: set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True."
+        )
     mode = _dppo_mode(config)
     if mode is None:
         return []
-    arr = config.actor_rollout_ref
     anchor = arr.actor.policy_loss.get("anchor", "rollout")
-    correction = config.get("algorithm", {}).get("rollout_correction", None) or {}
-    bypass = bool(correction.get("bypass_mode", False))
-    rollout = arr.rollout
     if anchor == "recompute" and bypass:
         raise RunConfigError(
             f"{mode}: policy_loss.anchor=recompute needs the recomputed old_log_probs, which bypass mode skips "
@@ -140,6 +147,16 @@ def check_run_config(config: Any) -> list[str]:
             raise RunConfigError(
                 f"{mode} under {switch} needs the rollout's per-token log-probs (mu, the policy version that sampled "
                 "each token): set actor_rollout_ref.rollout.calculate_log_probs=True."
+            )
+        sampler = ((config.trainer.get("v1", None) or {}).get("sampler", None) or {})
+        kept = sampler.get("max_off_policy_threshold", 8)
+        counted = arr.actor.policy_loss.get("max_off_policy_threshold", None)
+        if kept != counted:
+            warnings.append(
+                f"{mode}: actor_rollout_ref.actor.policy_loss.max_off_policy_threshold={counted} under {switch}, but "
+                f"verl keeps samples up to trainer.v1.sampler.max_off_policy_threshold={kept}: set "
+                f"actor_rollout_ref.actor.policy_loss.max_off_policy_threshold={kept} (the recipes copy it) so that "
+                "actor/dppo/lag_over_threshold_frac counts the samples verl would not keep."
             )
         if anchor == "recompute":
             warnings.append(
