@@ -10,12 +10,14 @@ setup(
     # recipes/ (Hydra configs) and patches/ (the runtime patches of verl) live at the top of the checkout and
     # install inside the package, as verl_dppo.recipes and verl_dppo.patches.
     packages=find_packages(include=["verl_dppo", "verl_dppo.*"])
-    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method", "verl_dppo.patches"],
+    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method", "verl_dppo.recipes.trainer_mode",
+       "verl_dppo.patches"],
     package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
         "verl_dppo.recipes": ["*.yaml", "*.md"],
         "verl_dppo.recipes.setup": ["*.yaml"],
         "verl_dppo.recipes.method": ["*.yaml"],
+        "verl_dppo.recipes.trainer_mode": ["*.yaml"],
     },
     include_package_data=True,
     install_requires=[

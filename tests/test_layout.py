@@ -160,6 +160,8 @@ def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
     for path in (REPO / "patches").glob("*.py"):
         assert f"verl_dppo/patches/{path.name}" in names
     assert "verl_dppo/recipes/setup/moe_base.yaml" in names
+    for path in (REPO / "recipes").rglob("*.yaml"):  # every recipe file, the trainer modes included
+        assert f"verl_dppo/recipes/{path.relative_to(REPO / 'recipes').as_posix()}" in names, path
     assert not any(name.startswith("tests/") or "vllm_fixtures" in name for name in names)
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                               str(wheel)], capture_output=True, text=True, timeout=600)
