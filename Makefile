@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-dppo-installed
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo staleness bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/verl-dppo demo --out out/demo
+
+# Not part of `make demo`: each demo method with rollouts 0, 1, 2, 4, 8 versions stale (docs/staleness.md).
+staleness: $(STAMP)
+	$(VENV)/bin/verl-dppo staleness --out out/staleness
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
