@@ -206,11 +206,12 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
 _composed: dict[str, Any] = {}
 
 
-def compose_recipes(methods: set[str]) -> None:
-    """Hydra's composition of each recipe, done now (compose_config reuses them; forked processes inherit them)."""
+def compose_recipes(methods: set[str], trainer_mode: Optional[str] = None) -> None:
+    """Hydra's composition of each recipe, done now (compose_config reuses them; forked processes inherit them);
+    `trainer_mode`: the recipes' switch to one of verl's v1 trainers (None: sync)."""
     for method in sorted(methods):
-        if method not in _composed:
-            _composed[method] = compose_recipe(SETUP, method)
+        if (method, trainer_mode) not in _composed:
+            _composed[method, trainer_mode] = compose_recipe(SETUP, method, trainer_mode=trainer_mode)
 
 
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
@@ -236,6 +237,7 @@ def compose_config(
     method: Optional[str] = None,
     overrides: tuple[str, ...] = (),
     reuse_composition: bool = True,
+    trainer_mode: Optional[str] = None,
 ) -> Any:
     """The run's config: sanity_1p5b x the method (default: the mode's paper setting) x the sizing overrides x
     `overrides`, validated like `verl-dppo run --dry-run`, resolved.
@@ -249,10 +251,10 @@ def compose_config(
     method = method or method_for_mode(loss_mode)
     all_overrides = [*sizing_overrides(model_dir, shape, device, world_size), *overrides]
     if reuse_composition:
-        compose_recipes({method})
-        config = apply_overrides(copy.deepcopy(_composed[method]), all_overrides)
+        compose_recipes({method}, trainer_mode)
+        config = apply_overrides(copy.deepcopy(_composed[method, trainer_mode]), all_overrides)
     else:
-        config = compose_recipe(SETUP, method, all_overrides)
+        config = compose_recipe(SETUP, method, all_overrides, trainer_mode=trainer_mode)
     validate_recipe(config)
     OmegaConf.resolve(config)
     return config
@@ -406,6 +408,11 @@ class RolloutCopy:
     def sync(self, worker: Any) -> None:
         """The weight sync of an RL step: verl's engine export (engine.get_per_tensor_param), cast to bf16."""
         params, _ = worker.actor.engine.get_per_tensor_param()
+        self.load(params)
+
+    @torch.no_grad()
+    def load(self, params) -> None:
+        """Load (name, tensor) pairs as a checkpoint engine delivers them, cast to bf16; every parameter must come."""
         state = self.model.state_dict()
         loaded = set()
         for name, tensor in params:
@@ -559,13 +566,16 @@ class Trainer:
         ]
 
     @staticmethod
-    def tensordict(rows: dict[str, list[torch.Tensor]], indices: list[int], extra_info: dict) -> Any:
-        from tensordict import TensorDict
+    def tensordict(rows: dict[str, list[torch.Tensor]], indices: list[int], extra_info: dict,
+                   extra_fields: Optional[list[dict]] = None) -> Any:
+        from tensordict import NonTensorStack, TensorDict
 
         from verl.utils import tensordict_utils as tu
 
         data = TensorDict({key: _nested([values[i] for i in indices]) for key, values in rows.items()},
                           batch_size=[len(indices)])
+        if extra_fields is not None:  # the agent loop's per-sample dict (min/max_global_steps: the versions)
+            data.set("extra_fields", NonTensorStack(*[dict(extra_fields[i]) for i in indices]))
         for key, value in extra_info.items():  # what the TransferQueue bridge does with KVBatchMeta.extra_info
             tu.assign_non_tensor_data(tensor_dict=data, key=key, val=value)
         return data
@@ -591,8 +601,10 @@ class Trainer:
         )
         return [advantages[i, : m.numel()] for i, m in enumerate(rows["response_mask"])]
 
-    def step(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
-        """One training step on this rank's share of `rollout`; returns the actor metrics the trainer logs."""
+    def step(self, rollout: Rollout, rewards: torch.Tensor, extra_fields: Optional[list[dict]] = None
+             ) -> dict[str, float]:
+        """One training step on this rank's share of `rollout`; returns the actor metrics the trainer logs.
+        `extra_fields`: each sample's `extra_fields` as the async trainers' agent loop stores it."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import response_from_nested
 
@@ -626,7 +638,7 @@ class Trainer:
             dataloader_kwargs={"shuffle": arr.actor.shuffle},
             temperature=arr.rollout.temperature,
         )
-        output = self.worker.update_actor(self.tensordict(rows, indices, extra_info))
+        output = self.worker.update_actor(self.tensordict(rows, indices, extra_info, extra_fields))
         return reduce_actor_metrics(tu.get(output, "metrics"))
 
     def _gather_rows(self, local_rows: list[torch.Tensor], indices: list[int], batch_size: int) -> list[torch.Tensor]:

@@ -11,6 +11,8 @@ Scenarios (`all`: every one, each in a process of its own; what test_real_worker
   dp        every loss mode (1 step) and the decoupled recipe on rank --rank of --world-size: the single run's
             first steps, on the same data
   learning  a toy reward, 12 steps, per trust-region mode
+  async     every loss mode through verl's separate_async actor (DetachActorWorker), rollouts 0, 2, 8 versions old
+            (async_worker.py)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import cpu_platform  # noqa: E402
 
 cpu_platform.install()  # before anything in verl asks for the platform
 
+import async_worker  # noqa: E402
 import driver  # noqa: E402
 
 MAIN_SHAPE = driver.RunShape(prompts=4, samples_per_prompt=4, mini_batches=2, prompt_length=8, response_length=16,
@@ -161,7 +164,8 @@ def scenario_learning(runner: Runner) -> dict:
     return {"modes": {mode: runner.run(mode, LEARNING_SHAPE, steps=LEARNING_STEPS) for mode in modes}}
 
 
-SCENARIOS = {"single": scenario_single, "dp": scenario_dp, "learning": scenario_learning}
+SCENARIOS = {"single": scenario_single, "dp": scenario_dp, "learning": scenario_learning,
+             "async": async_worker.scenario_async}
 
 
 def run_scenario(scenario: str, out: Path, model_dir: Path, rank: int = 0, world_size: int = 1, port=None) -> None:
@@ -198,8 +202,9 @@ def run_all(out_dir: Path, model_dir: Path, port: int) -> int:
     methods = {driver.method_for_mode(mode) for mode in driver.plugin_loss_modes()}
     methods.add(driver.method_for_mode("dppo_binary_kl", anchor="recompute"))
     driver.compose_recipes(methods)  # inherited by the forked processes
+    async_worker.compose_all()
     context = multiprocessing.get_context("fork")
-    plan = (("dp0", "dp", 0, 2), ("dp1", "dp", 1, 2), ("learning", "learning", 0, 1))
+    plan = (("dp0", "dp", 0, 2), ("dp1", "dp", 1, 2), ("learning", "learning", 0, 1), ("async", "async", 0, 1))
     children = {
         name: context.Process(target=_forked, name=name, args=(
             scenario, out_dir / f"{name}.json", model_dir, rank, world_size, port if world_size > 1 else None))
