@@ -45,6 +45,7 @@ __all__ = [
     "vocab_parallel_topk_divergence",
     "divergence_at_slots",
     "TopKInputError",
+    "check_topk_inputs",
     "DEFAULT_CHUNK_BYTES",
     "MASS_TOLERANCE",
 ]
@@ -59,25 +60,28 @@ class TopKInputError(ValueError):
     """The rollout's top-K statistics are malformed (duplicates, ids outside the vocabulary, mass > 1)."""
 
 
-def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask) -> None:
+def check_topk_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
+                      error: type[Exception] = TopKInputError) -> None:
+    """The shapes and dtypes of a learner's logits and the rollout's top-K rows (shared with TROLL, which raises its
+    own `error`)."""
     if logits.dim() != 2 or not logits.is_floating_point():
-        raise TopKInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+        raise error(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
     n = logits.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:
-        raise TopKInputError(f"rollout_topk_ids must be [N={n}, K>=1], got {tuple(topk_ids.shape)}")
+        raise error(f"rollout_topk_ids must be [N={n}, K>=1], got {tuple(topk_ids.shape)}")
     if tuple(topk_logprobs.shape) != tuple(topk_ids.shape):
-        raise TopKInputError(
+        raise error(
             f"rollout_topk_logprobs {tuple(topk_logprobs.shape)} must match rollout_topk_ids {tuple(topk_ids.shape)}"
         )
     for name, t in (("sampled_ids", sampled_ids), ("rollout_sampled_logprobs", sampled_logprobs)):
         if tuple(t.shape) != (n,):
-            raise TopKInputError(f"{name} must be [N={n}], got {tuple(t.shape)}")
+            raise error(f"{name} must be [N={n}], got {tuple(t.shape)}")
     if topk_ids.is_floating_point() or sampled_ids.is_floating_point():
-        raise TopKInputError("token ids must be integer tensors")
+        raise error("token ids must be integer tensors")
     if not (topk_logprobs.is_floating_point() and sampled_logprobs.is_floating_point()):
-        raise TopKInputError("log-probs must be float tensors")
+        raise error("log-probs must be float tensors")
     if mask is not None and tuple(mask.shape) != (n,):
-        raise TopKInputError(f"mask must be [N={n}], got {tuple(mask.shape)}")
+        raise error(f"mask must be [N={n}], got {tuple(mask.shape)}")
 
 
 def _validate_rows(topk_ids: torch.Tensor, sampled_ids: torch.Tensor, vocab_size: int) -> None:
@@ -259,7 +263,7 @@ def _topk_divergence(
     mask: Optional[torch.Tensor],
     mass_tolerance: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    check_topk_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
     n = logits.shape[0]
     tv = torch.zeros(n, dtype=torch.float32, device=logits.device)
     kl = torch.zeros(n, dtype=torch.float32, device=logits.device)

@@ -56,6 +56,7 @@ from typing import Optional
 
 import torch
 
+from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll_projection import (  # noqa: F401  (LOG_ETA_BRACKET, SOLVER_STEPS: re-exported)
     EPS, LOG_ETA_BRACKET, SOLVER_STEPS, Projection, _logsumexp, kl_projection,
 )
@@ -116,27 +117,6 @@ class TrollTerms:
 
 
 # --- the public entry points -------------------------------------------------------------------------------------
-
-
-def _check_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask):
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise TrollInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
-    n = logits.shape[0]
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:
-        raise TrollInputError(f"rollout_topk_ids must be [N={n}, K>=1], got {tuple(topk_ids.shape)}")
-    if tuple(topk_logprobs.shape) != tuple(topk_ids.shape):
-        raise TrollInputError(
-            f"rollout_topk_logprobs {tuple(topk_logprobs.shape)} must match rollout_topk_ids {tuple(topk_ids.shape)}"
-        )
-    for name, t in (("sampled_ids", sampled_ids), ("rollout_sampled_logprobs", sampled_logprobs)):
-        if tuple(t.shape) != (n,):
-            raise TrollInputError(f"{name} must be [N={n}], got {tuple(t.shape)}")
-    if topk_ids.is_floating_point() or sampled_ids.is_floating_point():
-        raise TrollInputError("token ids must be integer tensors")
-    if not (topk_logprobs.is_floating_point() and sampled_logprobs.is_floating_point()):
-        raise TrollInputError("log-probs must be float tensors")
-    if mask is not None and tuple(mask.shape) != (n,):
-        raise TrollInputError(f"mask must be [N={n}], got {tuple(mask.shape)}")
 
 
 def _validate_rows(mu_ids, mu_logprobs, sampled, vocab, mass_tolerance):
@@ -204,7 +184,8 @@ def troll_token_terms(
         TrollInputError: ids outside [0, V), a row repeating a top-K id, NaN/+inf top-K log-probs, mu's reported
             mass above 1 + mass_tolerance.
     """
-    _check_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    check_topk_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
+                      TrollInputError)
     if not (eps > 0 and 0 < support_mass <= 1 and topk >= 1):
         raise TrollInputError(f"need eps > 0, 0 < support_mass <= 1, topk >= 1; got {eps}, {support_mass}, {topk}")
     n, vocab = logits.shape
