@@ -5,6 +5,7 @@ Top-K modes the step time and peak memory as ratios to `dppo_binary_tv` measured
 
     python bench/gpu_real_worker.py                         # one CUDA GPU (nccl, strategy=fsdp, bf16)
     python bench/gpu_real_worker.py --device cpu --tiny     # the CPU smoke path (tests/e2e runs it)
+    python bench/gpu_real_worker.py --trainer-mode separate_async   # verl's DetachActorWorker on stale rollouts
 
 What runs is the CPU end-to-end suite's driver (tests/e2e/driver.py) with the device and the sizes as parameters:
 each mode's config is composed from the recipes (`sanity_1p5b` x the mode's method, as `verl-dppo run` composes
@@ -42,6 +43,9 @@ network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in a
        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
         .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 python3
         bench/gpu_real_worker.py --json $OUT/gpu_real_worker.json 2>&1 | tee $OUT/log")
+
+  For the asynchronous comparison, run it twice in the same command, `--json $OUT/sync.json` and
+  `--trainer-mode separate_async --json $OUT/separate_async.json`: same device, same rollout, same modes.
 
   A run takes a few minutes (one rollout of 32 x 1,024 tokens, then per mode a worker build and 3 steps); use
   --modes to measure a subset (dppo_binary_tv is always added: the ratios are to it).
@@ -180,6 +184,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=None, help="ppo_max_token_len_per_gpu")
     parser.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    parser.add_argument("--trainer-mode", choices=["sync", "separate_async"], default="sync",
+                        help="sync: verl's ActorRolloutRefWorker; separate_async: the recipes' separate_async switch, "
+                        "verl's DetachActorWorker, a weight push (update_weights) after every step and the rollout "
+                        "from version 0, so that step i trains on samples i versions old")
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
     parser.add_argument("--json", default=None, help="also write the results here")
     return parser.parse_args(argv)
@@ -212,7 +220,14 @@ def run(args: argparse.Namespace) -> dict:
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu_real_worker_"))
     model_dir = driver.save_model(workdir / "model", size)
-    configs = {mode: driver.compose_config(mode, model_dir, shape, device=args.device) for mode in modes}
+    separate = args.trainer_mode == "separate_async"
+    if separate:
+        import async_worker
+
+        extra = dict(trainer_mode="separate_async", overrides=async_worker.ENGINE_OVERRIDES)
+    else:
+        extra = {}
+    configs = {mode: driver.compose_config(mode, model_dir, shape, device=args.device, **extra) for mode in modes}
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
     started = time.perf_counter()
     rollout_copy = driver.RolloutCopy(model_dir, args.device)
@@ -226,16 +241,23 @@ def run(args: argparse.Namespace) -> dict:
     memory = PeakMemory(args.device)
     rows = []
     for mode, config in configs.items():
-        worker = driver.build_worker(config)
+        worker = async_worker.build_worker(config) if separate else driver.build_worker(config)
         trainer = driver.Trainer(config, worker)
-        times, peaks, first = [], [], None
+        versions = async_worker.versions(0, len(rollout.responses)) if separate else None
+        times, peaks, pushes, first = [], [], [], None
+        if separate:
+            async_worker.push(worker, 0)
         for step in range(args.warmup + args.steps):
             memory.reset()
             start = time.perf_counter()
-            metrics = trainer.step(rollout, rewards)
+            metrics = trainer.step(rollout, rewards, versions)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
+            if separate:  # on_step_end: the new weights go to the rollout, labelled with the step
+                pushed = time.perf_counter()
+                async_worker.push(worker, step + 1)
+                pushes.append(time.perf_counter() - pushed)
             if step >= args.warmup:
                 times.append(elapsed)
                 peaks.append(memory.peak_bytes())
@@ -249,6 +271,9 @@ def run(args: argparse.Namespace) -> dict:
             "grad_norm": first["actor/grad_norm"],
             "masked_frac": first["actor/pg_clipfrac"],
             "mismatch_tv_mean": first["actor/dppo/mismatch_tv_mean"],
+            "tokens_per_second": tokens / statistics.median(times),
+            "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
+            "push_seconds": statistics.median(pushes) if pushes else math.nan,
         })
         del worker, trainer
         gc.collect()
@@ -261,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     return {
-        "device": device_name, "parameters": n_params, "vocab_size": size.vocab_size, "layers": size.num_layers,
+        "device": device_name, "trainer_mode": args.trainer_mode, "parameters": n_params, "vocab_size": size.vocab_size, "layers": size.num_layers,
         "sequences": shape.batch_size, "tokens": tokens, "response_length": shape.response_length,
         "token_budget": shape.token_budget, "topk": topk, "rollout_seconds": rollout_seconds,
         "warmup": args.warmup, "steps": args.steps, "modes": rows,
@@ -272,15 +297,21 @@ def print_table(result: dict) -> None:
     print(f"\nverl's real worker, {result['device']}: Qwen3 random init, {result['parameters'] / 1e6:.1f}M parameters, "
           f"vocabulary {result['vocab_size']:,}, {result['layers']} layers; {result['sequences']} sequences, "
           f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
-          f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up")
+          f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up; "
+          f"trainer mode {result['trainer_mode']}")
+    print("every step trains on the one rollout sampled by version 0, so the first timed step's samples (loss, masked "
+          "fraction) are --warmup versions old" + ("; separate_async: verl's DetachActorWorker, a weight push "
+          "(update_weights, timed apart) after each step, the lag as the plugin logs it"
+          if result["trainer_mode"] == "separate_async" else ""))
     memory_label = "peak GiB" if result["device"] != "CPU" else "peak RSS GiB"
-    print(f"{'mode':<16} {'step s':>8} {memory_label:>12} {'loss':>10} {'masked':>7} {'time vs ' + BASELINE:>24} "
-          f"{'memory vs ' + BASELINE:>26}")
+    print(f"{'mode':<16} {'step s':>8} {'tokens/s':>9} {memory_label:>12} {'loss':>10} {'masked':>7} {'lag':>4} "
+          f"{'time vs ' + BASELINE:>24} {'memory vs ' + BASELINE:>26}")
     for row in result["modes"]:
         ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
                   if row["mode"] != BASELINE else f"{'':>24} {'':>26}")
-        print(f"{row['mode']:<16} {row['step_seconds']:>8.3f} {row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} "
-              f"{row['masked_frac']:>7.4f} {ratios}")
+        lag = "" if math.isnan(row["lag_mean"]) else f"{row['lag_mean']:g}"
+        print(f"{row['mode']:<16} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
+              f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}")
 
 
 def main(argv=None) -> int:

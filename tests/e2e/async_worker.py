@@ -96,21 +96,30 @@ def push(worker: Any, version: int) -> None:
     asyncio.run(worker.update_weights(global_steps=version))
 
 
-def run_mode(runner: Any, loss_mode: str) -> dict:
+ENGINE_OVERRIDES = (f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
+                    f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={MODULE}")
+"""The checkpoint engine whose far side is the rollout copy, loaded as verl loads a custom one."""
+
+
+def build_worker(config: Any) -> Any:
+    """verl's separate_async actor, `DetachActorWorker`, in the actor role, its model, optimizer and checkpoint
+    engine built (init_model)."""
     from verl.experimental.separation.engine_workers import DetachActorWorker
 
+    worker = DetachActorWorker(config.actor_rollout_ref, role="actor")
+    worker.init_model()
+    return worker
+
+
+def run_mode(runner: Any, loss_mode: str) -> dict:
     record: dict[str, Any] = {"method": driver.method_for_mode(loss_mode), "warm_rewards": [], "stale": {}}
     start = time.perf_counter()
     try:
-        config = driver.compose_config(
-            loss_mode, runner.model_dir, SHAPE, trainer_mode="separate_async",
-            overrides=(f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
-                       f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={MODULE}"),
-        )
+        config = driver.compose_config(loss_mode, runner.model_dir, SHAPE, trainer_mode="separate_async",
+                                       overrides=ENGINE_OVERRIDES)
         record["parameter_sync_step"] = int(config.trainer.v1.separate_async.parameter_sync_step)
         record["max_off_policy_threshold"] = config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold
-        worker = DetachActorWorker(config.actor_rollout_ref, role="actor")
-        worker.init_model()
+        worker = build_worker(config)
         record["worker_class"] = type(worker).__name__
         record["checkpoint_engine"] = type(worker.checkpoint_engine).__name__
         trainer = driver.Trainer(config, worker)
@@ -152,4 +161,5 @@ def compose_all() -> None:
     driver.compose_recipes({driver.method_for_mode(mode) for mode in driver.plugin_loss_modes()}, "separate_async")
 
 
-__all__ = ["BACKEND", "STALENESS", "VERSIONS", "RolloutCopyEngine", "compose_all", "scenario_async"]
+__all__ = ["BACKEND", "ENGINE_OVERRIDES", "STALENESS", "VERSIONS", "RolloutCopyEngine", "build_worker", "compose_all",
+           "push", "scenario_async", "versions"]

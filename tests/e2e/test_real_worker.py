@@ -91,8 +91,12 @@ def runs(tmp_path_factory) -> Runs:
     smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                     "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
                     "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
+    smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
+                          "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
+                          "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
+                         directory / "gpu_script_async.log")
     result = Runs(directory)
-    for name, (process, log) in (("all", runner), ("gpu_script", smoke)):
+    for name, (process, log) in (("all", runner), ("gpu_script", smoke), ("gpu_script_async", smoke_async)):
         try:
             process.wait(timeout=max(1.0, PROCESS_TIMEOUT_S - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
@@ -109,12 +113,12 @@ def runs(tmp_path_factory) -> Runs:
             own_log = directory / f"{name}.log"
             text = own_log.read_text() if own_log.exists() else runner_log
             result.failures[name] = f"worker_runs.py exit code {runner[0].returncode}\n" + text[-6000:]
-    smoke_log = (directory / "gpu_script.log").read_text()
-    if smoke[0].returncode == 0 and (directory / "gpu_script.json").exists():
-        result.results["gpu_script"] = {"stdout": smoke_log,
-                                        "json": json.loads((directory / "gpu_script.json").read_text())}
-    else:
-        result.failures["gpu_script"] = f"exit code {smoke[0].returncode}\n" + smoke_log[-6000:]
+    for name, process in (("gpu_script", smoke), ("gpu_script_async", smoke_async)):
+        smoke_log = (directory / f"{name}.log").read_text()
+        if process[0].returncode == 0 and (directory / f"{name}.json").exists():
+            result.results[name] = {"stdout": smoke_log, "json": json.loads((directory / f"{name}.json").read_text())}
+        else:
+            result.failures[name] = f"exit code {process[0].returncode}\n" + smoke_log[-6000:]
     _print_summary(result)
     return result
 
@@ -381,3 +385,13 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
         assert row["step_seconds"] > 0 and math.isfinite(row["loss"]) and 0.0 <= row["masked_frac"] <= 1.0
     assert rows["dppo_topk_tv"]["time_vs_binary_tv"] > 0
     assert "dppo_topk_tv" in result["stdout"] and "vs dppo_binary_tv" in result["stdout"]
+
+
+def test_gpu_script_runs_separate_async_on_cpu_at_tiny_size(runs):
+    """The GPU script's separate_async path (part 7 on a GPU): verl's DetachActorWorker, a timed weight push after
+    each step, the lag the plugin logs (the first timed step trains on samples --warmup = 1 version old)."""
+    result = runs["gpu_script_async"]
+    (row,) = result["json"]["modes"]
+    assert result["json"]["trainer_mode"] == "separate_async" and row["mode"] == "dppo_binary_tv"
+    assert row["lag_mean"] == 1.0 and row["push_seconds"] > 0 and row["tokens_per_second"] > 0
+    assert "trainer mode separate_async" in result["stdout"] and "DetachActorWorker" in result["stdout"]
