@@ -189,6 +189,32 @@ def test_dry_run_refuses_what_the_launch_refuses(root, capsys, override, fragmen
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--trainer-mode", "async"], ["unknown trainer mode 'async'", "separate_async"]),
+        (["trainer.v1.trainer_mode=separate_async"], ["choose the trainer with --trainer-mode separate_async"]),
+        (["--trainer-mode", "separate_async", "data.train_batch_size=100"],
+         ["parameter_sync_step", "not a whole number", "ppo_mini_batch_size=32"]),
+        (["--trainer-mode", "separate_async", "actor_rollout_ref.rollout.calculate_log_probs=False"],
+         ["calculate_log_probs=True"]),
+    ],
+)
+def test_trainer_mode_switch_bad_input_is_one_line(root, capsys, extra, fragments):
+    assert_one_line_error(capsys, [*DRY, *extra], *fragments)
+    assert capsys.readouterr().out == ""
+
+
+def test_separate_async_launch_counts_the_rollout_pool_gpus(root, capsys):
+    assert main([*DRY[:-1], "--trainer-mode", "separate_async", "trainer.n_gpus_per_node=1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    import torch
+
+    if torch.cuda.device_count() < 2:  # 1 for the trainer + the rollout pool's 1 (rollout.n_gpus_per_node follows)
+        assert "trainer.n_gpus_per_node=1 + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = 1" in err
+
+
 def test_plus_prefixed_overrides_are_accepted_as_in_main_ppo(root, capsys):
     assert main([*DRY, "+actor_rollout_ref.actor.policy_loss.delta_low=0.1"]) == 0
     assert "delta_low: 0.1" in capsys.readouterr().out
