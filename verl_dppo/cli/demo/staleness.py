@@ -30,7 +30,7 @@ def add_command(commands) -> None:
         help="CPU staleness study: each demo method with rollouts 0-8 versions stale; reward, masking, collapse vs lag",
         description="Train each demo method (and DPPO anchored on the recompute) with a rollout engine that lags "
         "the learner by each of --lags versions, in verl's bypass mode; write verl-format logs, a table and "
-        "figures against the lag to --out. Seeded; ~15-25 minutes on 2 cores with the defaults.",
+        "figures against the lag to --out. Seeded; about 20 minutes on 2 cores with the defaults (40 runs).",
     )
     parser.add_argument("--out", default="out/staleness", help="output folder (default: out/staleness)")
     parser.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), metavar="L,L",
