@@ -6,7 +6,8 @@ modes called through verl's own `ppo_loss`, verl's GRPO advantage estimator, a b
 See docs/demo.md for what it shows and what it does not.
 
 Modules: task (the digit-sum task), policy (model, bf16 rollout engine), warmup (supervised phase, sanity set),
-methods (the compared loss modes), rl (one method's RL loop), figures, runner (processes, progress, table).
+methods (the compared loss modes), rl (one method's RL loop), figures, runner (processes, progress, table);
+staleness and staleness_figures: `verl-dppo staleness`, the same loop with a rollout engine L versions stale.
 """
 
 from __future__ import annotations
@@ -20,22 +21,27 @@ def _handler(args) -> int:
 
 def add_command(commands) -> None:
     from verl_dppo.cli.demo.methods import METHODS
-    from verl_dppo.cli.demo.settings import DemoSettings
 
-    defaults = DemoSettings()
-    parser = commands.add_parser(
-        "demo",
-        help="CPU sanity test: PG-IS vs GRPO vs DPPO on a tiny LM, logs + figures in minutes",
-        description="Train a tiny LM with each method side by side on CPU and write verl-format logs, figures "
+    parser, defaults = add_parser(
+        commands, "demo", "CPU sanity test: PG-IS vs GRPO vs DPPO on a tiny LM, logs + figures in minutes",
+        "Train a tiny LM with each method side by side on CPU and write verl-format logs, figures "
         "and a table to --out. Seeded and reproducible; ~2-5 minutes on 2 cores with the defaults.",
     )
-    parser.add_argument("--out", default="out/demo", help="output folder (default: out/demo)")
     add_training_options(parser, defaults, defaults.steps, METHODS, "method")
     parser.add_argument("--rollout-precision", default=defaults.rollout_precision,
                         choices=("bf16-emulated", "bf16", "fp32"),
                         help="the rollout copy's arithmetic (bf16-emulated: fast on CPU; fp32: no mismatch)")
     add_process_options(parser, defaults, "method")
     parser.set_defaults(handler=_handler)
+
+
+def add_parser(commands, name: str, help: str, description: str):
+    """The command's parser with its --out (default out/<name>), and the DemoSettings its defaults come from."""
+    from verl_dppo.cli.demo.settings import DemoSettings
+
+    parser = commands.add_parser(name, help=help, description=description)
+    parser.add_argument("--out", default=f"out/{name}", help=f"output folder (default: out/{name})")
+    return parser, DemoSettings()
 
 
 def add_training_options(parser, defaults, steps: int, methods, unit: str) -> None:

@@ -20,19 +20,16 @@ DEFAULT_STEPS = 100
 
 
 def add_command(commands) -> None:
-    from verl_dppo.cli.demo import add_process_options, add_training_options
+    from verl_dppo.cli.demo import add_parser, add_process_options, add_training_options
     from verl_dppo.cli.demo.methods import METHODS, STUDY_METHODS
-    from verl_dppo.cli.demo.settings import DemoSettings
 
-    defaults = DemoSettings()
-    parser = commands.add_parser(
-        "staleness",
-        help="CPU staleness study: each demo method with rollouts 0-8 versions stale; reward, masking, collapse vs lag",
-        description="Train each demo method (and DPPO anchored on the recompute) with a rollout engine that lags "
-        "the learner by each of --lags versions, in verl's bypass mode; write verl-format logs, a table and "
-        "figures against the lag to --out. Seeded; about 20 minutes on 2 cores with the defaults (40 runs).",
+    parser, defaults = add_parser(
+        commands, "staleness",
+        "CPU staleness study: each demo method with rollouts 0-8 versions stale; reward, masking, collapse vs lag",
+        "Train each demo method (and DPPO anchored on the recompute) with a rollout engine that lags the learner "
+        "by each of --lags versions, in verl's bypass mode; write verl-format logs, a table and figures against "
+        "the lag to --out. Seeded; about 20 minutes on 2 cores with the defaults (40 runs).",
     )
-    parser.add_argument("--out", default="out/staleness", help="output folder (default: out/staleness)")
     parser.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), metavar="L,L",
                         help="rollout lags in versions (RL steps), comma-separated (default: %(default)s)")
     add_training_options(parser, defaults, DEFAULT_STEPS, (*METHODS, *STUDY_METHODS), "run")
