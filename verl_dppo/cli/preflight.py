@@ -100,9 +100,10 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
         )
     if not ray_address:
         if int(trainer.nnodes) > 1 or pool[0] > 1:
+            key = "trainer.nnodes" if int(trainer.nnodes) > 1 else "actor_rollout_ref.rollout.nnodes"
             problems.append(
-                f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: start one (`ray start --head` / "
-                "`ray start --address=...` on each node) and set RAY_ADDRESS, or set trainer.nnodes=1"
+                f"{key}={trainer.nnodes if key == 'trainer.nnodes' else pool[0]} needs a Ray cluster: start one "
+                f"(`ray start --head` / `ray start --address=...` on each node) and set RAY_ADDRESS, or set {key}=1"
             )
         if str(trainer.get("device", "cuda")) == "cuda":
             visible = _visible_gpus()
