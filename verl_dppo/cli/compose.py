@@ -68,11 +68,11 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     folders = check_config_dirs(config_dirs)
     check_name("setup", setup, folders)
     check_name("method", method, folders)
-    searchpath = searchpath_override(recipes_dir(), folders)
-    if trainer_mode is not None:
-        if trainer_mode not in TRAINER_MODES:
-            raise RecipeError(f"unknown trainer mode {trainer_mode!r}: choose one of {', '.join(TRAINER_MODES)}")
-        searchpath = [*searchpath, f"trainer_mode={trainer_mode}"]
+    if trainer_mode is not None and trainer_mode not in TRAINER_MODES:
+        raise RecipeError(f"unknown trainer mode {trainer_mode!r}: choose one of {', '.join(TRAINER_MODES)}")
+    # Ahead of the user's overrides: the search path, and the trainer mode group's choice.
+    searchpath = [*searchpath_override(recipes_dir(), folders),
+                  *([f"trainer_mode={trainer_mode}"] if trainer_mode is not None else [])]
     for override in overrides:
         if "=" not in override and not override.startswith("~"):
             raise RecipeError(

@@ -82,7 +82,7 @@ def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tenso
         in_bucket = known & (lag >= low) & ((lag <= high) if high is not None else True)
         sums += [in_bucket.sum().float(), (blocked & in_bucket).sum().float(),
                  (mismatch_tv.float() * in_bucket).sum()]
-    known_samples = known.any(dim=-1) if known.dim() > 1 else known
+    known_samples = known.any(dim=-1)  # [batch]: a version and a token in the update
     over = known_samples & (sample_lags >= threshold) if threshold is not None else torch.zeros_like(known_samples)
     sums += [known_samples.sum().float(), over.sum().float()]
     return torch.stack(sums)

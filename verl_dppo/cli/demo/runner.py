@@ -62,7 +62,6 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     jobs = [(m.name, m.name, settings.to_dict(), warm_path, out_dir) for m in methods]
     results = run_jobs(jobs, settings.steps, settings.workers, progress, stream)
 
-
     def outputs(good: list[dict]) -> list[str]:
         figures = draw_all(out_dir, good)
         write_summary(out_dir, settings, warm, results, time.perf_counter() - start)

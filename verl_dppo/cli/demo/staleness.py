@@ -28,7 +28,7 @@ def add_command(commands) -> None:
         "CPU staleness study: each demo method with rollouts 0-8 versions stale; reward, masking, collapse vs lag",
         "Train each demo method (and DPPO anchored on the recompute) with a rollout engine that lags the learner "
         "by each of --lags versions, in verl's bypass mode; write verl-format logs, a table and figures against "
-        "the lag to --out. Seeded; about 20 minutes on 2 cores with the defaults (40 runs).",
+        "the lag to --out. Seeded; about 12-16 minutes on 2 cores with the defaults (40 runs).",
     )
     parser.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), metavar="L,L",
                         help="rollout lags in versions (RL steps), comma-separated (default: %(default)s)")
@@ -115,7 +115,6 @@ def run_study(settings, lags: list[int], out_dir: str, progress: bool = True, st
         result["lag"] = job[2]["rollout_lag"]
         if "error" not in result:
             result.update(logged_lag(os.path.join(out_dir, f"{job[0]}.jsonl")))
-
 
     def outputs(good: list[dict]) -> list[str]:
         figures = draw_study(out_dir, good, lags)
