@@ -4,7 +4,7 @@
 
 checked on the import graph read from the source (every import, module-level or inside a function), a fresh
 interpreter that imports every module dependents-first (what would expose a cycle), a wheel built from the
-checkout that loads the plugin with `patches/` inside it, and the deprecated old import paths.
+checkout that loads the plugin with `patches/` inside it, and a package root that holds nothing outside the layers.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"verl_dppo": REPO / "verl_dppo", "verl_dppo.patches": REPO / "patches"}
-DEPRECATED = {"verl_dppo.divergence", "verl_dppo.trust_region", "verl_dppo.topk", "verl_dppo.adapter",
-              "verl_dppo.adapter.plugin", "verl_dppo.adapter.config", "verl_dppo._deprecated"}
 
 
 def modules() -> dict[str, Path]:
@@ -76,12 +74,10 @@ ALLOWED = {  # layer -> layers it may import
 def test_every_module_imports_only_downward():
     wrong = []
     for name, path in modules().items():
-        if name in DEPRECATED:
-            continue
         every, _ = imports_of(name, path)
         for target in every:
             allowed = ALLOWED[layer(name)] | ({"patches"} if name == "verl_dppo.plugin.entry" else set())
-            if layer(target) not in allowed or target in DEPRECATED:
+            if layer(target) not in allowed:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, wrong
 
@@ -123,31 +119,21 @@ def _order_dependents_first() -> list[str]:
 
 
 def test_no_import_cycles_in_a_fresh_interpreter():
-    order = [name for name in _order_dependents_first() if name not in DEPRECATED and name != "verl_dppo.cli.__main__"]
+    order = [name for name in _order_dependents_first() if name != "verl_dppo.cli.__main__"]
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ok')"
     result = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
-def test_old_documented_paths_still_work_with_a_deprecation_warning():
-    code = (
-        "import warnings\n"
-        "warnings.simplefilter('error', DeprecationWarning)\n"
-        "for old in ('verl_dppo.divergence', 'verl_dppo.trust_region', 'verl_dppo.topk', 'verl_dppo.adapter'):\n"
-        "    try:\n"
-        "        __import__(old)\n"
-        "    except DeprecationWarning as warning:\n"
-        "        print('warned', old, warning)\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)\n"
-        "import verl_dppo.divergence as old, verl_dppo.math.topk as topk, verl_dppo.math.divergence as new\n"
-        "assert old.topk_divergence is topk.topk_divergence and old.binary_kl is new.binary_kl\n"
-        "from verl_dppo.adapter.config import DPPOLossConfig\n"
-        "import verl_dppo\n"
-        "assert DPPOLossConfig is verl_dppo.DPPOLossConfig\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("warned") == 4, result.stdout
+def test_the_package_root_holds_only_the_layers():
+    """The pre-0.2 shims (verl_dppo.adapter, .topk, .divergence, .trust_region) never shipped to users: gone, so
+    every module sits in one of the layers the import check above knows."""
+    root = REPO / "verl_dppo"
+    extra = sorted(p.name for p in root.iterdir()
+                   if p.name not in {"__init__.py", "math", "plugin", "cli", "__pycache__"})
+    assert not extra, extra
+    assert {layer(name) for name in modules()} == {"math", "plugin", "patches", "cli", "root"}
+    assert [name for name in modules() if layer(name) == "root"] == ["verl_dppo"]
 
 
 def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
