@@ -3,7 +3,8 @@
 
 1. What `PPOTrainerSeparateAsync.__init__` asserts at start (`trainer/ppo/v1/trainer_separate_async.py`: the batch
    split `data.train_batch_size == parameter_sync_step * ppo_mini_batch_size`, the rollout's own GPUs, a checkpoint
-   engine that can reach them, a reward model on its own pool, no hybrid switch with disaggregation) and what the
+   engine that can reach them, a reward model on its own pool, no hybrid switch with disaggregation on the hybrid engine; without the hybrid
+   engine verl turns the switch off and runs, which is warned) and what the
    DPPO modes need there (the rollout's per-token log-probs) is refused by the run-config check, one line naming the
    key, on a composed recipe and through `verl-dppo run ... --dry-run` (exit 2).
 2. `anchor=recompute` under an async trainer warns once, naming the setting.
@@ -112,6 +113,69 @@ def test_separate_async_start_up_asserts_are_refused_naming_the_key(values, key)
     if "data.train_batch_size" in key:
         sync_step = config.trainer.v1.separate_async.parameter_sync_step
         assert config.data.train_batch_size != sync_step * config.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
+def verl_separate_async_init(config, caplog) -> str:
+    """What verl 0.9.1's own `PPOTrainerSeparateAsync.__init__` does with `config` (it needs no Ray): "raises",
+    "warns" (logs that it turns the hybrid switch off, and runs with the switch off) or "runs"."""
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo.v1.trainer_separate_async"):
+        try:
+            trainer = PPOTrainerSeparateAsync(copy.deepcopy(config))
+        except ValueError:
+            return "raises"
+    if any("enable_switch is ignored" in record.getMessage() for record in caplog.records):
+        assert not trainer.hybrid_rollout_config.enable_switch
+        return "warns"
+    return "runs"
+
+
+def plugin_check(config) -> str:
+    try:
+        warnings = check_run_config(config)
+    except RunConfigError as error:
+        message = str(error)
+        assert "\n" not in message and "trainer.v1.separate_async.hybrid_rollout.enable_switch" in message
+        assert "actor_rollout_ref.rollout.disaggregation.enabled" in message
+        return "raises"
+    switch = [w for w in warnings if "hybrid_rollout.enable_switch=True is ignored" in w]
+    assert len(switch) == len(warnings) <= 1  # the recipes raise no other warning
+    assert all("actor_rollout_ref.hybrid_engine=False" in w and "set enable_switch=False" in w for w in switch)
+    return "warns" if switch else "runs"
+
+
+@pytest.mark.parametrize("method", ["dppo_topk_kl", "vanilla"])
+def test_the_hybrid_switch_is_refused_exactly_where_verls_init_raises(method, caplog):
+    """Every combination of actor_rollout_ref.hybrid_engine (True, False, None, unset: verl reads it as
+    `bool(get("hybrid_engine", True))`), trainer.v1.separate_async.hybrid_rollout.enable_switch and
+    actor_rollout_ref.rollout.disaggregation.enabled, run through verl's own `PPOTrainerSeparateAsync.__init__`:
+    the plugin refuses where verl raises, warns where verl turns the switch off and runs, and is silent otherwise
+    (any loss mode: these are verl's checks)."""
+    from omegaconf import open_dict
+
+    table = {}
+    for hybrid_engine in (True, False, None, "unset"):
+        for enable_switch in (True, False):
+            for disaggregation in (True, False):
+                config = separate_async("dppo_topk_kl")
+                config.actor_rollout_ref.actor.policy_loss.loss_mode = method
+                config.trainer.v1.separate_async.hybrid_rollout.enable_switch = enable_switch
+                config.actor_rollout_ref.rollout.disaggregation.enabled = disaggregation
+                with open_dict(config.actor_rollout_ref):
+                    if hybrid_engine == "unset":
+                        del config.actor_rollout_ref["hybrid_engine"]
+                    else:
+                        config.actor_rollout_ref.hybrid_engine = hybrid_engine
+                case = (hybrid_engine, enable_switch, disaggregation)
+                table[case] = verl_separate_async_init(config, caplog)
+                assert plugin_check(config) == table[case], case
+    # verl's table: it raises only with the hybrid engine on (as by default); without it, it turns the switch off
+    assert {case for case, outcome in table.items() if outcome == "raises"} == {(True, True, True),
+                                                                                ("unset", True, True)}
+    assert {case for case, outcome in table.items() if outcome == "warns"} == {
+        (off, True, disaggregation) for off in (False, None) for disaggregation in (True, False)}
 
 
 @pytest.mark.parametrize("setup, sync_step", [("sanity_1p5b", 4), ("efficiency_1p7b", 4), ("moe_base", 8)])

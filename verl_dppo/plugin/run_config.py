@@ -8,8 +8,8 @@ patch), before anything slow starts.
 Under verl's asynchronous v1 trainers (`trainer.v1.trainer_mode=colocate_async` / `separate_async`) the rollout
 policy lags the trained one. What `PPOTrainerSeparateAsync.__init__` asserts (verl 0.9.1,
 `trainer/ppo/v1/trainer_separate_async.py`) is refused here for every loss mode, one line naming the key, so that a
-dry run catches it; what the DPPO modes need there (the rollout's per-token log-probs, the anchor) is checked for
-the DPPO modes.
+dry run catches it; what it turns off with a warning and runs is warned. What the DPPO modes need there (the
+rollout's per-token log-probs, the anchor) is checked for the DPPO modes.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def async_trainer_mode(config: Any) -> str | None:
     return mode if mode in ASYNC_TRAINER_MODES else None
 
 
-def _check_separate_async(config: Any) -> None:
-    """What `PPOTrainerSeparateAsync.__init__` asserts before anything starts (verl 0.9.1)."""
+def _check_separate_async(config: Any) -> list[str]:
+    """What `PPOTrainerSeparateAsync.__init__` asserts before anything starts (verl 0.9.1); returns the warning verl
+    logs where it turns a setting off and runs."""
     switch = "trainer.v1.trainer_mode=separate_async"
     arr = config.actor_rollout_ref
     rollout = arr.rollout
@@ -88,11 +89,24 @@ def _check_separate_async(config: Any) -> None:
             "set reward.reward_model.enable_resource_pool=True."
         )
     hybrid = separate.get("hybrid_rollout", None) or {}
-    if hybrid.get("enable_switch", False) and (rollout.get("disaggregation", None) or {}).get("enabled", False):
+    if not hybrid.get("enable_switch", False):
+        return []
+    # verl first turns the switch off (a warning, and the run goes on) when the trainer's GPUs host no rollout
+    # replica to lend; only a switch still on meets the disaggregation check.
+    if not arr.get("hybrid_engine", True):
+        return [
+            f"{switch}: trainer.v1.separate_async.hybrid_rollout.enable_switch=True is ignored with "
+            "actor_rollout_ref.hybrid_engine=False (no rollout replica on the trainer's GPUs to switch): verl turns "
+            "it off; set enable_switch=False (or hybrid_engine=True to lend the trainer's GPUs to the rollout)."
+        ]
+    if (rollout.get("disaggregation", None) or {}).get("enabled", False):
         raise RunConfigError(
-            f"{switch}: trainer.v1.separate_async.hybrid_rollout.enable_switch=True does not support "
-            "actor_rollout_ref.rollout.disaggregation.enabled=True: set one of them to False."
+            f"{switch}: trainer.v1.separate_async.hybrid_rollout.enable_switch=True with "
+            "actor_rollout_ref.hybrid_engine=True does not support actor_rollout_ref.rollout.disaggregation.enabled="
+            "True: set one of them to False (or actor_rollout_ref.hybrid_engine=False, under which verl ignores the "
+            "switch)."
         )
+    return []
 
 
 def _log_once(warnings: list[str]) -> None:
@@ -107,8 +121,7 @@ def check_run_config(config: Any) -> list[str]:
     verl's asynchronous trainer would stop at its start (any loss mode); return the warnings (each also logged, once
     per process) for settings that run but are probably not what the user meant."""
     async_mode = async_trainer_mode(config)
-    if async_mode == "separate_async":
-        _check_separate_async(config)
+    warnings = _check_separate_async(config) if async_mode == "separate_async" else []
     arr = config.actor_rollout_ref
     rollout = arr.rollout
     correction = config.get("algorithm", {}).get("rollout_correction", None) or {}
@@ -122,7 +135,8 @@ def check_run_config(config: Any) -> list[str]:
         )
     mode = _dppo_mode(config)
     if mode is None:
-        return []
+        _log_once(warnings)
+        return warnings
     anchor = arr.actor.policy_loss.get("anchor", "rollout")
     if anchor == "recompute" and bypass:
         raise RunConfigError(
@@ -137,7 +151,6 @@ def check_run_config(config: Any) -> list[str]:
             f"while the actor divides its logits by rollout.temperature={temperature:g}: pi and mu would differ by "
             "the temperature alone. Set actor_rollout_ref.rollout.logprobs_mode=processed_logprobs (or temperature=1)."
         )
-    warnings = []
     if async_mode is not None:
         switch = f"trainer.v1.trainer_mode={async_mode}"
         if not rollout.get("calculate_log_probs", False):
