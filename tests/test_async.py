@@ -3,10 +3,10 @@
 
 1. What `PPOTrainerSeparateAsync.__init__` asserts at start (`trainer/ppo/v1/trainer_separate_async.py`: the batch
    split `data.train_batch_size == parameter_sync_step * ppo_mini_batch_size`, the rollout's own GPUs, a checkpoint
-   engine that can reach them, a reward model on its own pool, no hybrid switch with disaggregation on the hybrid engine; without the hybrid
-   engine verl turns the switch off and runs, which is warned) and what the
-   DPPO modes need there (the rollout's per-token log-probs) is refused by the run-config check, one line naming the
-   key, on a composed recipe and through `verl-dppo run ... --dry-run` (exit 2).
+   engine that can reach them, a reward model on its own pool, no hybrid switch with disaggregation on the hybrid
+   engine) and what the DPPO modes need there (the rollout's per-token log-probs) is refused by the run-config check,
+   one line naming the key, on a composed recipe and through `verl-dppo run ... --dry-run` (exit 2); where verl turns
+   the switch off and runs (no hybrid engine), the check warns.
 2. `anchor=recompute` under an async trainer warns once, naming the setting.
 3. A response aborted by a weight update and resumed (verl's real `FullyAsyncLLMServerClient.generate` loop) keeps
    exactly one top-K row per generated token, in order, each from the reply that generated it, whether the replies
