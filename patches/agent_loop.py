@@ -8,6 +8,9 @@ length; tool loop: only the first turn's are kept), so the top-K rows are not ca
    rollout) pops the rows out of `extra_fields` and appends (generated token ids, top-K ids, top-K log-probs) to
    the trajectory (a context variable set by the `AgentLoopWorker._run_agent_loop` patch; each trajectory runs in
    its own asyncio task).
+   It also notes the `global_steps` of every reply that generated a token: `as_dict` (step 3) stores the
+   oldest as `extra_fields[staleness.SAMPLED_VERSION]`, the version the staleness diagnostics measure the lag from
+   (verl's `min_global_steps` takes the first reply's, even an abort that generated nothing).
 2. `ContinuousTokenBuilder.align_response_metadata`: verl's agent loops build the response with a token builder
    that edits the stream at turn boundaries (GLM drops a generated `<|observation|>` / `<|user|>` and re-renders it
    as context; Qwen, MiniMax, Gemma4, DeepSeek-V4 insert boundary tokens; DeepSeek drops a context token), and this
@@ -39,6 +42,7 @@ import torch
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
+from verl_dppo.plugin.staleness import SAMPLED_VERSION
 from verl_dppo.plugin.topk_mode import TOPK_IDS, TOPK_LOGPROBS
 
 __all__ = [
@@ -69,6 +73,7 @@ class _Trajectory:
 
     def __init__(self):
         self.turns: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (generated ids, top-K ids, log-probs)
+        self.sampling_versions: list[int] = []  # `global_steps` of each reply that generated a token
         self.merged_turns = 0  # replies the builder has already merged into the response
         self.layouts: list[tuple[list, list]] = []  # (response_mask, layout) after each builder merge, newest last
 
@@ -146,13 +151,17 @@ class trajectory:  # noqa: N801 (a context manager, used like a function)
 
 
 def record_turn(token_output: Any) -> None:
-    """Move a server reply's top-K rows out of extra_fields into the current trajectory (if one is open)."""
+    """Note the version of a server reply that generated tokens, and move its top-K rows out of extra_fields, into
+    the current trajectory (if one is open)."""
     extra = getattr(token_output, "extra_fields", None)
-    if not extra or EXTRA_IDS not in extra:
-        return
     current = _TRAJECTORY.get()
-    if current is None:
+    if not extra or current is None:
         return  # not inside an agent loop: leave the reply as the server sent it
+    # An abort that generated nothing carries the version it waited under, not one that sampled the response.
+    if token_output.token_ids is not None and len(token_output.token_ids) and extra.get("global_steps") is not None:
+        current.sampling_versions.append(int(extra["global_steps"]))
+    if EXTRA_IDS not in extra:
+        return
     ids, logprobs = extra.pop(EXTRA_IDS), extra.pop(EXTRA_LOGPROBS)
     token_ids = np.asarray(list(token_output.token_ids), dtype=np.int64)
     if ids.shape[0] != token_ids.shape[0]:
@@ -218,7 +227,10 @@ def patch_agent_loop(module: Any) -> None:
     def make_as_dict(original_as_dict):
         def as_dict(self):
             output = original_as_dict(self)
-            aligned = align_topk_to_response(self.response_ids, self.response_mask, _TRAJECTORY.get())
+            current = _TRAJECTORY.get()
+            if current is not None and current.sampling_versions:
+                output["extra_fields"][SAMPLED_VERSION] = min(current.sampling_versions)
+            aligned = align_topk_to_response(self.response_ids, self.response_mask, current)
             if aligned is not None:
                 output[TOPK_IDS], output[TOPK_LOGPROBS] = aligned
             return output

@@ -186,3 +186,106 @@ def test_no_threshold_no_over_threshold_metric():
 def test_a_bad_threshold_is_refused_naming_the_key(bad):
     with pytest.raises(ValueError, match="max_off_policy_threshold"):
         actor_config("dppo_binary_tv", max_off_policy_threshold=bad)
+
+
+# ------------------------------------------------- the version that sampled a response, through verl's resume loop
+
+class VerlShapedServer:
+    """Replies as verl 0.9.1's vLLM server (`vLLMHttpServer.generate`) makes them, one per call, from `replies`
+    [(tokens generated, stop reason, weights version)]: an abort that generated nothing is `TokenOutput(token_ids=[],
+    log_probs=None, routed_experts=None, stop_reason="aborted", extra_fields={"global_steps": v})` (a request parked
+    or aborted before its first token while the weights were being updated); a reply with tokens carries their
+    log-probs and `num_cached_tokens` beside `global_steps`. The last reply completes the answer."""
+
+    def __init__(self, tokenizer, replies):
+        self.generate = self  # verl awaits `server.generate.remote(...)`
+        self.answer = tokenizer.encode("The answer is 5.<|im_end|>", add_special_tokens=False)
+        self.replies = replies
+        self.calls = 0
+        self.done = 0
+
+    async def remote(self, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        count, stop_reason, version = self.replies[self.calls]
+        self.calls += 1
+        if count == 0:
+            return TokenOutput(token_ids=[], log_probs=None, routed_experts=None, stop_reason=stop_reason,
+                               extra_fields={"global_steps": version})
+        count = len(self.answer) - self.done if count is None else count
+        token_ids = self.answer[self.done:self.done + count]
+        self.done += count
+        return TokenOutput(token_ids=token_ids, log_probs=[-0.5] * count, routed_experts=None,
+                           stop_reason=stop_reason, num_preempted=0,
+                           extra_fields={"global_steps": version, "num_cached_tokens": 0})
+
+
+# (replies, verl's min_global_steps, the oldest version that sampled a token) with the trainer at VERSION.
+RESUMED = [
+    # the ISSUE: an empty abort under the previous weights, then the whole response under the trainer's
+    ([(0, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 1, VERSION),
+    # an empty abort three versions back, tokens one version back, the rest under the trainer's
+    ([(0, "aborted", VERSION - 3), (5, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 3,
+     VERSION - 1),
+    # tokens two versions back, an empty abort between, the rest under the trainer's: the first reply counts
+    ([(4, "aborted", VERSION - 2), (0, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 2,
+     VERSION - 2),
+    # not resumed
+    ([(None, "completed", VERSION)], VERSION, VERSION),
+]
+
+
+def test_the_lag_is_measured_from_the_oldest_reply_that_generated_a_token(monkeypatch):
+    """verl's real `SingleTurnAgentLoop` on verl's real resume loop (`FullyAsyncLLMServerClient.generate`, through
+    the plugin's patched `LLMServerClient.generate`), its `as_dict` fields stored as the v1 agent loop stores them
+    in TransferQueue (`list_of_dict_to_tensordict`), the trainer's version recorded from the weight push and handed
+    to the mini-batch as the worker patch does, then verl's `ppo_loss`: a response sampled entirely by the
+    trainer's weights has lag 0 even when its first reply was an empty abort labelled with the previous version
+    (verl's `min_global_steps`, left as verl sets it, says 1)."""
+    from test_async import ResumingClient
+    from test_topk_token_builders import PROMPT, compose_config, family_named
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout import llm_server
+
+    from verl_dppo.patches.agent_loop import trajectory
+    from verl_dppo.patches.engine_workers import _assign_trainer_version
+
+    sleep = asyncio.sleep  # verl's loop sleeps 1 s before each resume
+    monkeypatch.setattr(llm_server.asyncio, "sleep", lambda delay, *args: sleep(0, *args))
+    family = family_named("default")
+    tokenizer = family.make_tokenizer()
+    config = compose_config(response_length=64)
+
+    async def rollout(replies):
+        server = VerlShapedServer(tokenizer, replies)
+        loop = SingleTurnAgentLoop(DictConfigWrap(config), ResumingClient(config, server), tokenizer, None,
+                                   RLHFDataset, DictConfigWrap(config.data), hf_model_type=family.model_type)
+        with trajectory():  # as the plugin's `AgentLoopWorker._run_agent_loop` patch opens it
+            output = await loop.run(sampling_params={}, raw_prompt=list(PROMPT))
+            fields = output.as_dict()
+        assert server.calls == len(replies) and fields["responses"].tolist() == server.answer
+        return fields
+
+    stored = tu.list_of_dict_to_tensordict([asyncio.run(rollout(replies)) for replies, *_ in RESUMED])
+    extra_fields = list(stored["extra_fields"])
+    assert [extra["min_global_steps"] for extra in extra_fields] == [verl for _, verl, _ in RESUMED]
+    expected = [float(VERSION - oldest) for *_, oldest in RESUMED]
+    assert expected == [0.0, 1.0, 2.0, 0.0]
+
+    monkeypatch.setattr(staleness, "_trainer_version", None)
+    staleness.record_trainer_version(VERSION)
+    seqs = [SEQS[0], SEQS[1], SEQS[2], SEQS[4]]  # 2, 3, 2 and 4 tokens
+    model_output, data = micro_batch(seqs, with_versions=False)
+    data.set("extra_fields", stored["extra_fields"])
+    _assign_trainer_version(data)
+    assert staleness.sample_lags(data).tolist() == expected
+    config = actor_config("dppo_binary_tv", delta_low=0.15, delta_high=0.15, max_off_policy_threshold=1)
+    _, metrics = ppo_loss(config, model_output, data)
+    value = {name: metric.aggregate() for name, metric in metrics.items() if "/lag_" in name}
+    assert value["actor/dppo/lag_mean"] == pytest.approx((0 * 2 + 1 * 3 + 2 * 2 + 0 * 4) / 11)
+    assert value["actor/dppo/lag_0/token_frac"] == pytest.approx(6 / 11)
+    assert value["actor/dppo/lag_1/token_frac"] == pytest.approx(3 / 11)
+    assert value["actor/dppo/lag_2_3/token_frac"] == pytest.approx(2 / 11)
+    assert value[staleness.OVER_THRESHOLD] == pytest.approx(2 / 4)  # lag >= 1: the second and third samples

@@ -2,17 +2,22 @@
 behaves per lag bucket (issue 14.4).
 
 Where the versions come from (verl 0.9.1): the rollout server labels each reply with the `global_steps` of its last
-weight update; `FullyAsyncLLMServerClient.generate` keeps, across a response's resumed replies, the oldest and newest
-labels as `extra_fields["min_global_steps"]` / `["max_global_steps"]`; the v1 agent loop stores `extra_fields` (one
-dict per sample) in TransferQueue, and the actor's `update_actor` reads every stored field, so each micro-batch that
-reaches `ppo_loss` carries `extra_fields`. The trainer's version is the `global_steps` of the last
+weight update; `FullyAsyncLLMServerClient.generate` keeps, across a response's resumed replies, the first and last
+labels as `extra_fields["min_global_steps"]` / `["max_global_steps"]`. The first reply can be an abort that generated
+no token (the request was waiting when the weights moved on) and carries the previous version: verl's
+`min_global_steps` then makes a response sampled entirely by the new weights one version stale. So the plugin's agent
+loop patch (`patches.agent_loop`) takes the label of every reply that generated at least one token, over the whole
+agent-loop run (every turn), and stores the oldest as `extra_fields[SAMPLED_VERSION]`; verl's own fields are left as
+they are. The v1 agent loop stores `extra_fields` (one dict per sample) in TransferQueue, and the actor's
+`update_actor` reads every stored field, so each micro-batch that reaches `ppo_loss` carries `extra_fields`. The trainer's version is the `global_steps` of the last
 `update_weights` call on the actor worker (the same label the rollout got with those weights; verl passes it to the
 actor worker on every push, whatever the trainer mode): `patches.engine_workers` records it and hands it to each
 mini-batch as the non-tensor field `TRAINER_VERSION`.
 
-A sample's lag is trainer version - min_global_steps: the versions between the trainer and the oldest policy that
-sampled any of its tokens (0 = sampled by the weights being trained at the start of this step). Samples without a
-version (no `extra_fields`, or a server that never got one) count in no lag metric.
+A sample's lag is trainer version - the oldest version that sampled any of its tokens (`SAMPLED_VERSION`; verl's
+`min_global_steps` where the sample lacks it, e.g. a response of no token): 0 = sampled by the weights being trained
+at the start of this step. Samples without a version (no `extra_fields`, or a server that never got one) count in no
+lag metric.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["TRAINER_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version", "trainer_version", "sample_lags",
+__all__ = ["TRAINER_VERSION", "SAMPLED_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version", "trainer_version", "sample_lags",
            "staleness_sums", "staleness_parts"]
 
 TRAINER_VERSION = "dppo_trainer_version"
 """Non-tensor field of a training mini-batch: the `global_steps` of the actor's last weight push."""
+
+SAMPLED_VERSION = "dppo_oldest_sampling_version"
+"""Key in a sample's `extra_fields`: the oldest `global_steps` among the rollout replies that generated its tokens."""
 
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, None))
 """(name, lowest lag, highest lag or None): the buckets of the per-lag metrics."""
@@ -62,7 +70,10 @@ def sample_lags(data: Any) -> Optional[torch.Tensor]:
         return None
     lags = []
     for extra in extra_fields:
-        oldest = extra.get("min_global_steps") if isinstance(extra, dict) else None
+        oldest = None
+        if isinstance(extra, dict):
+            oldest = extra.get(SAMPLED_VERSION)
+            oldest = extra.get("min_global_steps") if oldest is None else oldest
         lags.append(float("nan") if oldest is None else float(int(version) - int(oldest)))
     return torch.tensor(lags, dtype=torch.float32)
 
