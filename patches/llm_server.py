@@ -28,6 +28,9 @@ __all__ = ["sync_rollout_config", "patch_llm_server"]
 
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 
+TOPK_ROLLOUTS = ("vllm", "sglang", "hf")
+"""Rollout backends that report mu's top-K per generated token (vLLM, SGLang through the patches; hf natively)."""
+
 
 def sync_rollout_config(config: Any) -> Optional[int]:
     """Driver side: copy K = actor.policy_loss.topk (unset: 20 for dppo_topk_*, 64 for troll) into
@@ -44,8 +47,9 @@ def sync_rollout_config(config: Any) -> Optional[int]:
         return None
     k = configured_topk(arr.actor)  # policy_loss.topk, or the mode's default (20 for dppo_topk_*, 64 for troll)
     rollout = arr.rollout
-    if rollout.name not in ("vllm", "sglang"):
-        raise ValueError(f"{mode} captures the top-K in vLLM or SGLang: set actor_rollout_ref.rollout.name=vllm or sglang")
+    if rollout.name not in TOPK_ROLLOUTS:
+        raise ValueError(f"{mode} captures the top-K in vLLM, SGLang or the plugin's hf rollout: set "
+                         "actor_rollout_ref.rollout.name=vllm, sglang or hf")
     if not rollout.get("calculate_log_probs", False):
         raise ValueError(f"{mode} needs the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True")
     if not config.get("trainer", {}).get("use_v1", True):

@@ -90,7 +90,7 @@ def test_other_modes_leave_the_config_alone():
         ("actor_rollout_ref.rollout.calculate_log_probs=False", "calculate_log_probs=True"),
         ("actor_rollout_ref.model.use_fused_kernels=True", "use_fused_kernels=False"),
         ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=20", "max_logprobs=20 < policy_loss.topk=32"),
-        ("actor_rollout_ref.rollout.name=hf", "rollout.name=vllm or sglang"),
+        ("actor_rollout_ref.rollout.name=trtllm", "rollout.name=vllm, sglang or hf"),
         ("trainer.use_v1=False", "trainer.use_v1=True"),
         ("+actor_rollout_ref.rollout.custom.dppo_topk=8", "set only policy_loss.topk"),
     ],

@@ -13,14 +13,32 @@ from verl_dppo.plugin.compat import check_verl_version
 logger = logging.getLogger("verl_dppo")
 
 
+def register_backends() -> None:
+    """The `hf` rollout in verl's two rollout registries, the `ray_store` checkpoint engine, the CPU platform
+    (`VERL_PLATFORM=cpu`) and its patches; each registry is filled when verl first imports it (nothing heavy now)."""
+    from verl_dppo.patches._import_hook import when_imported
+    from verl_dppo.patches.cpu_distributed import patch_distributed
+    from verl_dppo.patches.cpu_resources import patch_resource_check
+    from verl_dppo.plugin import cpu_platform, hf_rollout, ray_store_engine
+
+    cpu_platform.register()
+    when_imported("verl.workers.rollout.replica", hf_rollout.register_replica)
+    when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
+    when_imported("verl.checkpoint_engine.base", ray_store_engine.register)
+    when_imported("verl.utils.distributed", patch_distributed)
+    when_imported("verl.single_controller.ray.base", patch_resource_check)
+
+
 def load() -> list[str]:
-    """Register the loss modes and install the patches (`verl_dppo.patches`); returns the registered mode names."""
+    """Register the loss modes, the backends and install the patches (`verl_dppo.patches`); returns the registered
+    mode names."""
     check_verl_version()
     from verl_dppo.patches import install
     from verl_dppo.plugin.losses import register_all
 
     modes = register_all()
     install()
+    register_backends()
     return modes
 
 

@@ -1,0 +1,35 @@
+"""Patch of `verl.utils.distributed.initialize_global_process_group_ray` on the CPU platform: no duplicate backend.
+
+Which verl function: `initialize_global_process_group_ray(timeout_second, backend)` builds the default backend
+string `cpu:gloo,<device>:<collective backend>`; on the CPU platform that is `cpu:gloo,cpu:gloo`, which torch
+refuses ("Duplicate device type cpu in backend string"). Every Ray worker of verl's (the FSDP workers, the
+checkpoint-engine workers of standalone rollout replicas) calls it.
+What the wrapper does: on the CPU platform only (`VERL_PLATFORM=cpu`), a backend of `cpu:gloo` when none was given;
+elsewhere it calls verl's function unchanged. It must replace the module attribute before
+`verl.workers.engine_workers` and `verl.checkpoint_engine.base` import the function by name, hence an import hook.
+Why no extension point: the backend string is built inline from the device name.
+What would retire it: verl building the string from the set of distinct device types (`cpu:gloo` once), or asking
+the platform for the whole backend string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl_dppo.patches._import_hook import patch_once
+
+__all__ = ["patch_distributed"]
+
+
+def patch_distributed(module: Any) -> None:
+    def make(original):
+        def initialize_global_process_group_ray(timeout_second=None, backend=None):
+            from verl_dppo.plugin.cpu_platform import is_selected
+
+            if backend is None and is_selected():
+                backend = "cpu:gloo"
+            return original(timeout_second=timeout_second, backend=backend)
+
+        return initialize_global_process_group_ray
+
+    patch_once(module, "initialize_global_process_group_ray", make)
