@@ -74,6 +74,7 @@ __all__ = [
     "TrollTerms",
     "Projection",
     "troll_token_terms",
+    "troll_terms_from_support",
     "troll_token_loss",
     "kl_projection",
 ]
@@ -186,11 +187,33 @@ def troll_token_terms(
     """
     check_topk_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
                       TrollInputError)
+    work_bytes = torch.finfo(torch.promote_types(logits.dtype, torch.float32)).bits // 8
+    rows_per_chunk = max(1, chunk_bytes // (work_bytes * logits.shape[1]))
+
+    def read_support(rows_arg, sampled, mu_ids, mu_selected):
+        return pi_on_support(
+            logits, rows_arg, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace_backward
+        )
+
+    return troll_terms_from_support(
+        read_support, logits.shape[1], torch.promote_types(logits.dtype, torch.float32), rollout_topk_ids,
+        rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
+        eps=eps, support_mass=support_mass, topk=topk, mass_tolerance=mass_tolerance,
+    )
+
+
+def troll_terms_from_support(
+    read_support, vocab: int, out_dtype: torch.dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
+    rollout_sampled_logprobs, mask=None, *, eps: float, support_mass: float, topk: int,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> TrollTerms:
+    """`troll_token_terms` with pi read by `read_support(rows or None, sampled, mu_ids, mu_selected)` -> (ids,
+    source, valid, log pi at the ids, log pi(other)) on the rows in the update: `pi_on_support` on the logits, or
+    the same support fused with the LM head (`verl_dppo.math.fused_troll`). One implementation of Eq. 3-5 for both."""
     if not (eps > 0 and 0 < support_mass <= 1 and topk >= 1):
         raise TrollInputError(f"need eps > 0, 0 < support_mass <= 1, topk >= 1; got {eps}, {support_mass}, {topk}")
-    n, vocab = logits.shape
-    out_dtype = torch.promote_types(logits.dtype, torch.float32)
-    dev = logits.device
+    n = sampled_ids.shape[0]
+    dev = sampled_ids.device
     sampled_lp_all = rollout_sampled_logprobs.detach().double()
     valid_rows = torch.isfinite(sampled_lp_all)
     if mask is not None:
@@ -215,11 +238,7 @@ def troll_token_terms(
     rank = torch.arange(mu_ids.shape[1], device=dev)
     mu_selected = ((mu_p.cumsum(dim=1) - mu_p) < support_mass) & torch.isfinite(mu_lp) & (rank < topk)
 
-    work_bytes = torch.finfo(torch.promote_types(logits.dtype, torch.float32)).bits // 8
-    rows_per_chunk = max(1, chunk_bytes // (work_bytes * vocab))
-    ids, source, slot_valid, log_pi_s, log_pi_other = pi_on_support(
-        logits, rows_arg, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace_backward
-    )
+    ids, source, slot_valid, log_pi_s, log_pi_other = read_support(rows_arg, sampled, mu_ids, mu_selected)
     log_mu = mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, slot_valid, vocab)
     log_pi = torch.cat([log_pi_s.double(), log_pi_other.double()[:, None]], dim=1)
     present = torch.cat([slot_valid, torch.isfinite(log_pi_other)[:, None]], dim=1) & torch.isfinite(log_pi)
@@ -258,3 +277,4 @@ def troll_token_loss(terms: TrollTerms, advantages: torch.Tensor, alpha: float =
     ratio = torch.exp(terms.log_p_sampled - terms.log_mu_sampled)
     loss = -ratio * advantages.to(ratio.dtype) + alpha * terms.regression_kl
     return torch.where(terms.diagnostics["valid"], loss, 0.0)
+MAX_LOG_RATIO = 20.0
