@@ -123,12 +123,47 @@ def test_ray_probe_is_killed_at_its_deadline():
     assert time.perf_counter() - started < 10
 
 
-def test_doctor_warns_without_a_rollout_engine(capsys, monkeypatch):
+SEVEN_MODES = ("dppo_binary_kl", "dppo_binary_tv", "dppo_topk_kl", "dppo_topk_tv", "grpo_clip", "pg_is", "troll")
+
+
+@pytest.mark.parametrize("engines, flags, code, verdict", [
+    ({"vllm": "0.11.0", "sglang": None}, [], 0, "READY: verl-dppo loads"),
+    ({"vllm": None, "sglang": "0.5.0"}, [], 0, "READY: verl-dppo loads"),
+    ({"vllm": None, "sglang": None}, [], 1, "NOT READY."),
+    ({"vllm": None, "sglang": None}, ["--plugin-only"], 0, "OK (--plugin-only)"),
+])
+def test_doctor_ready_means_the_plugin_loads_and_a_rollout_engine_is_there(capsys, monkeypatch, engines, flags,
+                                                                            code, verdict):
+    """Issue 18.9: README's "exit code 0 = ready" = every mode of the plugin (troll included) in verl's registry,
+    the hook installed, and vLLM or SGLang importable; without an engine, a named problem (exit 1), or a named
+    warning under --plugin-only (a machine that will not train: CI, this suite)."""
     from verl_dppo.cli import doctor
 
-    monkeypatch.setattr(doctor, "_version_of", lambda package: None if package in ("vllm", "sglang") else "0.9.1")
-    doctor.run(with_ray=False)
-    assert "WARNING: neither vLLM nor SGLang is installed" in capsys.readouterr().out
+    monkeypatch.setattr(doctor, "engines_here", lambda: engines)
+    assert main(["doctor", "--no-ray", *flags]) == code
+    out = capsys.readouterr().out
+    assert f"this process: modes {', '.join(SEVEN_MODES)}; anchoring hook installed" in out
+    assert verdict in out
+    no_engine = "no rollout engine: neither vLLM nor SGLang is importable here"
+    assert (no_engine in out) == (not any(engines.values()))
+    if not any(engines.values()):
+        assert (f"WARNING: {no_engine}" in out) == bool(flags)
+        assert ("  - " + no_engine in out) == (not flags)
+    assert ("only SGLang is installed" in out) == (engines["sglang"] is not None and engines["vllm"] is None)
+
+
+def test_doctor_expects_the_plugins_own_modes_and_names_a_missing_one(capsys, monkeypatch):
+    """The expected modes are the plugin's table (LOSS_MODES), the listed ones verl's registry: a mode missing from
+    the registry (here troll, which the hand list of six never checked) is named and the exit code is 1."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_dppo.cli import doctor
+
+    monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": "0.11.0", "sglang": None})
+    monkeypatch.delitem(POLICY_LOSS_REGISTRY, "troll")
+    assert main(["doctor", "--no-ray"]) == 1
+    out = capsys.readouterr().out
+    assert "this process: loss modes not registered: troll" in out and "Fix: install verl-dppo" in out
 
 
 # -------------------------------------------------------------------------------------------------- recipes

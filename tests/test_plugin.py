@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is", "dppo_topk_tv", "dppo_topk_kl")
+MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is", "dppo_topk_tv", "dppo_topk_kl", "troll")
 BIN = os.path.dirname(sys.executable)
 
 
@@ -90,8 +90,9 @@ def test_values_in_effect_are_logged_once_per_process():
 
 
 def test_doctor_in_process_and_in_a_ray_worker():
-    result = subprocess.run([os.path.join(BIN, "verl-dppo"), "doctor"], capture_output=True, text=True,
-                            timeout=300)
+    # --plugin-only: this CPU suite has no vLLM / SGLang, whose absence is otherwise a problem (exit 1).
+    result = subprocess.run([os.path.join(BIN, "verl-dppo"), "doctor", "--plugin-only"], capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     listed = ", ".join(sorted(MODES))
     assert f"ray worker: modes {listed}; anchoring hook installed" in result.stdout

@@ -3,94 +3,72 @@
 from __future__ import annotations
 
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
-EXPECTED_MODES = ("dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is", "dppo_topk_tv", "dppo_topk_kl")
-_PACKAGES = ("verl", "torch", "ray", "transformers", "vllm", "sglang", "verl-dppo")
+from verl_dppo.cli.install_probe import ROLLOUT_ENGINES, engines_here, expected_modes, plugin_state, version_of
+from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
 
-
-def _version_of(package: str) -> Optional[str]:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def probe_process() -> dict:
-    """What `import verl` alone gives this process: our modes in the registry and the anchoring hook."""
-    import verl  # noqa: F401  (loads the verl.plugins entry points)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    from verl_dppo.patches.workers_utils_losses import is_installed
-
-    return {
-        "registered": sorted(mode for mode in EXPECTED_MODES if mode in POLICY_LOSS_REGISTRY),
-        "hook_installed": is_installed(),
-    }
-
-
-def _probe_in_worker() -> dict:
-    # Runs in a Ray worker: import verl only, exactly as verl's own workers do.
-    import os
-
-    import verl  # noqa: F401
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    import verl.workers.utils.losses as losses
-
-    return {
-        "registered": sorted(mode for mode in EXPECTED_MODES if mode in POLICY_LOSS_REGISTRY),
-        "hook_installed": bool(getattr(losses.ppo_loss, "__verl_dppo_wrapped__", False)),
-        "pid": os.getpid(),
-    }
-
+_PACKAGES = ("verl", "torch", "ray", "transformers", *ROLLOUT_ENGINES, "verl-dppo")
 
 def probe_ray_worker(address: Optional[str] = None, timeout_s: float = 120.0) -> dict:
-    """Run the probe in a Ray worker process (a fresh local Ray instance unless `address` names a cluster), in a
-    child process killed after `timeout_s`: `ray.init` on a silent address would otherwise wait for minutes."""
-    from verl_dppo.cli.ray_probe import run_probe
-
+    """`plugin_state()` in a Ray worker process (a fresh local Ray instance unless `address` names a cluster), in
+    a child process killed after `timeout_s`: `ray.init` on a silent address would otherwise wait for minutes."""
     return run_probe("worker", address, timeout_s)
 
 
-from verl_dppo.cli.ray_probe import RayUnreachable, check_address  # noqa: E402  (stdlib only)
-
-
-def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, timeout_s: float = 120.0) -> int:
+def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, timeout_s: float = 120.0,
+        plugin_only: bool = False) -> int:
+    """Exit code 0 = ready to train: verl in the supported range, every loss mode of the plugin registered and the
+    anchoring hook installed by `import verl` here and in a Ray worker, and a rollout engine (vLLM or SGLang)
+    importable here, where `verl-dppo run` launches from. `plugin_only` (a CPU machine, CI, a login node): the
+    engine's absence is a warning and 0 means the plugin is installed and loads. 1 = a problem, each listed."""
     out = out or sys.stdout
     if with_ray and ray_address:  # before anything slow: a wrong address is one line, at once
         check_address(ray_address, "--ray-address")
-    problems, warnings = [], []
+    problems, warnings, plugin_problem = [], [], False
     print("verl-dppo doctor", file=out)
     for package in _PACKAGES:
-        print(f"  {package:<13} {_version_of(package) or 'not installed'}", file=out)
+        print(f"  {package:<13} {version_of(package) or 'not installed'}", file=out)
 
     from verl_dppo.plugin.compat import SUPPORTED_VERL_RANGE, SUPPORTED_VERL_VERSIONS
 
-    verl_version = _version_of("verl")
+    verl_version = version_of("verl")
     if verl_version not in SUPPORTED_VERL_VERSIONS:
         problems.append(f"verl {verl_version} is outside the supported range {SUPPORTED_VERL_RANGE}")
-    if not (_version_of("vllm") or _version_of("sglang")):
-        warnings.append("neither vLLM nor SGLang is installed here: every recipe, and any verl RL run, needs one of "
-                        "them as the rollout engine on the GPU nodes (pip install verl[vllm] or verl[sglang])")
+    engines = [engine for engine, found in engines_here().items() if found]
+    if not engines:
+        missing_engine = ("no rollout engine: neither vLLM nor SGLang is importable here. Every recipe, and any verl "
+                          "RL run, serves its rollouts with one (pip install verl[vllm] or verl[sglang] on every "
+                          "node)")
+        if plugin_only:
+            warnings.append(missing_engine + "; --plugin-only: not counted as a problem")
+        else:
+            problems.append(missing_engine + "; on a machine that will not train, check with --plugin-only")
+    elif "vllm" not in engines:
+        warnings.append("only SGLang is installed: the recipes use vLLM; add actor_rollout_ref.rollout.name=sglang")
 
-    def report(where: str, probe: dict) -> None:
-        missing = [mode for mode in EXPECTED_MODES if mode not in probe["registered"]]
+    def report(where: str, probe: dict, expected: list[str]) -> None:
+        nonlocal plugin_problem
+        missing = [mode for mode in expected if mode not in probe["registered"]]
         print(f"  {where}: modes {', '.join(probe['registered']) or 'none'}; "
               f"anchoring hook {'installed' if probe['hook_installed'] else 'MISSING'}", file=out)
         if missing:
             problems.append(f"{where}: loss modes not registered: {', '.join(missing)}")
         if not probe["hook_installed"]:
             problems.append(f"{where}: the rollout-anchoring hook around verl's ppo_loss is not installed")
+        plugin_problem = plugin_problem or bool(missing) or not probe["hook_installed"]
 
+    expected: list[str] = []
     try:
-        report("this process", probe_process())
+        here = plugin_state()  # first: `import verl` loads the plugin, as in every verl process
+        expected = expected_modes()
+        report("this process", here, expected)
     except Exception as error:  # a broken install must be reported, not crash the doctor
         problems.append(f"this process: importing verl / the plugin failed: {error!r}")
+        plugin_problem = True
     if with_ray:
         try:
-            report("ray worker", probe_ray_worker(ray_address, timeout_s))
+            report("ray worker", probe_ray_worker(ray_address, timeout_s), expected)
         except RayUnreachable:
             if ray_address:  # the user's address is wrong, not the install: one line, exit 2
                 raise
@@ -106,18 +84,34 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, time
         print("PROBLEMS:", file=out)
         for problem in problems:
             print(f"  - {problem}", file=out)
-        print("Fix: install verl-dppo (pip install . from a checkout, or its wheel) beside verl==0.9.1 in every node's environment; "
-              "VERL_USE_EXTERNAL_PLUGINS must be 'auto' or name 'dppo'.", file=out)
+        if plugin_problem:
+            print("Fix: install verl-dppo (pip install . from a checkout, or its wheel) beside verl==0.9.1 in every "
+                  "node's environment; VERL_USE_EXTERNAL_PLUGINS must be 'auto' or name 'dppo'.", file=out)
+        print("NOT READY.", file=out)
         return 1
-    print("OK: verl-dppo is installed and loads with `import verl`.", file=out)
+    where = "here and in a Ray worker" if with_ray else "here (Ray worker not checked)"
+    if engines:
+        print(f"READY: verl-dppo loads with `import verl` {where}; rollout engine: {', '.join(engines)}.", file=out)
+    else:
+        print(f"OK (--plugin-only): verl-dppo loads with `import verl` {where}; no rollout engine here, so no "
+              "training from this environment.", file=out)
     return 0
 
 
 def add_command(commands) -> None:
-    parser = commands.add_parser("doctor", help="check the install: versions, registered modes, anchoring hook")
+    parser = commands.add_parser(
+        "doctor",
+        help="check the install: versions, registered modes, anchoring hook, rollout engine; exit 0 = ready",
+        description="Exit code 0 = ready to train: verl 0.9.1, every verl-dppo loss mode registered and the "
+        "anchoring hook installed by `import verl` (here and in a Ray worker), and vLLM or SGLang importable here. "
+        "1 = a problem, each listed with its fix.",
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the check inside a Ray worker process")
     parser.add_argument("--ray-address", default=None, help="check on this Ray cluster instead of a local instance")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up on the Ray worker check after S seconds (default 120)")
+    parser.add_argument("--plugin-only", action="store_true",
+                        help="a machine that will not train (CPU, CI, a login node): without vLLM / SGLang, warn "
+                        "instead of failing; exit 0 then means the plugin is installed and loads")
     parser.set_defaults(handler=lambda args: run(with_ray=not args.no_ray, ray_address=args.ray_address,
-                                                 timeout_s=args.timeout))
+                                                 timeout_s=args.timeout, plugin_only=args.plugin_only))

@@ -2,7 +2,8 @@
 
 `ray.init(address=...)` retries a silent address for minutes, and no timeout of Ray's covers it. So: a TCP connect
 to `host:port` first (an instant "nothing listens there"), then the Ray call itself in a child process that is
-killed at the deadline (`python -m verl_dppo.cli.ray_probe`), which prints one JSON line.
+killed at the deadline (`python -m verl_dppo.cli.ray_probe`), which prints one JSON line. The worker's probe is
+`verl_dppo.cli.install_probe.plugin_state`: this module imports no command, so `doctor` and `run` can import it.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def _main(kind: str, address: str) -> None:
     ray.init(log_to_driver=False, configure_logging=False, logging_level="ERROR", **kwargs)
     try:
         if kind == "worker":
-            from verl_dppo.cli.doctor import _probe_in_worker
+            from verl_dppo.cli.install_probe import plugin_state
 
-            remote = ray.remote(num_cpus=0)(_probe_in_worker)
+            remote = ray.remote(num_cpus=0)(plugin_state)
             result = ray.get(remote.remote())
         else:
             resources = ray.cluster_resources()
