@@ -3,10 +3,16 @@
     .venv/bin/python bench/bench_topk.py                     # N=2048, V=151,936 (Qwen3's vocabulary), bf16, CPU
     .venv/bin/python bench/bench_topk.py --device cuda --n 16384
 
-Part 1, `topk_divergence` against the naive `log_softmax(logits.float())` + gather (the straightforward
-implementation), same inputs, same run: extra peak memory as a fraction of the logits tensor (target <= 0.25x, ideally 0.1x) and
-time (target <= 1x the naive baseline). On CPU the peak is the process's resident-set high-water mark, reset before
-each measurement (/proc/self/clear_refs); on CUDA, torch.cuda.max_memory_allocated.
+Part 1, the Top-K modes' per-token work against baselines on the same inputs, in the same run. Each method's extra
+peak memory is measured in its own child process (peak_memory.py says why), as a fraction of the bf16 logits; its
+time is the median of interleaved repeats in this process.
+  Forward (what the logits hook adds): `topk_divergence` against the naive `log_softmax(logits.float())` + gather
+  (the straightforward implementation); target <= 0.25x the logits, ideally 0.1x, time <= 1x the naive one.
+  Forward + backward to the logits (what a training step pays): `dppo_topk_*` = verl's `logprobs_from_logits_v2`
+  (log pi(a_t) with gradient, the path verl takes without flash-attn) + `topk_divergence` (no gradient: it only
+  masks), against `dppo_binary_*` = `logprobs_from_logits_v2` alone, and against the naive Top-K (a float32
+  log-softmax, gathered at the top-K and a_t, log pi(a_t) with gradient). Any loss on the logits returns an [N, V]
+  gradient: the figures are given with and without it.
 
 Part 2, the vectorised extraction of K ids/log-probs per generated token from vLLM-shaped `logprobs` (a list of
 {token_id: Logprob(logprob, rank, decoded_token)} dicts) against a per-token loop that sorts each dict by rank
@@ -16,114 +22,141 @@ Part 2, the vectorised extraction of K ids/log-probs per generated token from vL
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import re
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from peak_memory import PeakMemory, check_allocator, child_json  # the benchmarks' memory probe (same folder)
 from verl_dppo.math.topk import topk_divergence
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.M)
-    return int(match.group(1)) * 1024
+def make_inputs(n: int, vocab: int, k: int, device: torch.device):
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(n, vocab, generator=generator) * 2).to(dtype=torch.bfloat16)
+    mu_logp = torch.log_softmax(logits.float() + 0.1 * torch.randn(n, vocab, generator=generator), dim=-1)
+    topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
+    sampled_ids = torch.multinomial(mu_logp.exp(), 1, generator=generator).squeeze(1)
+    sampled_lp = mu_logp.gather(1, sampled_ids.unsqueeze(1)).squeeze(1)
+    advantages = torch.randn(n, generator=generator)
+    del mu_logp
+    return [t.to(device) for t in (logits, topk_ids, topk_lp, sampled_ids, sampled_lp, advantages)]
 
 
-class PeakMemory:
-    """Extra peak memory of a block, in bytes (CUDA allocator, or the CPU process's RSS high-water mark)."""
+def methods(inputs) -> dict:
+    """name -> (backward?, fn(logits) returning a loss or the forward's outputs)."""
+    from verl.utils.torch_functional import logprobs_from_logits_v2
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.extra = 0
+    _, topk_ids, topk_lp, sampled, sampled_lp, advantages = inputs
 
-    def __enter__(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # reset VmHWM to the current RSS
-            self.base = _rss_bytes("VmRSS")
-        return self
+    def naive_gather(logits):  # the reference fork: a full-vocabulary fp32 log-softmax, then gather
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        return log_p.gather(1, topk_ids), log_p.gather(1, sampled[:, None]).squeeze(1)
 
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.extra = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.extra = _rss_bytes("VmHWM") - self.base
+    def naive_topk_loss(logits):
+        _, log_pi = naive_gather(logits)
+        return (log_pi * advantages).sum()
+
+    def binary_loss(logits):
+        return (logprobs_from_logits_v2(logits, sampled) * advantages).sum()
+
+    def topk_loss(logits):
+        topk_divergence(logits.detach(), topk_ids, topk_lp, sampled, sampled_lp)
+        return binary_loss(logits)
+
+    table = {
+        "forward/naive_log_softmax_gather": (False, naive_gather),
+        "forward/topk_divergence": (False, lambda logits: topk_divergence(logits, topk_ids, topk_lp, sampled,
+                                                                          sampled_lp)),
+        "forward_backward/naive_topk": (True, naive_topk_loss),
+        "forward_backward/dppo_binary": (True, binary_loss),
+        "forward_backward/dppo_topk": (True, topk_loss),
+    }
+    assert tuple(table) == METHOD_NAMES
+    return table
 
 
-def naive(logits, topk_ids, sampled_ids):
-    """What the reference fork does: a full-vocabulary fp32 log-softmax, then gather."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(1, topk_ids), logp.gather(1, sampled_ids.unsqueeze(1))
+METHOD_NAMES = ("forward/naive_log_softmax_gather", "forward/topk_divergence", "forward_backward/naive_topk",
+                "forward_backward/dppo_binary", "forward_backward/dppo_topk")
 
 
-def timed(fn, device, repeat):
+def run_once(fn, backward: bool, base: torch.Tensor, device: torch.device, memory: bool):
+    """(extra peak bytes or None, seconds, whether the gradient is a tensor of its own) of one call."""
+    logits = base.clone().requires_grad_(backward)
+    probe = PeakMemory(device) if memory else None
+    if probe is not None:
+        probe.__enter__()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if backward:
+        (out,) = torch.autograd.grad(fn(logits), logits)
+    else:
+        out = fn(logits)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    if probe is not None:
+        probe.__exit__(None, None, None)
+    del out, logits
+    return (probe.extra if probe is not None else None), elapsed
+
+
+def memory_of(args, name: str) -> dict:
+    """One method's extra peak memory, in a fresh process: a warm-up call, then the largest of two measured calls."""
+    device = torch.device(args.device)
+    check_allocator(device)
+    inputs = make_inputs(args.n, args.vocab, args.k, device)
+    backward, fn = methods(inputs)[name]
+    run_once(fn, backward, inputs[0], device, memory=False)
+    peak = max(run_once(fn, backward, inputs[0], device, memory=True)[0] for _ in range(2))
+    return {"extra_peak_bytes": peak}
+
+
+def bench_divergence(args) -> dict:
+    device = torch.device(args.device)
+    inputs = make_inputs(args.n, args.vocab, args.k, device)
+    logits_bytes = inputs[0].numel() * inputs[0].element_size()
+    table = methods(inputs)
+    memory = {name: child_json(["--memory-of", name], args.device)["extra_peak_bytes"] for name in table}
+    for backward, fn in table.values():  # warm-up (allocator, kernels)
+        run_once(fn, backward, inputs[0], device, memory=False)
+    samples = {name: [] for name in table}
+    for _ in range(args.repeat):  # interleaved: a busy moment on a shared machine hits every method alike
+        for name, (backward, fn) in table.items():
+            samples[name].append(run_once(fn, backward, inputs[0], device, memory=False)[1])
+    result = {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(), "N": args.n,
+              "V": args.vocab, "K": args.k, "logits": f"bfloat16, {logits_bytes / 2**20:.1f} MiB",
+              "threads": torch.get_num_threads()}
+    for name, (backward, _) in table.items():
+        entry = {"extra_peak_MiB": memory[name] / 2**20, "extra_peak_x_logits": memory[name] / logits_bytes,
+                 "median_s": statistics.median(samples[name])}
+        if backward:  # the [N, V] gradient any loss on the logits returns
+            entry["extra_peak_without_gradient_x_logits"] = (memory[name] - logits_bytes) / logits_bytes
+        result[name] = entry
+    ratios = {"forward/topk_divergence": ["forward/naive_log_softmax_gather"],
+              "forward_backward/dppo_topk": ["forward_backward/dppo_binary", "forward_backward/naive_topk"]}
+    for name, baselines in ratios.items():
+        for baseline in baselines:
+            short = baseline.split("/")[1]
+            result[name][f"time_x_{short}"] = result[name]["median_s"] / result[baseline]["median_s"]
+            result[name][f"extra_peak_x_{short}"] = memory[name] / memory[baseline]
+    result["forward_backward/dppo_topk"]["extra_peak_over_dppo_binary_x_logits"] = (
+        memory["forward_backward/dppo_topk"] - memory["forward_backward/dppo_binary"]) / logits_bytes
+    return result
+
+
+def timed(fn, repeat):
     best = float("inf")
     for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         start = time.perf_counter()
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
         del out
     return best
-
-
-def bench_divergence(n: int, vocab: int, k: int, device: torch.device, repeat: int) -> dict:
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(n, vocab, generator=generator) * 2).to(device=device, dtype=torch.bfloat16)
-    mu_logits = logits.float() + 0.1 * torch.randn(n, vocab, generator=generator).to(device)
-    mu_logp = torch.log_softmax(mu_logits, dim=-1)
-    topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
-    sampled_ids = torch.multinomial(mu_logp.exp(), 1).squeeze(1)
-    sampled_lp = mu_logp.gather(1, sampled_ids.unsqueeze(1)).squeeze(1)
-    del mu_logits, mu_logp
-    logits_bytes = logits.numel() * logits.element_size()
-
-    def ours():
-        return topk_divergence(logits, topk_ids, topk_lp, sampled_ids, sampled_lp)
-
-    def baseline():
-        return naive(logits, topk_ids, sampled_ids)
-
-    ours()  # warm-up (allocator, kernels)
-    baseline()
-    with PeakMemory(device) as mem_naive:
-        baseline()
-    with PeakMemory(device) as mem_ours:
-        ours()
-    t_naive = timed(baseline, device, repeat)
-    t_ours = timed(ours, device, repeat)
-    result = {
-        "device": str(device),
-        "N": n,
-        "V": vocab,
-        "K": k,
-        "dtype": "bfloat16",
-        "logits_MiB": logits_bytes / 2**20,
-        "naive_extra_peak_MiB": mem_naive.extra / 2**20,
-        "topk_extra_peak_MiB": mem_ours.extra / 2**20,
-        "topk_extra_peak_x_logits": mem_ours.extra / logits_bytes,
-        "naive_extra_peak_x_logits": mem_naive.extra / logits_bytes,
-        "naive_s": t_naive,
-        "topk_s": t_ours,
-        "time_ratio_topk_over_naive": t_ours / t_naive,
-    }
-    if device.type == "cuda":
-        result["topk_bandwidth_GBps"] = logits_bytes / t_ours / 1e9
-    return result
 
 
 def bench_extraction(tokens: int, k: int, repeat: int) -> dict:
@@ -134,10 +167,9 @@ def bench_extraction(tokens: int, k: int, repeat: int) -> dict:
 
     logprobs, token_ids = vllm_shaped_logprobs(tokens, k, vocab=151_936, seed=0)
     flat = flat_from_dicts(logprobs, token_ids, k)
-    cpu = torch.device("cpu")
-    slow = timed(lambda: per_token_loop_vllm_topk(logprobs, token_ids, k), cpu, repeat)
-    fast_dict = timed(lambda: extract_vllm_topk(logprobs, token_ids, k), cpu, repeat)
-    fast_flat = timed(lambda: extract_vllm_topk(flat, token_ids, k), cpu, repeat)
+    slow = timed(lambda: per_token_loop_vllm_topk(logprobs, token_ids, k), repeat)
+    fast_dict = timed(lambda: extract_vllm_topk(logprobs, token_ids, k), repeat)
+    fast_flat = timed(lambda: extract_vllm_topk(flat, token_ids, k), repeat)
     ids_b, lp_b = per_token_loop_vllm_topk(logprobs, token_ids, k)
     same = all(
         bool((ids == ids_b).all() and (lps == lp_b).all())
@@ -161,12 +193,19 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5, help="interleaved repeats for the times")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); one by "
+                        "default, as bench_troll.py: on a shared 2-core machine OpenMP waits for a descheduled thread")
     parser.add_argument("--tokens", type=int, default=8192, help="generated tokens for the extraction benchmark")
     parser.add_argument("--skip-extraction", action="store_true")
+    parser.add_argument("--memory-of", choices=METHOD_NAMES, help=argparse.SUPPRESS)  # the child's entry point
     args = parser.parse_args()
-    device = torch.device(args.device)
-    results = {"divergence": bench_divergence(args.n, args.vocab, args.k, device, args.repeat)}
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.memory_of:
+        print(json.dumps(memory_of(args, args.memory_of)))
+        return
+    results = {"divergence": bench_divergence(args)}
     if not args.skip_extraction:
         results["vllm_extraction"] = bench_extraction(args.tokens, args.k, args.repeat)
     print(json.dumps(results, indent=2))

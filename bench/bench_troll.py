@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
-from bench_topk import PeakMemory  # the project's peak-memory probe (same folder)
+from peak_memory import PeakMemory, child_json  # the benchmarks' memory probe (same folder)
 from verl_dppo.math.troll import TOPK, troll_token_loss, troll_token_terms
 
 
@@ -145,16 +142,9 @@ def main() -> None:
     if args.part != "both":
         print(json.dumps(measure(args, args.part)))
         return
-    env = dict(os.environ)
-    if args.device == "cpu":
-        # glibc keeps freed heap memory resident and reuses it: a block's new allocations would not raise the RSS.
-        # With every allocation above 64 KiB mmap'd and unmapped on free, the RSS high-water mark is the live peak.
-        # The times are taken in this process, with the ordinary allocator.
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    child = subprocess.run(
-        [sys.executable, *sys.argv, "--part", "memory"], env=env, check=True, capture_output=True, text=True
-    )
-    memory = json.loads(child.stdout.strip().splitlines()[-1])
+    # In a child process whose allocator returns freed memory to the system (peak_memory.py says why); the times
+    # are taken in this process, with the ordinary allocator.
+    memory = child_json(["--part", "memory"], args.device)
     times = measure(args, "time")
     result = {
         "device": str(torch.device(args.device)) if args.device != "cuda" else torch.cuda.get_device_name(),
