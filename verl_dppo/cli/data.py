@@ -4,7 +4,8 @@ One row per problem, as `verl.utils.dataset.rl_dataset.RLHFDataset` and verl's r
 
     data_source    routes the reward to verl's verifier (verl.utils.reward_score.default_compute_score):
                    "math_dapo" (DAPO-Math), "aime24"/"aime25" (both to math_dapo, reported apart),
-                   "DigitalLearningGmbH/MATH-lighteval" (the sanity set: verl's MATH verifier, \\boxed{} answers)
+                   "DigitalLearningGmbH/MATH-lighteval" (the sanity set: verl's MATH verifier, \\boxed{} answers),
+                   "openai/gsm8k" (verl's GSM8K verifier: the number after the last "#### ")
     prompt         the chat messages, [{"role": "user", "content": ...}]
     ability        "math"
     reward_model   {"style": "rule", "ground_truth": <final answer>}
@@ -35,6 +36,8 @@ DAPO_TEMPLATE = (
 )
 # DeepSeek-R1-Distill's recommended instruction: reasoning, then the answer in \boxed{}.
 R1_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# verl's own GSM8K instruction (examples/data_preprocess/gsm8k.py): its verifier reads the number after "#### ".
+GSM8K_TEMPLATE = '{problem} Let\'s think step by step and output the final answer after "####".'
 
 _PROBLEM_KEYS = ("problem", "question", "Problem", "Question", "prompt")
 _ANSWER_KEYS = ("answer", "Answer", "ground_truth", "final_answer", "solution", "Solution")
@@ -53,6 +56,8 @@ class DatasetSpec:
     description: str
     keep_source_prompt: bool = True
     """Rows already in verl's schema keep their prompt (and a data_source verl's verifier knows)."""
+    hub_config: Optional[str] = None
+    """The hub data set's configuration name, where it has several (openai/gsm8k: "main")."""
 
 
 DATASETS = {
@@ -84,6 +89,15 @@ DATASETS = {
         template=R1_TEMPLATE,
         description="the sanity test's 1,460 MATH problems (the authors' card)",
     ),
+    "gsm8k": DatasetSpec(
+        hub_id="openai/gsm8k",
+        split="train",
+        data_source="openai/gsm8k",
+        template=GSM8K_TEMPLATE,
+        description="GSM8K grade-school math, rewarded by verl's GSM8K verifier (the cpu_tiny setup writes a small "
+        "synthetic copy of this shape)",
+        hub_config="main",
+    ),
 }
 
 
@@ -105,6 +119,8 @@ def _final_answer(text: str) -> str:
     from verl.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
 
     text = str(text).strip()
+    if "####" in text:  # GSM8K's worked solutions end with "#### <number>" (commas dropped, as verl's preprocessing)
+        return text.rsplit("####", 1)[1].strip().replace(",", "")
     boxed = last_boxed_only_string(text)
     if boxed is not None:
         try:
@@ -230,13 +246,13 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _read_hub(hub_id: str, split: str) -> list[dict]:
+def _read_hub(hub_id: str, split: str, hub_config: Optional[str] = None) -> list[dict]:
     try:
         import datasets
     except ImportError as error:
         raise DataError("`verl-dppo data` needs Hugging Face `datasets`: pip install datasets") from error
     try:
-        dataset = datasets.load_dataset(hub_id, split=split)
+        dataset = datasets.load_dataset(hub_id, hub_config, split=split)
     except Exception as error:  # network, auth, offline mode, missing repo or split: all end the same way
         raise DataError(
             f"cannot load {hub_id!r} (split {split!r}) from the Hugging Face hub: {type(error).__name__}: "
@@ -260,7 +276,7 @@ def prepare(
         source_id, rows = from_file, _read_local(from_file)
     else:
         source_id = hub_id or spec.hub_id
-        rows = _read_hub(source_id, split)
+        rows = _read_hub(source_id, split, spec.hub_config if hub_id is None else None)
     converted = convert_rows(rows, spec, source_id)
 
     import pyarrow as pa

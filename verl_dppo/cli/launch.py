@@ -73,6 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr,
         validate_recipe,
     )
+    from verl_dppo.cli.cpu_tiny import build_assets, builds_assets, select_platform
     from verl_dppo.cli.run_logs import pin_file_logger
 
     # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
@@ -86,10 +87,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             check_address(ray_address, "RAY_ADDRESS")
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir, args.trainer_mode)
+            select_platform(config)  # trainer.device=cpu: the CPU platform in the run's Ray processes
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
-        problems = check_supported(config) + check_paths(config)
         site = check_launch_site(config, ray_address)
+        # cpu_tiny builds its model and data at launch, once (not in a dry run, nor for a run that cannot start)
+        tiny_pending = builds_assets(config) and (args.dry_run or bool(site))
+        built = build_assets(config) if builds_assets(config) and not tiny_pending else []
+        problems = check_supported(config) + ([] if tiny_pending else check_paths(config))
     except UsageError as error:
         return _print_error(str(error))
 
@@ -99,10 +104,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"verl-dppo: warning: {problem}", file=sys.stderr)
         for problem in site:
             print(f"verl-dppo: warning: at launch from here: {problem}", file=sys.stderr)
+        if tiny_pending:
+            print(f"verl-dppo: note: the launch builds the model at {config.dppo.tiny_model.path} and the data in "
+                  f"{config.dppo.tiny_data.dir} unless already there", file=sys.stderr)
         sys.stdout.write(resolved_yaml(config))
         sys.stdout.flush()
         return 0
     problems += site
+    for line in built:
+        print(f"verl-dppo: {line}", file=sys.stderr)
     if len(problems) == 1:
         return _print_error(f"the run cannot start: {problems[0]}")
     if problems:
@@ -113,6 +123,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _launch(config, ray_address) -> int:
     from omegaconf import OmegaConf
 
+    from verl_dppo.cli.cpu_tiny import select_platform
+
+    select_platform(config, here=True)  # before verl's first get_platform(): main_ppo's import calls it
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 

@@ -79,8 +79,11 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
     (RAY_ADDRESS, asked within `ray_timeout_s`). Problems, each saying what to change; [] when it can start."""
     import importlib.util
 
+    from verl_dppo.cli.cpu_tiny import is_cpu_run
     from verl_dppo.plugin.run_config import async_trainer_mode
 
+    if is_cpu_run(config):  # trainer.device=cpu: the CPU platform's own checks replace the GPU ones
+        return _cpu_site(config, ray_address, ray_timeout_s)
     problems = []
     trainer = config.trainer
     wanted = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
@@ -126,6 +129,21 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
             f"{resources.get('GPU', 0):g} ({resources.get('nodes', '?')} node(s)): lower them or add nodes"
         )
     return problems
+
+
+def _cpu_site(config: Any, ray_address: Optional[str], ray_timeout_s: float) -> list[str]:
+    from verl_dppo.cli.cpu_tiny import cpu_problems
+
+    if not ray_address:
+        return cpu_problems(config, None)
+    from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
+
+    try:
+        check_address(ray_address, "RAY_ADDRESS")
+        resources = run_probe("resources", ray_address, ray_timeout_s)
+    except RayUnreachable as error:
+        return [str(error)]
+    return cpu_problems(config, ray_address, resources.get("CPU", 0))
 
 
 def _visible_gpus() -> int:

@@ -1,0 +1,331 @@
+"""`verl-dppo run cpu_tiny`: verl's whole trainer on this machine's CPUs, and what such a run needs.
+
+Three parts, each called by `run` before anything slow starts:
+
+- `select_platform(config)`: a recipe with `trainer.device=cpu` runs on the plugin's CPU platform
+  (verl_dppo.plugin.cpu_platform). It is chosen by VERL_PLATFORM=cpu, set here in the driver before verl's first
+  `get_platform()` (local Ray workers inherit it) and in `ray_kwargs.ray_init.runtime_env.env_vars` (the nodes of
+  an existing cluster).
+- `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron or FSDP1 strategy, a
+  GPU-only rollout engine, more worker processes than Ray has CPUs.
+- `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a random-init Qwen3
+  (a transformers config, no download) with a ChatML word-level tokenizer (verl's Qwen3 token builder needs
+  `<|im_end|>` and "\\n" as single tokens, and the agent loop a chat template), and a small GSM8K-shaped data set
+  written by the `data` command's own code path (`verl_dppo.cli.data.prepare`), so verl's own GSM8K verifier
+  rewards it. A build goes to a temporary folder renamed into place: runs that start together share one build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from verl_dppo.cli.errors import UsageError
+
+__all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "cpu_problems", "is_cpu_run",
+           "select_platform", "synthetic_problems", "vocabulary"]
+
+GPU_ONLY_ROLLOUTS = ("vllm", "sglang", "trtllm")
+CPU_ROLLOUT = "hf"
+"""The plugin's transformers rollout, which runs wherever the platform points it."""
+
+# ChatML, as Qwen3 renders it without tools or thinking: "<|im_start|>role\ncontent<|im_end|>\n" per message.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# One token per word, per punctuation mark, per "\n" and per "####" (so verl's GSM8K verifier, which reads
+# "#### <number>", sees the answer marker as the model wrote it: the decoder joins tokens with spaces).
+PRE_TOKENIZER_PATTERN = r"\n|####|\w+|[^\w\s]"
+MANIFEST = "cpu_tiny.json"
+BUILD_FORMAT = 1
+"""In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt."""
+
+_NAMES = ("Ada", "Ben", "Cleo", "Dev", "Emma", "Finn", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
+_ITEMS = ("apples", "books", "coins", "eggs", "marbles", "pencils", "stamps", "stickers")
+_LOW, _HIGH = 2, 12  # operands; answers stay within 0..144
+_QUESTIONS = (
+    ("{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?",
+     "{name} has {a} + {b} = {r} {item} now.", lambda a, b: a + b),
+    ("{name} had {s} {item} and gave {b} of them to a friend. How many {item} does {name} have left?",
+     "{name} has {s} - {b} = {r} {item} left.", lambda a, b: a),
+    ("{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?",
+     "{name} buys {a} * {b} = {r} {item}.", lambda a, b: a * b),
+    ("{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get?",
+     "Each friend gets {p} / {b} = {r} {item}.", lambda a, b: a),
+)
+
+
+class CpuRunError(UsageError, ValueError):
+    """The cpu_tiny build cannot go ahead; the message names the setting or path to change."""
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """The random-init Qwen3 (recipe keys `dppo.tiny_model.*`)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, node: Any) -> "TinyModel":
+        values = {key: int(node[key]) for key in cls.__dataclass_fields__ if node.get(key) is not None}
+        return cls(**values)
+
+
+# ------------------------------------------------------------------------------------------ the CPU platform
+
+
+def is_cpu_run(config: Any) -> bool:
+    return str(config.trainer.get("device", "cuda")) == "cpu"
+
+
+def select_platform(config: Any, here: bool = False) -> None:
+    """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run (the runtime_env of
+    `ray.init`, which the dry run's YAML carries too); `here`: in this driver as well (and so in the local Ray
+    processes it starts), which must happen before verl's first `get_platform()` caches the platform it detects."""
+    if not is_cpu_run(config):
+        return
+    from omegaconf import open_dict
+
+    from verl_dppo.plugin.cpu_platform import PLATFORM_NAME, select_cpu_platform
+
+    runtime_env = config.ray_kwargs.ray_init.runtime_env
+    with open_dict(runtime_env):
+        if runtime_env.get("env_vars") is None:
+            runtime_env.env_vars = {}
+        with open_dict(runtime_env.env_vars):
+            runtime_env.env_vars.setdefault("VERL_PLATFORM", PLATFORM_NAME)
+    if here:
+        select_cpu_platform()
+
+
+def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:
+    """What a `trainer.device=cpu` run cannot do, each one sentence naming the setting; [] when it can start.
+    `cluster_cpus`: the CPUs of the Ray cluster at `ray_address` (None: a local Ray instance, sized here)."""
+    from verl_dppo.plugin.run_config import async_trainer_mode
+
+    problems = []
+    strategy = str(config.actor_rollout_ref.actor.get("strategy"))
+    if strategy != "fsdp2":
+        why = "Megatron needs GPUs" if strategy == "megatron" else f"{strategy} does not run on CPU"
+        problems.append(
+            f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) only verl's FSDP2 engine runs "
+            f"({why}): set model_engine=dp actor_rollout_ref.actor.strategy=fsdp2, or run on GPUs (trainer.device=cuda)"
+        )
+    rollout = config.actor_rollout_ref.rollout
+    name = str(rollout.get("name"))
+    if name in GPU_ONLY_ROLLOUTS:
+        problems.append(
+            f"actor_rollout_ref.rollout.name={name}: {name} serves on GPUs only; on CPU (trainer.device=cpu) use "
+            f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (the plugin's transformers rollout)"
+        )
+    trainer = config.trainer
+    workers = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+    pool = ""
+    if async_trainer_mode(config) == "separate_async":
+        rollout_workers = int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
+        workers += rollout_workers
+        pool = f" + the separate rollout's {rollout_workers}"
+    if not ray_address and int(trainer.nnodes) > 1:
+        problems.append(f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS, or trainer.nnodes=1")
+    requested = config.get("ray_kwargs", {}).get("ray_init", {}).get("num_cpus")
+    if ray_address:
+        cpus, where = cluster_cpus or 0, f"the Ray cluster at {ray_address} has"
+    elif requested:
+        cpus, where = requested, "ray_kwargs.ray_init.num_cpus gives Ray"
+    else:
+        cpus, where = _local_cpus(), "Ray finds"
+    if workers > cpus:
+        problems.append(
+            f"trainer.nnodes x trainer.n_gpus_per_node{pool} = {workers} worker processes, one CPU each on the CPU "
+            f"platform (trainer.device=cpu), but {where} {cpus:g} CPU(s): lower trainer.n_gpus_per_node (each 'GPU' "
+            "is one CPU worker), or give Ray more logical CPUs with +ray_kwargs.ray_init.num_cpus=N"
+        )
+    return problems
+
+
+def _local_cpus() -> int:
+    try:
+        from ray._private.utils import get_num_cpus  # what a local ray.init gives itself (cgroup limits included)
+
+        return int(get_num_cpus())
+    except Exception:  # Ray's private helper moved: the interpreter's count
+        return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------------------------------ model and data
+
+
+def builds_assets(config: Any) -> bool:
+    """Whether the recipe's model and data are built by `build_assets` (the cpu_tiny setup) at launch."""
+    return config.dppo.get("tiny_model") is not None
+
+
+def synthetic_problems(count: int, seed: int) -> list[dict]:
+    """GSM8K-shaped rows (`question`, `answer` = worked solution ending in "#### <number>"), one-step word
+    problems over a small fixed vocabulary."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        question, solution, result = _QUESTIONS[index % len(_QUESTIONS)]
+        a, b = rng.randint(_LOW, _HIGH), rng.randint(_LOW, _HIGH)
+        fields = dict(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b, s=a + b, p=a * b, r=result(a, b))
+        rows.append({"question": question.format(**fields),
+                     "answer": solution.format(**fields) + f"\n#### {fields['r']}"})
+    return rows
+
+
+def vocabulary(vocab_size: int) -> dict[str, int]:
+    """Word -> id: every word the prompts, solutions and chat template use, the numbers 0..200, then reserved
+    filler up to `vocab_size`, the special tokens last (Qwen's layout)."""
+    import re
+
+    from verl_dppo.cli.data import GSM8K_TEMPLATE
+
+    texts = [GSM8K_TEMPLATE, "user assistant system \n ####", *_NAMES, *_ITEMS]
+    texts += [question + " " + solution for question, solution, _ in _QUESTIONS]
+    words = set()
+    for text in texts:
+        words.update(re.findall(PRE_TOKENIZER_PATTERN, re.sub(r"\{\w+\}", " ", text)))
+    words.update(str(number) for number in range(201))
+    ordered = sorted(words)
+    fillers = vocab_size - len(ordered) - len(SPECIAL_TOKENS)
+    if fillers < 0:
+        raise CpuRunError(
+            f"dppo.tiny_model.vocab_size={vocab_size}: the tiny tokenizer needs at least "
+            f"{len(ordered) + len(SPECIAL_TOKENS)} tokens"
+        )
+    ordered += [f"<|extra_{i}|>" for i in range(fillers)] + list(SPECIAL_TOKENS)
+    return {word: index for index, word in enumerate(ordered)}
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab=vocabulary(vocab_size), unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="removed", invert=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<|endoftext|>", pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _write_model(directory: Path, spec: TinyModel) -> int:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _tokenizer(spec.vocab_size)
+    tokenizer.save_pretrained(directory)
+    im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=im_end, pad_token_id=pad,
+    )
+    with torch.random.fork_rng():  # leave the caller's random state alone
+        torch.manual_seed(spec.seed)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(directory)
+    GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, bos_token_id=None).save_pretrained(directory)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _write_data(folder: Path, problems: int, seed: int) -> int:
+    from verl_dppo.cli.data import prepare
+
+    source = "gsm8k-synthetic.jsonl"  # kept beside the parquet: the rows before conversion
+    (folder / source).write_text("".join(json.dumps(row) + "\n" for row in synthetic_problems(problems, seed)))
+    cwd = os.getcwd()
+    os.chdir(folder)  # the rows record their source file by the name given: one relative to the folder they stay in
+    try:
+        prepare("gsm8k", ".", from_file=source)  # the `data` command's own conversion and schema
+    finally:
+        os.chdir(cwd)
+    return problems
+
+
+def _built(target: Path, manifest: dict) -> bool:
+    try:
+        return json.loads((target / MANIFEST).read_text()) == manifest
+    except (OSError, ValueError):
+        return False
+
+
+def _build_once(target: Path, manifest: dict, write) -> Optional[Any]:
+    """Write the folder `target` with `write(tmp)` unless a build with the same manifest is there; returns what
+    `write` returned, None if nothing was built. A finished build is renamed into place, so a concurrent run sees
+    none or a whole one; an older build (other settings) is replaced, a folder that is not a build is refused."""
+    if _built(target, manifest):
+        return None
+    if target.exists() and not (target / MANIFEST).is_file():
+        raise CpuRunError(f"{target} exists and is not a cpu_tiny build: move it away, or set DPPO_ROOT elsewhere")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        result = write(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if _built(target, manifest):  # a concurrent run finished first
+            return None
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _built(target, manifest):
+                raise
+            return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def build_assets(config: Any) -> list[str]:
+    """Build the cpu_tiny model at `dppo.tiny_model.path` and its data in `dppo.tiny_data.dir` unless already there
+    with the same settings (each only if the run reads it: a user's own model or data is left alone); returns what
+    was built, one line each. Raises CpuRunError if a path holds something else."""
+    spec = TinyModel.from_config(config.dppo.tiny_model)
+    model_dir = _path(config.dppo.tiny_model.path)
+    built = []
+    if _path(config.actor_rollout_ref.model.path) == model_dir:
+        parameters = _build_once(model_dir, {**asdict(spec), "format": BUILD_FORMAT},
+                                 lambda tmp: _write_model(tmp, spec))
+        if parameters is not None:
+            built.append(f"built a random-init Qwen3 ({parameters:,} parameters) and its tokenizer at {model_dir}")
+    data = config.dppo.tiny_data
+    folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
+    read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}
+    if folder in read and _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+                                      lambda tmp: _write_data(tmp, problems, seed)) is not None:
+        built.append(f"wrote {problems} GSM8K-shaped problems to {folder / 'gsm8k.parquet'}")
+    return built
+
+
+def _path(value: Any) -> Path:
+    return Path(os.path.expanduser(str(value))).resolve()
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, str) else [str(item) for item in value]
