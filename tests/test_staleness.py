@@ -1,5 +1,6 @@
 """Issue 14.4: staleness diagnostics. Each sample's lag is the trainer's version (the `global_steps` of the actor's
-last weight push) minus the oldest version that sampled its response (verl's `extra_fields["min_global_steps"]`);
+last weight push) minus the oldest version that sampled its response (the oldest rollout reply that generated a
+token, as the plugin's agent-loop patch records it: verl's `min_global_steps` counts an empty first abort);
 the token-weighted mean lag and, per lag bucket (0, 1, 2-3, 4+), the masked fraction and the mean mismatch TV are
 exact over the mini-batch and the data-parallel ranks, through verl's real `ppo_loss` and its metric aggregation.
 """

@@ -9,10 +9,10 @@ no token (the request was waiting when the weights moved on) and carries the pre
 loop patch (`patches.agent_loop`) takes the label of every reply that generated at least one token, over the whole
 agent-loop run (every turn), and stores the oldest as `extra_fields[SAMPLED_VERSION]`; verl's own fields are left as
 they are. The v1 agent loop stores `extra_fields` (one dict per sample) in TransferQueue, and the actor's
-`update_actor` reads every stored field, so each micro-batch that reaches `ppo_loss` carries `extra_fields`. The trainer's version is the `global_steps` of the last
-`update_weights` call on the actor worker (the same label the rollout got with those weights; verl passes it to the
-actor worker on every push, whatever the trainer mode): `patches.engine_workers` records it and hands it to each
-mini-batch as the non-tensor field `TRAINER_VERSION`.
+`update_actor` reads every stored field, so each micro-batch that reaches `ppo_loss` carries `extra_fields`.
+The trainer's version is the `global_steps` of the last `update_weights` call on the actor worker (the same label the
+rollout got with those weights; verl passes it to the actor worker on every push, whatever the trainer mode):
+`patches.engine_workers` records it and hands it to each mini-batch as the non-tensor field `TRAINER_VERSION`.
 
 A sample's lag is trainer version - the oldest version that sampled any of its tokens (`SAMPLED_VERSION`; verl's
 `min_global_steps` where the sample lacks it, e.g. a response of no token): 0 = sampled by the weights being trained
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["TRAINER_VERSION", "SAMPLED_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version", "trainer_version", "sample_lags",
-           "staleness_sums", "staleness_parts"]
+__all__ = ["TRAINER_VERSION", "SAMPLED_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version",
+           "trainer_version", "sample_lags", "staleness_sums", "staleness_parts"]
 
 TRAINER_VERSION = "dppo_trainer_version"
 """Non-tensor field of a training mini-batch: the `global_steps` of the actor's last weight push."""
