@@ -15,10 +15,12 @@ logger = logging.getLogger("verl_dppo")
 
 def register_backends() -> None:
     """The `hf` rollout in verl's two rollout registries, the `ray_store` checkpoint engine, the CPU platform
-    (`VERL_PLATFORM=cpu`) and its patches; each registry is filled when verl first imports it (nothing heavy now)."""
+    (`VERL_PLATFORM=cpu`) and its patches, the JSONL log kept across a resume; each registry is filled when verl
+    first imports it (nothing heavy now)."""
     from verl_dppo.patches._import_hook import when_imported
     from verl_dppo.patches.cpu_distributed import patch_distributed
     from verl_dppo.patches.cpu_resources import patch_resource_check
+    from verl_dppo.patches.file_logger import patch_file_logger
     from verl_dppo.plugin import cpu_platform, hf_rollout, ray_store_engine
 
     cpu_platform.register()
@@ -27,6 +29,7 @@ def register_backends() -> None:
     when_imported("verl.checkpoint_engine.base", ray_store_engine.register)
     when_imported("verl.utils.distributed", patch_distributed)
     when_imported("verl.single_controller.ray.base", patch_resource_check)
+    when_imported("verl.utils.tracking", patch_file_logger)
 
 
 def load() -> list[str]:
