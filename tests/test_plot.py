@@ -93,9 +93,10 @@ def test_unusable_logs_give_one_line_errors(tmp_path, capsys, content, message):
 
 def test_cli_error_paths(tmp_path, capsys):
     log = write_log(tmp_path / "run.jsonl")
+    (tmp_path / "empty").mkdir()
     cases = [
         (["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "f.png")], "no such file"),
-        (["plot", str(tmp_path), "-o", str(tmp_path / "f.png")], "is a directory"),
+        (["plot", str(tmp_path / "empty"), "-o", str(tmp_path / "f.png")], "a folder without a verl log"),
         (["plot", str(log), "-o", str(tmp_path / "f.txt")], "ending in one of"),
         (["plot", str(log), "-o", str(tmp_path / "f.png"), "--metrics", "critic/score/maen"],
          "did you mean critic/score/mean"),
@@ -177,6 +178,53 @@ def test_run_pins_verl_file_logger_under_dppo_root_and_plot_finds_it_by_name(tmp
     assert "no run has logged under" in capsys.readouterr().err
     assert main(["plot", "-o", str(tmp_path / "f.png")]) == 2
     assert "give the runs to draw" in capsys.readouterr().err
+
+
+def test_the_demos_logs_are_found_as_a_folder_by_latest_and_by_log_root(tmp_path, monkeypatch, capsys):
+    """Issue 18.8: after `make demo` (`verl-dppo demo --out out/demo`: one log per method, written by verl's own
+    FileLogger through VERL_FILE_LOGGER_PATH as the demo's rl.py does), `plot out/demo` draws every method,
+    `plot --latest` finds the demo when nothing newer was logged under the log root, and `--log-root out/demo`
+    finds its logs by name and --latest. A `verl-dppo run` log written after the demo is the latest again."""
+    import os
+
+    from verl.utils.tracking import FileLogger
+
+    from verl_dppo.cli import build_parser, run_logs
+
+    assert build_parser().parse_args(["demo"]).out == run_logs.DEMO_OUT  # `plot --latest` looks where demo writes
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path / "root"))
+    monkeypatch.delenv("VERL_FILE_LOGGER_ROOT", raising=False)
+    demo = tmp_path / "out" / "demo"
+    demo.mkdir(parents=True)
+    (demo / "summary.json").write_text("{}")
+    for index, method in enumerate(("pg_is", "grpo_clip", "dppo_binary_tv")):
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(demo / f"{method}.jsonl"))
+        logger = FileLogger("verl-dppo-demo", method)
+        for step in range(1, 11):
+            logger.log({"critic/score/mean": 0.5 + 0.01 * index * step, "actor/pg_clipfrac": 0.0}, step)
+        logger.finish()
+        os.utime(demo / f"{method}.jsonl", (1_000 + index, 1_000 + index))
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH")
+
+    assert main(["plot", "out/demo", "-o", "all.png"]) == 0
+    assert "3 run(s)" in capsys.readouterr().out
+    assert main(["plot", "--latest", "-o", "latest.png"]) == 0
+    captured = capsys.readouterr()
+    assert "3 run(s)" in captured.out and "--latest: the demo in out/demo (3 runs; nothing under" in captured.err
+    assert main(["plot", "--latest", "--log-root", "out/demo", "-o", "newest.png"]) == 0
+    assert "1 run(s)" in capsys.readouterr().out
+    assert plot.resolve_runs([], latest=True, log_root="out/demo") == [os.path.join("out", "demo", "dppo_binary_tv.jsonl")]
+    assert main(["plot", "grpo_clip", "pg_is", "--log-root", "out/demo", "-o", "named.png"]) == 0
+    for name in ("all", "latest", "newest", "named"):
+        assert_png(tmp_path / f"{name}.png")
+
+    (tmp_path / "root" / "logs" / "verl-dppo").mkdir(parents=True)
+    cluster = write_log(tmp_path / "root" / "logs" / "verl-dppo" / "dense_8b-dppo_binary_tv.jsonl")
+    os.utime(cluster, (2_000, 2_000))
+    assert plot.resolve_runs([], latest=True) == [str(cluster)]
+    os.utime(cluster, (500, 500))  # the demo ran after it
+    assert len(plot.resolve_runs([], latest=True)) == 3
 
 
 def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bars(tmp_path, monkeypatch):

@@ -225,14 +225,24 @@ def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int =
 _FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
-def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[str] = None) -> list[str]:
-    """Each argument is a log file, or the experiment name of a `verl-dppo run` (its log is
-    <log root>/<project>/<experiment>.jsonl, verl_dppo.cli.run_logs); --latest adds the newest log there."""
+def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[str] = None,
+                 notes: Optional[list] = None) -> list[str]:
+    """Each argument is a log file, a folder of logs (a demo's --out: every method), or the experiment name of a
+    `verl-dppo run` (its log is <log root>/<project>/<experiment>.jsonl, verl_dppo.cli.run_logs); --latest adds
+    the newest run there, or the demo just run in ./out/demo when that is newer. What was chosen for the user
+    goes to `notes`."""
     from verl_dppo.cli import run_logs
 
     root = log_root or run_logs.default_log_root()
     paths = []
     for name in names:
+        if os.path.isdir(name):
+            found = run_logs.logs_in(name)
+            if not found:
+                raise PlotError(f"{name}: a folder without a verl log (*.jsonl) in it or one level down; give "
+                                "log files, a run's folder (e.g. a demo's --out) or experiment names")
+            paths.extend(found)
+            continue
         if os.path.exists(name):
             paths.append(name)
             continue
@@ -244,12 +254,16 @@ def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[
             raise PlotError(f"{name}: no such file, and no run of that experiment name ({run_logs.known_runs(root)})")
         paths.append(found)
     if latest:
-        found = run_logs.latest_log(root)
-        if found is None:
-            raise PlotError(f"--latest: {run_logs.known_runs(root)}")
-        paths.append(found)
+        found, note = run_logs.latest_run(log_root)
+        if not found:
+            demo = "" if log_root else f", nor a demo's logs in {run_logs.DEMO_OUT}"
+            raise PlotError(f"--latest: {run_logs.known_runs(root)}{demo}")
+        if note and notes is not None:
+            notes.append(note)
+        paths.extend(found)
     if not paths:
-        raise PlotError("give the runs to draw: log files, experiment names of `verl-dppo run`, or --latest")
+        raise PlotError("give the runs to draw: log files, a folder of logs (out/demo), experiment names of "
+                        "`verl-dppo run`, or --latest")
     return paths
 
 
@@ -258,7 +272,10 @@ def run(paths: Sequence[str], output: str, metrics: Optional[str] = None, smooth
         log_root: Optional[str] = None) -> int:
     err, out = err or sys.stderr, out or sys.stdout
     try:
-        paths = resolve_runs(paths, latest, log_root)
+        notes: list[str] = []
+        paths = resolve_runs(paths, latest, log_root, notes)
+        for note in notes:
+            print(note, file=err)
         if not output.lower().endswith(_FORMATS):
             raise PlotError(f"-o {output}: give a file name ending in one of {', '.join(_FORMATS)}")
         if smooth < 1:
@@ -292,11 +309,15 @@ def add_command(commands) -> None:
         + ", ".join(DEFAULT_METRICS) + " (those present).",
     )
     parser.add_argument("runs", nargs="*", metavar="RUN",
-                        help="verl file-logger logs ({\"step\", \"data\"} rows), or the trainer.experiment_name of a "
-                        "`verl-dppo run` (e.g. dense_8b-dppo_binary_tv), found under $DPPO_ROOT/logs")
-    parser.add_argument("--latest", action="store_true", help="also draw the newest run logged under $DPPO_ROOT/logs")
+                        help="verl file-logger logs ({\"step\", \"data\"} rows), a folder of them (a demo's: "
+                        "`plot out/demo` draws every method), or the trainer.experiment_name of a `verl-dppo run` "
+                        "(e.g. dense_8b-dppo_binary_tv), found under $DPPO_ROOT/logs")
+    parser.add_argument("--latest", action="store_true",
+                        help="also draw the newest run logged under $DPPO_ROOT/logs, or the demo in ./out/demo (every "
+                        "method) when it wrote more recently; with --log-root, the newest log there")
     parser.add_argument("--log-root", default=None, metavar="DIR",
-                        help="where to look for experiment names (default: $VERL_FILE_LOGGER_ROOT, else "
+                        help="where to look for experiment names and --latest: a log root (PROJECT/EXPERIMENT.jsonl) "
+                        "or a folder of logs such as out/demo (default: $VERL_FILE_LOGGER_ROOT, else "
                         "$DPPO_ROOT/logs, else ~/dppo/logs)")
     parser.add_argument("-o", "--output", required=True, metavar="FIG.png", help="figure to write (.png/.pdf/.svg)")
     parser.add_argument("--metrics", default=None, metavar="M1,M2",

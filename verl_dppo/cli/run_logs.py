@@ -41,8 +41,16 @@ def default_log_root() -> str:
     return os.path.join(os.path.expanduser(root), "logs")
 
 
-def _logs_under(root: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(root), "*", "*.jsonl")))
+DEMO_OUT = os.path.join("out", "demo")
+"""`verl-dppo demo`'s default --out (what `make demo` writes), relative to where it ran: `plot --latest` also
+looks there, so that the demo just run is found without naming it."""
+
+
+def logs_in(folder: str) -> list[str]:
+    """The verl logs in a folder: its own `*.jsonl` (a demo's `out/demo`, one file per method) and one level down
+    (a log root: `<project>/<experiment>.jsonl`)."""
+    pattern = glob.escape(folder)
+    return sorted(glob.glob(os.path.join(pattern, "*.jsonl")) + glob.glob(os.path.join(pattern, "*", "*.jsonl")))
 
 
 def find_log(name: str, root: Optional[str] = None) -> Optional[str]:
@@ -53,23 +61,36 @@ def find_log(name: str, root: Optional[str] = None) -> Optional[str]:
     if "/" in stem:
         path = os.path.join(root, stem + ".jsonl")
         return path if os.path.isfile(path) else None
-    matches = [path for path in _logs_under(root) if os.path.basename(path) == stem + ".jsonl"]
+    matches = [path for path in logs_in(root) if os.path.basename(path) == stem + ".jsonl"]
     if len(matches) > 1:
-        projects = ", ".join(f"{os.path.basename(os.path.dirname(path))}/{stem}" for path in matches)
-        raise ValueError(f"{name!r} names runs of several projects under {root}: give one of {projects}")
+        runs = ", ".join(os.path.relpath(path, root)[: -len(".jsonl")] for path in matches)
+        raise ValueError(f"{name!r} names runs of several projects under {root}: give one of {runs}")
     return matches[0] if matches else None
 
 
 def latest_log(root: Optional[str] = None) -> Optional[str]:
     """The most recently written log under the log root."""
-    logs = _logs_under(root or default_log_root())
+    logs = logs_in(root or default_log_root())
     return max(logs, key=os.path.getmtime) if logs else None
+
+
+def latest_run(root: Optional[str] = None) -> tuple[list[str], Optional[str]]:
+    """What `plot --latest` draws: ([the newest log under the root], None), or, when the demo in ./out/demo wrote
+    more recently (or the root holds none), (every method's log of that demo, a note saying so). ([], None) when
+    neither has a log. With an explicit root (`--log-root`) only that root counts."""
+    newest = latest_log(root)
+    if root is None:
+        demo = logs_in(DEMO_OUT)
+        if demo and (newest is None or max(map(os.path.getmtime, demo)) > os.path.getmtime(newest)):
+            where = f"nothing under {default_log_root()}" if newest is None else f"newer than {newest}"
+            return demo, f"--latest: the demo in {DEMO_OUT} ({len(demo)} runs; {where})"
+    return ([newest] if newest else []), None
 
 
 def known_runs(root: Optional[str] = None, limit: int = 8) -> str:
     """`project/experiment, ...` of the runs under the root (newest first), for an error message."""
     root = root or default_log_root()
-    logs = sorted(_logs_under(root), key=os.path.getmtime, reverse=True)
+    logs = sorted(logs_in(root), key=os.path.getmtime, reverse=True)
     names = [os.path.relpath(path, root)[: -len(".jsonl")] for path in logs]
     if not names:
         return f"no run has logged under {root} yet"

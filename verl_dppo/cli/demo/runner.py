@@ -50,23 +50,36 @@ def _train_one(job: tuple) -> dict:
                 "traceback": traceback.format_exc()}
 
 
-def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: Optional[TextIO] = None) -> int:
+def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: Optional[TextIO] = None,
+             seeds: Optional[list[int]] = None) -> int:
+    """Warm up once per seed, train every method from each; with several seeds the runs are <method>_seed<S> and
+    the figures and the table give the mean and the spread over the seeds."""
     stream = stream if stream is not None else sys.stdout  # read at call time: tests swap sys.stdout
     from verl_dppo.cli.demo.figures import draw_all
-    from verl_dppo.cli.demo.methods import runnable_methods
+    from verl_dppo.cli.demo.methods import METHODS, runnable_methods
 
     start = time.perf_counter()
-    methods = runnable_methods(settings.methods or None)
-    warm, warm_path = warm_up(settings, methods, out_dir, progress, stream,
-                              f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps")
-    jobs = [(m.name, m.name, settings.to_dict(), warm_path, out_dir) for m in methods]
+    seeds = seeds or [settings.seed]
+    methods = runnable_methods(settings.methods or None, accepted=METHODS)
+    warms, jobs = {}, []
+    for seed in seeds:
+        seeded = replace(settings, seed=seed)
+        several = len(seeds) > 1
+        warms[seed], warm_path = warm_up(seeded, methods, out_dir, progress, stream,
+                                         f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps",
+                                         f"warmup_seed{seed}.pt" if several else "warmup.pt")
+        jobs += [(f"{m.name}_seed{seed}" if several else m.name, m.name, seeded.to_dict(), warm_path, out_dir)
+                 for m in methods]
     results = run_jobs(jobs, settings.steps, settings.workers, progress, stream)
 
     def outputs(good: list[dict]) -> list[str]:
         figures = draw_all(out_dir, good)
-        write_summary(out_dir, settings, warm, results, time.perf_counter() - start)
-        return [table(good, settings), "figures: " + ", ".join(os.path.basename(f) for f in figures),
-                f"logs (verl file-logger format): {', '.join(r['method'] + '.jsonl' for r in good)}"]
+        write_summary(out_dir, settings, warms if len(seeds) > 1 else warms[seeds[0]], results,
+                      time.perf_counter() - start, seeds=seeds)
+        return [table(good, settings) if len(seeds) == 1 else seeds_table(good, seeds),
+                "figures: " + ", ".join(os.path.basename(f) for f in figures),
+                f"logs (verl file-logger format): {', '.join(r.get('run', r['method']) + '.jsonl' for r in good)} "
+                f"(`verl-dppo plot {out_dir} -o FIG.png` draws them all)"]
 
     return finish(results, outputs, start, stream)
 
@@ -86,9 +99,10 @@ def finish(results: list[dict], outputs, start: float, stream: TextIO) -> int:
     return 1 if failed else 0
 
 
-def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, stream: TextIO, header: str):
+def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, stream: TextIO, header: str,
+            file_name: str = "warmup.pt"):
     """Check every method's batch sizes, print the run's header, warm-start once and save it for the workers.
-    Returns (warm, path of warmup.pt)."""
+    Returns (warm, path of the saved warm start)."""
     import torch
     from tqdm import tqdm
 
@@ -117,8 +131,8 @@ def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, strea
     warm_bar.close()
     print(f"warm-up: {warm.supervised_steps} supervised steps, sampled accuracy {warm.probe_accuracy:.2f}; "
           f"sanity set of {len(warm.train_problems)} problems solved {warm.train_success_rate:.0%} of the time "
-          f"on average ({warm.seconds:.0f} s)", file=stream)
-    warm_path = os.path.join(out_dir, "warmup.pt")
+          f"on average; {len(warm.val_problems)} held-out problems ({warm.seconds:.0f} s)", file=stream)
+    warm_path = os.path.join(out_dir, file_name)
     torch.save(warm, warm_path)
     return warm, warm_path
 
@@ -183,29 +197,75 @@ def table(results: list[dict], settings: DemoSettings) -> str:
     lines = [
         f"| method | final reward (last {results[0]['final_window']} steps) | lowest "
         f"{results[0].get('collapse_window', 20)}-step reward | collapsed "
-        "| masked fraction | blocked updates with mu < 0.2 | time |",
-        "|---|---|---|---|---|---|---|",
+        "| masked fraction | blocked updates with mu < 0.2 | held-out accuracy | time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        low_bins = sum(1 for edge in r["prob_bins"][1:] if edge <= 0.2 + 1e-9)
-        updates, blocked = sum(r["updates_by_prob"][:low_bins]), sum(r["blocked_by_prob"][:low_bins])
-        low_rate = f"{blocked / updates:.1%}" if updates else "n/a"
         lines.append(
             f"| {r['method']} | {r['final_reward']:.2f} (start {r['initial_reward']:.2f}) | "
             f"{r['lowest_window_reward']:.2f} | {'YES' if r['collapsed'] else 'no'} | {r['masked_frac']:.2%} | "
-            f"{low_rate} | {r['seconds']:.0f} s |"
+            f"{_low_rate([r])} | {_held_out(r, 0):.2f} -> {_held_out(r, -1):.2f} | {r['seconds']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def _low_rate(runs: list[dict]) -> str:
+    """Blocked share of the updates on tokens with mu < 0.2, pooled over the runs."""
+    low_bins = sum(1 for edge in runs[0]["prob_bins"][1:] if edge <= 0.2 + 1e-9)
+    updates = sum(sum(r["updates_by_prob"][:low_bins]) for r in runs)
+    blocked = sum(sum(r["blocked_by_prob"][:low_bins]) for r in runs)
+    return f"{blocked / updates:.1%}" if updates else "n/a"
+
+
+def _held_out(run: dict, index: int) -> float:
+    """Greedy held-out accuracy at the run's first (index 0) or last (-1) validation."""
+    return run["held_out_accuracy"][index][1] if run.get("held_out_accuracy") else math.nan
+
+
+def seeds_table(results: list[dict], seeds: list[int]) -> str:
+    """The final table over several seeds, per method: the mean and, in brackets, the lowest and highest seed."""
+
+    def spread(values: list[float], digits: str = ".2f") -> str:
+        return f"{sum(values) / len(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
+
+    first = results[0]
+    lines = [
+        f"mean over seeds {','.join(map(str, seeds))} (lowest-highest seed); start = warm-started training reward",
+        "",
+        f"| method | final reward (last {first['final_window']} steps) | lowest {first['collapse_window']}-step "
+        "reward | collapsed | masked fraction | blocked updates with mu < 0.2 (pooled) | held-out accuracy at "
+        "the start | held-out accuracy at the end | time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_method: dict[str, list[dict]] = {}
+    for r in results:
+        by_method.setdefault(r["method"], []).append(r)
+    for method, runs in by_method.items():
+        lines.append(
+            f"| {method} | {spread([r['final_reward'] for r in runs])} (start "
+            f"{spread([r['initial_reward'] for r in runs])}) | {spread([r['lowest_window_reward'] for r in runs])} "
+            f"| {sum(r['collapsed'] for r in runs)} of {len(runs)} | "
+            f"{spread([100 * r['masked_frac'] for r in runs], '.1f')} % | {_low_rate(runs)} | "
+            f"{spread([_held_out(r, 0) for r in runs])} | {spread([_held_out(r, -1) for r in runs])} | "
+            f"{sum(r['seconds'] for r in runs) / len(runs):.0f} s |"
         )
     return "\n".join(lines)
 
 
 def write_summary(out_dir, settings, warm, results, seconds, **extra) -> None:
+    """summary.json; `warm` is one WarmStart, or {seed: WarmStart} for several seeds."""
     import json
+
+    def described(w) -> dict:
+        return {"supervised_steps": w.supervised_steps, "probe_accuracy": w.probe_accuracy,
+                "train_success_rate": w.train_success_rate, "n_train": len(w.train_problems),
+                "n_held_out": len(w.val_problems)}
 
     summary = {
         "settings": settings.to_dict(),
         **extra,
-        "warmup": {"supervised_steps": warm.supervised_steps, "probe_accuracy": warm.probe_accuracy,
-                   "train_success_rate": warm.train_success_rate, "n_train": len(warm.train_problems)},
+        "warmup": ({str(seed): described(w) for seed, w in warm.items()} if isinstance(warm, dict)
+                   else described(warm)),
         "methods": results,
         "seconds": seconds,
     }
@@ -239,17 +299,39 @@ def check_settings(settings: DemoSettings) -> None:
         )
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0,1,2`: distinct whole numbers in the order given; UsageError otherwise."""
+    from verl_dppo.cli.errors import UsageError
+
+    seeds = []
+    for item in (item.strip() for item in text.split(",")):
+        if not item:
+            continue
+        try:
+            seed = int(item)
+        except ValueError:
+            raise UsageError(f"--seeds: {item!r} is not a whole number") from None
+        if seed in seeds:
+            raise UsageError(f"--seeds: {seed} is named twice")
+        seeds.append(seed)
+    if not seeds:
+        raise UsageError(f"--seeds {text!r}: name at least one seed, e.g. --seeds 0,1,2")
+    return seeds
+
+
 def main_from_args(args) -> int:
     from verl_dppo.cli.errors import UsageError, writable_folder
 
     methods = [name.strip() for name in args.methods.split(",") if name.strip()]
-    settings = replace(DemoSettings(), steps=args.steps, seed=args.seed, lr=args.lr, mini_batches=args.mini_batches,
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+    settings = replace(DemoSettings(), steps=args.steps, seed=seeds[0], lr=args.lr, mini_batches=args.mini_batches,
                        methods=methods, rollout_precision=args.rollout_precision, workers=args.workers)
-    check_settings(settings)
+    for seed in seeds:
+        check_settings(replace(settings, seed=seed))
     out_dir = writable_folder(args.out, "--out")
     # Bars only on a terminal: `make demo > log 2>&1` gets plain lines, not cursor escapes.
     progress = not args.no_progress and sys.stdout.isatty()
     try:
-        return run_demo(settings, out_dir, progress=progress)
+        return run_demo(settings, out_dir, progress=progress, seeds=seeds)
     except (ValueError, RuntimeError) as error:  # settings or warm-up problems: one line, the setting to change
         raise UsageError(f"demo: {error}") from None
