@@ -6,8 +6,8 @@ Three parts, each called by `run` before anything slow starts:
   (verl_dppo.plugin.cpu_platform). It is chosen by VERL_PLATFORM=cpu, set here in the driver before verl's first
   `get_platform()` (local Ray workers inherit it) and in `ray_kwargs.ray_init.runtime_env.env_vars` (the nodes of
   an existing cluster).
-- `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron or FSDP1 strategy, a
-  GPU-only rollout engine, more worker processes than Ray has CPUs.
+- `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron
+  engine or strategy, FSDP1, a GPU-only rollout engine, more worker processes than Ray has CPUs.
 - `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a random-init Qwen3
   (a transformers config, no download) with a ChatML word-level tokenizer (verl's Qwen3 token builder needs
   `<|im_end|>` and "\\n" as single tokens, and the agent loop a chat template), and a small GSM8K-shaped data set
@@ -28,7 +28,8 @@ from typing import Any, Optional
 
 from verl_dppo.cli.errors import UsageError
 
-__all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "cpu_problems", "is_cpu_run",
+__all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
+           "cpu_problems", "is_cpu_run",
            "select_platform", "synthetic_problems", "vocabulary"]
 
 GPU_ONLY_ROLLOUTS = ("vllm", "sglang", "trtllm")
@@ -114,6 +115,18 @@ def select_platform(config: Any, here: bool = False) -> None:
             runtime_env.env_vars.setdefault("VERL_PLATFORM", PLATFORM_NAME)
     if here:
         select_cpu_platform()
+
+
+def check_engine(config: Any) -> None:
+    """A CPU run with an engine group other than verl's `dp` (FSDP): refused before verl's validation, whose own
+    error would not say why (Megatron's config classes reject the setup's FSDP optimizer keys)."""
+    engine = str(config.get("model_engine", "dp"))
+    if is_cpu_run(config) and engine != "dp":
+        raise CpuRunError(
+            f"the run cannot start: model_engine={engine}: on CPU (trainer.device=cpu) only verl's dp engine with "
+            f"FSDP2 runs ({'Megatron needs GPUs' if engine == 'megatron' else f'{engine} is not supported there'}): "
+            "drop the model_engine override, or run on GPUs (trainer.device=cuda)"
+        )
 
 
 def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:

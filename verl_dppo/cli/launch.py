@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr,
         validate_recipe,
     )
-    from verl_dppo.cli.cpu_tiny import build_assets, builds_assets, select_platform
+    from verl_dppo.cli.cpu_tiny import build_assets, builds_assets, check_engine, select_platform
     from verl_dppo.cli.run_logs import pin_file_logger
 
     # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
@@ -88,6 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir, args.trainer_mode)
             select_platform(config)  # trainer.device=cpu: the CPU platform in the run's Ray processes
+            check_engine(config)
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         site = check_launch_site(config, ray_address)
@@ -97,6 +98,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         problems = check_supported(config) + ([] if tiny_pending else check_paths(config))
     except UsageError as error:
         return _print_error(str(error))
+    from verl_dppo.cli.run_record import clash_warning
+
+    clash = clash_warning(config)  # same experiment name, another method: verl would resume it / overwrite its log
+    if clash:
+        print(f"verl-dppo: warning: {clash}", file=sys.stderr)
 
     if args.dry_run:
         # A dry run needs no GPU and no engine: what would stop the launch is reported, the YAML still printed.
@@ -129,9 +135,13 @@ def _launch(config, ray_address) -> int:
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 
+    from verl_dppo.cli.run_record import write_records
+
     # Resolve on the driver: ${oc.env:DPPO_ROOT} and the paths checked above are the ones every Ray node uses.
     OmegaConf.resolve(config)
     auto_set_device(config)
+    for problem in write_records(config):  # what the next launch under this experiment name compares itself with
+        print(f"verl-dppo: warning: {problem}", file=sys.stderr)
     print(
         f"verl-dppo: launching {config.dppo.setup} + {config.dppo.method} ({config.trainer.nnodes} node(s) x "
         f"{config.trainer.n_gpus_per_node} GPU(s)) on "
