@@ -153,9 +153,8 @@ class HFGenerationEngine:
         self.version: Optional[int] = None
         self._queue: list[_Request] = []
         self._running: list[_Request] = []
-        self._wakeup = asyncio.Event()
-        self._model_lock = asyncio.Lock()
         self._seen: dict[tuple, int] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._scheduler: Optional[asyncio.Task] = None
         self.batch_sizes: list[int] = []  # size of every batch generated, for tests and diagnostics
 
@@ -202,7 +201,7 @@ class HFGenerationEngine:
             if not request.done and (request_id is None or request.request_id == request_id):
                 request.aborted = True
                 marked.append(request.request_id)
-        if self._queue:
+        if self._queue and self._loop is not None:
             self._wakeup.set()
         return marked
 
@@ -215,6 +214,7 @@ class HFGenerationEngine:
     async def load_weights(self, named_tensors, version: Optional[int] = None) -> int:
         """Copy (name, tensor) pairs into the model (names as the actor exports them: Hugging Face names).
         Returns how many tensors were loaded; an unknown name raises."""
+        self._bind_loop()
         async with self._model_lock:
             state = self.model.state_dict()
             count = 0
@@ -239,9 +239,18 @@ class HFGenerationEngine:
 
     # ------------------------------------------------------------------------------------------------ scheduler
 
+    def _bind_loop(self) -> None:
+        """The scheduler, its event and the model lock belong to the running event loop (one in a Ray actor; each
+        asyncio.run of a caller outside Ray brings its own)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._scheduler = loop, None
+            self._wakeup, self._model_lock = asyncio.Event(), asyncio.Lock()
+
     def _ensure_scheduler(self) -> None:
+        self._bind_loop()
         if self._scheduler is None or self._scheduler.done():
-            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+            self._scheduler = self._loop.create_task(self._schedule())
 
     async def _schedule(self) -> None:
         while True:

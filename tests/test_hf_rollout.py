@@ -1,0 +1,268 @@
+"""The `hf` rollout server (verl_dppo.plugin.hf_rollout): what verl's agent loop and the DPPO losses rely on.
+
+Checked against a plain transformers forward of the whole sequence (no cache, no padding, one request at a time):
+requests sent together are generated as one batch with a KV cache, and each token's log-prob is that of the
+distribution it was sampled from (logits / temperature, top-k, then top-p: vLLM's processed_logprobs); the top-K
+row of each token is the top-K of the temperature-scaled log-softmax before truncation, in the `extra_fields`
+layout the vLLM/SGLang patches produce; abort returns the tokens so far; stop ids end a response; a setting the
+server cannot honour, or a prompt longer than the context, is one clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS
+from verl_dppo.plugin.hf_rollout.engine import HFRolloutError, parse_sampling_params, sample_next
+from verl_dppo.plugin.hf_rollout.server import HFRolloutServer
+
+VOCAB = 256
+K = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("hf_rollout_model")
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         initializer_range=0.3, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_server(model_dir, topk=K, **rollout):
+    from omegaconf import OmegaConf
+
+    from verl.workers.config import RolloutConfig
+
+    settings = dict(name="hf", prompt_length=24, response_length=16, dtype="float32", max_num_seqs=64, seed=7,
+                    custom={"dppo_topk": topk} if topk else None)
+    settings.update(rollout)
+    model_config = OmegaConf.create({"path": str(model_dir), "local_path": str(model_dir), "trust_remote_code": False,
+                                     "override_config": {"attn_implementation": "sdpa"}, "generation_config": None})
+    server = HFRolloutServer(RolloutConfig(**settings), model_config, device="cpu")
+    asyncio.run(server.init_engine())
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    return make_server(model_dir)
+
+
+def full_forward_logits(server, prompt, response):
+    """Logits that predict each response token, from one uncached, unpadded forward of prompt + response."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = server.engine.model(input_ids=ids).logits[0].float()
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+
+
+def truncated_logprobs(logits, temperature, top_k=-1, top_p=1.0):
+    """The reference: vLLM's sampler order (temperature, top-k, top-p), written plainly, one row at a time."""
+    out = []
+    for row in logits:
+        scaled = row / temperature
+        values, order = scaled.sort(descending=True)
+        keep = torch.ones_like(values, dtype=torch.bool)
+        if top_k > 0:
+            keep[top_k:] = False
+        probs = torch.softmax(values.masked_fill(~keep, float("-inf")), -1)
+        keep &= (probs.cumsum(-1) - probs) < top_p
+        keep[0] = True
+        masked = torch.full_like(row, float("-inf"))
+        masked[order[keep]] = scaled[order[keep]]
+        out.append(torch.log_softmax(masked, -1))
+    return torch.stack(out)
+
+
+PROMPTS = [[5, 9, 17, 3], [40, 41], [7, 7, 7, 7, 7, 7, 7, 12], [100], [200, 3, 4], [60, 61, 62, 63, 64]]
+
+
+async def _generate_all(server, prompts, params):
+    return await asyncio.gather(*[server.generate(p, dict(params), f"r{i}") for i, p in enumerate(prompts)])
+
+
+def test_requests_sent_together_are_one_batch_and_logprobs_are_of_the_sampling_distribution(server):
+    """Six requests sent together: one batch (one prefill, a shared KV cache); each token's log-prob equals the
+    truncated distribution's log-prob recomputed without cache or padding (1e-4: float summation order), and not the
+    untruncated one."""
+    params = dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=12, logprobs=True, ignore_eos=True)
+    server.engine.batch_sizes.clear()
+    outputs = asyncio.run(_generate_all(server, PROMPTS, params))
+    assert server.engine.batch_sizes == [len(PROMPTS)]
+    differs = 0.0
+    for prompt, out in zip(PROMPTS, outputs):
+        assert len(out.token_ids) == 12 and len(out.log_probs) == 12 and out.stop_reason == "completed"
+        logits = full_forward_logits(server, prompt, out.token_ids)
+        reference = truncated_logprobs(logits, 0.8, 20, 0.9)
+        tokens = torch.tensor(out.token_ids)
+        expected = reference.gather(1, tokens[:, None])[:, 0]
+        assert torch.isfinite(expected).all(), "a token was sampled outside the top-k / top-p support"
+        assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-4)
+        untruncated = torch.log_softmax(logits / 0.8, -1).gather(1, tokens[:, None])[:, 0]
+        differs = max(differs, float((untruncated - expected).abs().max()))
+    assert differs > 1e-3  # the check above could tell the truncated distribution from the full one
+
+
+def test_topk_rows_are_the_untruncated_tempered_topk_one_per_token(server):
+    """extra_fields carries [T, K] ids (int64) and log-probs (float32), rank order, one row per generated token, from
+    log_softmax(logits / temperature) over the whole vocabulary, before top-k/top-p truncation."""
+    params = dict(temperature=0.7, top_k=3, top_p=0.5, max_tokens=10, logprobs=True, ignore_eos=True)
+    out = asyncio.run(server.generate(PROMPTS[0], dict(params), "topk"))
+    ids, lps = out.extra_fields[EXTRA_IDS], out.extra_fields[EXTRA_LOGPROBS]
+    assert ids.shape == (len(out.token_ids), K) and lps.shape == ids.shape
+    assert ids.dtype == np.int64 and lps.dtype == np.float32
+    reference = torch.log_softmax(full_forward_logits(server, PROMPTS[0], out.token_ids) / 0.7, -1)
+    top = reference.topk(K, dim=-1)
+    np.testing.assert_array_equal(ids, top.indices.numpy())
+    np.testing.assert_allclose(lps, top.values.numpy(), atol=1e-4)
+    assert (np.diff(lps, axis=1) <= 0).all()
+    assert (lps[:, 3:] > -np.inf).all()  # ranks beyond top_k=3 are still reported: the row is not truncated
+    assert out.extra_fields["global_steps"] is None
+
+
+def test_greedy_max_tokens_and_stop_ids(server):
+    """temperature 0 takes the argmax; max_tokens bounds the response; a stop id ends it (the stop token included,
+    as vLLM returns it)."""
+    greedy = asyncio.run(server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True,
+                                                          logprobs=True), "g"))
+    logits = full_forward_logits(server, PROMPTS[2], greedy.token_ids)
+    assert greedy.token_ids == logits.argmax(-1).tolist() and len(greedy.token_ids) == 8
+    stop = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop)
+    stopped = asyncio.run(server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True,
+                                                           stop_token_ids=[stop]), "s"))
+    assert stopped.token_ids == greedy.token_ids[: first + 1] and stopped.stop_reason == "completed"
+    assert stopped.log_probs is None  # not asked for
+
+
+def test_the_model_eos_ends_a_response_unless_ignored(model_dir):
+    """The model's eos id stops a response; ignore_eos=True generates through it."""
+    server = make_server(model_dir, topk=None)
+    ends = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16, ignore_eos=True,
+                                                        stop_token_ids=[]), "a"))
+    server.engine.eos_token_ids = (ends.token_ids[2],)
+    cut = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16), "b"))
+    assert cut.token_ids == ends.token_ids[: ends.token_ids.index(ends.token_ids[2]) + 1]
+    assert EXTRA_IDS not in cut.extra_fields  # Top-K off: no rows
+
+
+def test_abort_returns_the_tokens_so_far_and_pauses_until_resume(model_dir):
+    """abort_all_requests stops a running request at the next step: stop_reason 'aborted', its tokens, log-probs and
+    top-K rows so far (verl's resume loop sends prompt + those tokens again); a request sent while paused waits for
+    resume_generation; abort_request stops one request."""
+    server = make_server(model_dir)
+
+    async def scenario():
+        params = dict(temperature=1.0, max_tokens=40, logprobs=True, ignore_eos=True)
+        running = asyncio.create_task(server.generate(PROMPTS[0], dict(params), "long"))
+        while not server.engine._running or not server.engine._running[0].tokens:
+            await asyncio.sleep(0.001)
+        result = await server.abort_all_requests()
+        cut = await running
+        late = asyncio.create_task(server.generate(PROMPTS[1], dict(params, max_tokens=3), "late"))
+        await asyncio.sleep(0.05)
+        waited = not late.done()
+        await server.resume_generation()
+        late_out = await late
+        single = asyncio.create_task(server.generate(PROMPTS[3], dict(params), "one"))
+        while not server.engine._running:
+            await asyncio.sleep(0.001)
+        answer = await server.abort_request("one")
+        return result, cut, waited, late_out, answer, await single, await server.abort_request("gone")
+
+    result, cut, waited, late, answer, single, missing = asyncio.run(scenario())
+    assert result["request_ids"] == ["long"] and result["aborted_count"] == 1
+    assert cut.stop_reason == "aborted" and 0 < len(cut.token_ids) < 40
+    assert len(cut.log_probs) == len(cut.token_ids) == cut.extra_fields[EXTRA_IDS].shape[0]
+    assert waited and late.stop_reason == "completed" and len(late.token_ids) == 3
+    assert answer["aborted"] and single.stop_reason == "aborted" and len(single.token_ids) < 40
+    assert not missing["aborted"]
+
+
+def test_reject_while_paused_fails_over(model_dir):
+    """abort_all_requests(reject_request=True): a request arriving behind the closed gate is answered at once,
+    aborted with no tokens, instead of waiting (verl's hybrid replica leaving the load balancer)."""
+    server = make_server(model_dir)
+
+    async def scenario():
+        await server.abort_all_requests(reject_request=True)
+        return await asyncio.wait_for(server.generate(PROMPTS[0], dict(max_tokens=4), "x"), timeout=5)
+
+    out = asyncio.run(scenario())
+    assert out.stop_reason == "aborted" and out.token_ids == []
+
+
+def test_sampling_is_reproducible_per_request(model_dir):
+    """Two servers with the same seed and weight version sample the same tokens for the same prompts, whatever the
+    batch composition; the n samples of one prompt differ (a restarted run samples what the uninterrupted one did)."""
+    params = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    first = make_server(model_dir)
+    asyncio.run(first.set_global_steps(3))
+    together = asyncio.run(_generate_all(first, [PROMPTS[0], PROMPTS[0], PROMPTS[4]], params))
+    second = make_server(model_dir)
+    asyncio.run(second.set_global_steps(3))
+    alone = [asyncio.run(second.generate(p, dict(params), "y")) for p in (PROMPTS[0], PROMPTS[0], PROMPTS[4])]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert together[0].token_ids != together[1].token_ids
+
+
+def test_weights_loaded_change_what_is_sampled(model_dir):
+    """load_weights copies the pushed tensors into the model (an unknown name or shape is an error)."""
+    server = make_server(model_dir, topk=None)
+    before = asyncio.run(server.generate(PROMPTS[0], dict(temperature=0, max_tokens=6, ignore_eos=True), "a"))
+    state = {k: torch.randn_like(v) for k, v in server.engine.model.state_dict().items()}
+    assert asyncio.run(server.load_weights(list(state.items()))) == len(state)
+    asyncio.run(server.finish_weight_update(global_steps=5, loaded=len(state)))
+    assert server.global_steps == 5
+    weights = asyncio.run(server.get_weights())
+    assert all(torch.equal(weights[k], v) for k, v in state.items())
+    after = asyncio.run(server.generate(PROMPTS[0], dict(temperature=0, max_tokens=6, ignore_eos=True), "b"))
+    assert after.token_ids != before.token_ids and after.extra_fields["global_steps"] == 5
+    with pytest.raises(KeyError, match="not_a_weight"):
+        asyncio.run(server.load_weights([("not_a_weight", torch.zeros(1))]))
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty=1.0"),
+    ({"top_p": 0.0}, "rollout.top_p"),
+    ({"top_k": 0}, "rollout.top_k"),
+    ({"temperature": -1.0}, "rollout.temperature"),
+])
+def test_a_setting_the_server_cannot_honour_is_one_clear_error(server, params, match):
+    with pytest.raises(HFRolloutError, match=match):
+        asyncio.run(server.generate(PROMPTS[0], dict(params, max_tokens=4), "bad"))
+
+
+def test_a_prompt_longer_than_the_context_is_one_clear_error(server):
+    with pytest.raises(HFRolloutError, match="max_prompt_length"):
+        asyncio.run(server.generate(list(range(2, 66)), dict(max_tokens=4), "long"))
+
+
+def test_sample_next_on_peaked_bf16_rows():
+    """A row whose top-1 has probability 1 - 1e-9 (bf16 logits, the rest down to log-prob -100): the top-1 is drawn
+    with log-prob ~0 under every truncation; the top-K row reports the tail's tiny log-probs, finite."""
+    logits = torch.full((3, 64), -100.0)
+    logits[:, 5] = 0.0
+    logits[:, 6] = -20.7  # exp(-20.7) ~ 1e-9
+    logits = logits.to(torch.bfloat16).float()
+    tokens, logprobs, topk = sample_next(logits, torch.tensor([1.0, 0.5, 0.0]), torch.tensor([-1, 2, -1]),
+                                         torch.tensor([1.0, 0.9, 1.0]), torch.tensor([0.999999, 0.5, 0.3]), 4)
+    assert tokens.tolist() == [5, 5, 5]
+    assert (logprobs.abs() < 1e-6).all()
+    assert topk[0][:, :2].tolist() == [[5, 6]] * 3 and torch.isfinite(topk[1]).all()
+    assert float(topk[1][0, 1]) == pytest.approx(-20.7, abs=0.1)
+
+
+def test_parse_defaults():
+    settings = parse_sampling_params({"temperature": None, "logprobs": True}, 9)
+    assert (settings.temperature, settings.top_p, settings.top_k, settings.max_tokens) == (1.0, 1.0, -1, 9)
