@@ -226,6 +226,23 @@ def test_run_refuses_to_launch_without_its_data_and_says_how_to_get_it(monkeypat
     assert check_paths(compose_recipe("sanity_1p5b", "pg_is"))  # and a dry run only warns
 
 
+def test_a_missing_data_file_of_the_users_own_gets_a_conversion_hint_not_a_data_set_that_does_not_exist(
+        monkeypatch, tmp_path):
+    """Issue 18.10: `verl-dppo data` writes DIR/NAME.parquet for its own data sets only; for any other file name
+    the old hint proposed `verl-dppo data train`, a command that fails. A file named after a data set keeps the
+    one-line command; DPPO_ROOT is mentioned only for a path under it."""
+    from verl_dppo.cli.data import DATASETS
+
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path / "root"))
+    mine = str(tmp_path / "mine" / "train.parquet")
+    config = compose_recipe("sanity_1p5b", "pg_is", [f"data.train_files={mine}"])
+    (train, val) = [p for p in check_paths(config) if p.startswith("data.")]
+    assert train.startswith(f"data.train_files: {mine} does not exist. Point data.train_files at a parquet file")
+    assert "verl-dppo data train" not in train and "DPPO_ROOT" not in train
+    assert f"--from-file FILE --out DIR` converts" in train and ", ".join(sorted(DATASETS)) in train
+    assert f"`verl-dppo data math-sanity --out {tmp_path}/root/data`" in val and "set DPPO_ROOT" in val
+
+
 def test_run_refuses_top_k_where_the_logits_hook_cannot_run_and_a_dry_run_warns(monkeypatch, tmp_path, capsys):
     # Top-K runs on both engines (Megatron: vocabulary-parallel reduction); settings under which the actor's logits
     # hook cannot run would stop at the first actor update: `run` refuses them up front.

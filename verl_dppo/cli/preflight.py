@@ -32,12 +32,7 @@ def check_paths(config: Any) -> list[str]:
         for path in _as_list(data.get(key)):
             file = Path(os.path.expanduser(path))
             if not file.exists():
-                name = Path(path).stem
-                problems.append(
-                    f"data.{key}: {path} does not exist. Write it with `verl-dppo data {name} --out "
-                    f"{Path(path).parent}`, or point data.{key} at your copy (or set DPPO_ROOT; now "
-                    f"{config.dppo.root})."
-                )
+                problems.append(f"data.{key}: {path} does not exist. {_missing_data_hint(path, key, config)}")
                 continue
             problem = _parquet_problem(file, columns)
             if problem:
@@ -55,6 +50,22 @@ def check_paths(config: Any) -> list[str]:
                 f"wrong folder). {download}"
             )
     return problems
+
+
+def _missing_data_hint(path: str, key: str, config: Any) -> str:
+    """How to get a missing data file: `verl-dppo data` writes DIR/NAME.parquet, so a file named after one of its
+    data sets is one command; any other name is the user's own data, to convert or to point at."""
+    from verl_dppo.cli.data import DATASETS
+
+    file = Path(path)
+    root = str(config.dppo.root)
+    under_root = f" (or set DPPO_ROOT; now {root})" if os.path.abspath(path).startswith(root.rstrip("/") + "/") else ""
+    if file.suffix == ".parquet" and file.stem in DATASETS:
+        return (f"Write it with `verl-dppo data {file.stem} --out {file.parent}`, or point data.{key} at your "
+                f"copy{under_root}.")
+    return (f"Point data.{key} at a parquet file in verl's RL-dataset schema{under_root}; `verl-dppo data NAME "
+            f"--from-file FILE --out DIR` converts a .parquet / .json / .jsonl of yours to DIR/NAME.parquet (NAME: the data set whose "
+            f"verifier scores it: {', '.join(sorted(DATASETS))}).")
 
 
 def _parquet_problem(file: Path, columns: Sequence[str]) -> Optional[str]:
