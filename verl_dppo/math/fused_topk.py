@@ -1,0 +1,347 @@
+"""Top-K DPPO's statistics fused with the LM head: log pi at mu's top-K, at a_t and on the "other" atom, from the
+hidden states and the LM head weight, the [T, V] logits never existing (verl's `use_fused_kernels`).
+
+Pure torch (no verl import). Entry points: `fused_topk_logprobs` (log pi at the slots of A'_t, log pi(other) and the
+entropy, with gradient to the hidden states and the weight) and `fused_topk_divergence` (Eq. 15/16 from them, as
+`verl_dppo.math.topk.topk_divergence` computes it from the logits). `verl_dppo.math.fused_troll` serves TROLL from
+the same autograd function.
+
+How it works. verl's `FusedLinearForPPO` (verl/utils/experimental/torch_functional.py) computes log pi(a_t) and the
+entropy chunk by chunk over the tokens and recomputes each chunk's logits in the backward; this is the same scheme
+with the Top-K statistics of `verl_dppo.math.topk` as outputs. Per chunk of tokens:
+
+    logits  = hidden @ W^T / temperature                     (the matmul in the inputs' dtype, as verl does)
+    row max, the logits at the slots (A'_t: the K ids, then a_t), sum of exp(logit - max) outside A'_t
+    log pi(slot), log pi(other) = `topk._pi_at_slots` (float64): "other" summed from the complement itself
+
+The sums are those of `topk._sum_exp_outside`, the same operations in the same order as the unfused path, so that
+a float64 run agrees with `topk_divergence` to rounding. The backward recomputes a chunk's logits and forms
+dL/dlogit_j in place, with G the sum of all incoming gradients:
+
+    j in A'_t:   sum of g over the slots holding j  -  G pi_j
+    j outside:   q_j (g_other - G pi(other)),   q = the softmax of the complement, exp(logit_j - log Z_tail)
+    entropy:     - g_H pi_j (log pi_j + H)
+
+(q rather than pi_j / pi(other): exact where pi(other) underflows), then dh = dlogits W / temperature and
+dW += dlogits^T h. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
+a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
+
+Memory: per chunk, the logits in the matmul's dtype, a float32 copy when that differs, one float32 scratch of the
+same size, and the entropy's row blocks (`_ENTROPY_ROWS` rows at a time); between forward and backward only [T, S]
+and [T] tensors beside the inputs. `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per
+chunk, so a GPU needs chunks of a few hundred tokens to be compute-bound rather than bandwidth-bound.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from verl_dppo.math.topk import (
+    MASS_TOLERANCE,
+    TopKInputError,
+    _finite,
+    _pi_at_slots,
+    _sum_exp_outside,
+    _validate_rows,
+    check_topk_inputs,
+    divergence_at_slots,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "FusedTopK",
+    "ChunkSlots",
+    "fused_slot_logprobs",
+    "fused_topk_logprobs",
+    "fused_topk_divergence",
+]
+
+DEFAULT_CHUNK_TOKENS = 512
+"""Tokens per chunk: verl's FusedLinearForPPO default (311 MB of float32 logits per chunk at V = 151,936)."""
+
+_ENTROPY_ROWS = 16
+"""Rows per block of the entropy's temporaries (a few MiB each at Qwen3's vocabulary)."""
+
+
+class ChunkSlots(NamedTuple):
+    """What a slot selector returns for one chunk of rows ([c, S] and [c] tensors)."""
+
+    ids: torch.Tensor  # [c, S] long: the slot ids
+    dropped: torch.Tensor  # [c, S] bool: slots repeating an id held by another slot (left out of Z)
+    row_max: torch.Tensor  # [c]: the shift of the sums (any finite value <= the row max keeps them finite)
+    sum_outside: torch.Tensor  # [c]: sum of exp(logit - row_max) over the ids in no slot
+    slot_logits: torch.Tensor  # [c, S]: the logits at the slot ids
+    extra: Optional[torch.Tensor] = None  # [c, S] long, the selector's own per-slot data (TROLL: the source)
+
+
+Selector = Callable[[torch.Tensor, torch.Tensor, int, int], ChunkSlots]
+"""(block, scratch, start, end) -> ChunkSlots: block holds the chunk's logits in float32 at least (the selector may
+overwrite it), scratch is a buffer of the same size; start:end are the chunk's rows."""
+
+
+class FusedTopK(NamedTuple):
+    """`fused_topk_logprobs`'s result. Rows outside the mask hold only log_p_sampled and entropy."""
+
+    log_p_sampled: torch.Tensor  # [T] log pi(a_t), float32 (float64 for float64 inputs), with gradient
+    log_p_topk: torch.Tensor  # [T, K] log pi at mu's top-K ids, float64, with gradient
+    log_p_other: torch.Tensor  # [T] log pi(other): pi's mass outside A'_t, float64, with gradient
+    entropy: Optional[torch.Tensor]  # [T] entropy of pi, float32 (float64 for float64 inputs), with gradient
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, out: Optional[torch.Tensor]):
+    """hidden @ W^T / temperature in the matmul's dtype (verl's order of operations), into `out` when it fits."""
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    if out is not None and not autocast and hidden.dtype == weight.dtype == out.dtype:
+        logits = torch.matmul(hidden, weight.t(), out=out[: hidden.shape[0]])
+    else:
+        logits = hidden @ weight.t()
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """H = log sum exp(s) - sum exp(s) s / sum exp(s), s = logit - max: no cancellation on peaked rows."""
+    out = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
+    for r in range(0, block.shape[0], _ENTROPY_ROWS):
+        shifted = block[r : r + _ENTROPY_ROWS] - row_max[r : r + _ENTROPY_ROWS, None]
+        e = shifted.exp()
+        z = e.sum(dim=1)
+        out[r : r + _ENTROPY_ROWS] = z.double().log() - (e.mul_(shifted).sum(dim=1) / z).double()
+    return out
+
+
+def _add_entropy_grad(grad, block, log_z, entropy, g_entropy) -> None:
+    """grad += -g_H pi (log pi + H), row block by row block."""
+    for r in range(0, block.shape[0], _ENTROPY_ROWS):
+        rows = slice(r, r + _ENTROPY_ROWS)
+        log_p = block[rows] - log_z[rows, None]
+        grad[rows].sub_(log_p.exp().mul_(log_p.add_(entropy[rows, None])).mul_(g_entropy[rows, None]))
+
+
+class _FusedSlotLogprobs(torch.autograd.Function):
+    """(hidden, weight) -> log pi at each row's slots, log pi(other), the entropy; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, temperature, chunk, select, width, want_entropy):
+        ctx.set_materialize_grads(False)
+        n, dev = hidden.shape[0], hidden.device
+        work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        ids = torch.empty(n, width, dtype=torch.long, device=dev)
+        dropped = torch.empty(n, width, dtype=torch.bool, device=dev)
+        extra = torch.zeros(n, width, dtype=torch.long, device=dev)
+        row_max = torch.empty(n, dtype=work, device=dev)
+        sum_outside = torch.empty_like(row_max)
+        slot_logits = torch.empty(n, width, dtype=work, device=dev)
+        entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
+        rows = min(chunk, n)
+        buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
+        scratch = torch.empty_like(buffer)
+        matmul_dtype = work
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = _chunk_logits(hidden[start:end], weight, temperature, buffer)
+            matmul_dtype = logits.dtype
+            block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
+            del logits
+            if want_entropy:
+                entropy[start:end] = _entropy_rows(block, _finite(block.amax(dim=1)))
+            slots = select(block, scratch[: end - start], start, end)
+            ids[start:end], dropped[start:end] = slots.ids, slots.dropped
+            row_max[start:end], sum_outside[start:end] = slots.row_max, slots.sum_outside
+            slot_logits[start:end] = slots.slot_logits
+            if slots.extra is not None:
+                extra[start:end] = slots.extra
+            del block, slots
+        del buffer, scratch
+        log_pi, log_other = _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
+        # log Z and log Z_tail for the backward, from the same sums as _pi_at_slots's
+        shift, outside = row_max.double(), sum_outside.double()
+        at_slots = torch.where(dropped, 0.0, (slot_logits.double() - shift[:, None]).exp())
+        log_z = shift + (outside + at_slots.sum(dim=1)).log()
+        log_z_tail = shift + outside.log()
+        ctx.temperature, ctx.chunk, ctx.matmul_dtype = temperature, chunk, matmul_dtype
+        ctx.want_entropy = want_entropy
+        ctx.autocast = (dev.type, torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        ctx.save_for_backward(hidden, weight, ids, dropped, log_pi, log_z, log_z_tail,
+                              entropy if entropy is not None else log_z)
+        ctx.mark_non_differentiable(ids, dropped, extra)
+        entropy_out = entropy.to(work) if entropy is not None else torch.zeros(n, dtype=work, device=dev)
+        return log_pi, log_other, entropy_out, ids, dropped, extra
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_slots, g_other, g_entropy, _g_ids, _g_dropped, _g_extra):
+        hidden, weight, ids, dropped, log_pi, log_z, log_z_tail, entropy = ctx.saved_tensors
+        n, dev = hidden.shape[0], hidden.device
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_s = torch.zeros_like(log_pi) if g_slots is None else g_slots.double()
+        has_tail = torch.isfinite(log_z_tail)
+        g_o = torch.zeros_like(log_z) if g_other is None else torch.where(has_tail, g_other.double(), 0.0)
+        total = g_s.sum(dim=1) + g_o
+        pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
+        work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        tail_coef = (g_o - total * pi_other).to(work)
+        on_slots = (g_s - torch.where(dropped, 0.0, total[:, None] * log_pi.exp())).to(work)
+        tail_base = torch.where(has_tail, log_z_tail, log_z).to(work)
+        log_z_w = log_z.to(work)
+        # Without want_entropy the entropy output is a constant 0: no gradient, whatever arrives.
+        g_h = g_entropy.to(work) if g_entropy is not None and ctx.want_entropy else None
+        entropy_w = entropy.to(work)
+
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight) if need_w else None
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        chunk, rows = ctx.chunk, min(ctx.chunk, n)
+        buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
+        scratch = torch.empty_like(buffer)
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h = hidden[start:end]
+                logits = _chunk_logits(h, weight, ctx.temperature, buffer)
+                block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
+                del logits
+                grad = torch.sub(block, tail_base[start:end, None], out=scratch[: end - start]).exp_()
+                grad.scatter_(1, ids[start:end], 0.0).mul_(tail_coef[start:end, None])
+                grad.scatter_add_(1, ids[start:end], on_slots[start:end])
+                if g_h is not None:
+                    _add_entropy_grad(grad, block, log_z_w[start:end], entropy_w[start:end], g_h[start:end])
+                del block
+                if ctx.temperature != 1.0:
+                    grad.div_(ctx.temperature)
+                d_logits = grad.to(ctx.matmul_dtype)  # verl casts dlogits to the logits' dtype the same way
+                if need_h:
+                    grad_hidden[start:end] = d_logits @ weight
+                if need_w:
+                    if d_logits.dtype == h.dtype == grad_weight.dtype and not autocast_on:
+                        grad_weight.addmm_(d_logits.t(), h)  # no [V, H] temporary
+                    else:
+                        grad_weight += d_logits.t() @ h
+                del d_logits, grad
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def fused_slot_logprobs(hidden, weight, temperature: float, select: Selector, width: int, entropy: bool = False,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """log pi at the slots `select` picks per chunk, log pi(other) (the ids in no slot) and the entropy, fused with
+    the LM head. Returns (log_pi [T, width] float64, log_other [T] float64, entropy [T] (0 unless asked), ids
+    [T, width], dropped [T, width], extra [T, width]); the first three with gradient to hidden and weight."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [T, H] and weight [V, H] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if not (temperature > 0 and math.isfinite(temperature)) or chunk_tokens < 1:
+        raise ValueError(f"need temperature > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
+    return _FusedSlotLogprobs.apply(hidden, weight, float(temperature), int(chunk_tokens), select, int(width),
+                                    bool(entropy))
+
+
+def _topk_slots(sampled: torch.Tensor, topk_ids: torch.Tensor, rows: Optional[torch.Tensor]):
+    """A'_t as K + 1 slots, the top-K then a_t (topk.py's layout): a_t's slot dropped where it is in the top-K; rows
+    outside `rows` (a bool mask) hold a_t in every slot, all but the last dropped."""
+    slot_ids = torch.cat([topk_ids, sampled[:, None]], dim=1)
+    dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
+    dropped[:, -1] = (topk_ids == sampled[:, None]).any(dim=1)
+    if rows is not None:
+        outside = ~rows
+        slot_ids = torch.where(outside[:, None], sampled[:, None], slot_ids)
+        dropped = torch.where(outside[:, None], True, dropped)
+        dropped[:, -1] &= rows
+    return slot_ids, dropped
+
+
+def _fixed_selector(slot_ids: torch.Tensor, dropped: torch.Tensor) -> Selector:
+    def select(block, scratch, start, end):
+        ids = slot_ids[start:end]
+        row_max = _finite(block.amax(dim=-1))
+        slot_logits = block.gather(1, ids)
+        sum_outside = _sum_exp_outside(block, row_max, ids)  # topk.py's sum; overwrites block
+        return ChunkSlots(ids, dropped[start:end], row_max, sum_outside, slot_logits)
+
+    return select
+
+
+def _fused_topk(hidden, weight, sampled_ids, topk_ids, temperature, mask, entropy, chunk_tokens):
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or tuple(sampled_ids.shape) != (hidden.shape[0],):
+        raise TopKInputError(
+            f"topk_ids [T={hidden.shape[0]}, K] and sampled_ids [T] expected, got {tuple(topk_ids.shape)}, "
+            f"{tuple(sampled_ids.shape)}"
+        )
+    sampled, topk = sampled_ids.long(), topk_ids.long()
+    rows = mask.bool() if mask is not None else None
+    # every a_t (log pi(a_t) is read on every row), the top-K only in the mask
+    _validate_rows(topk if rows is None else topk[rows], sampled, weight.shape[0])
+    slot_ids, dropped = _topk_slots(sampled, topk, rows)
+    log_pi, log_other, ent, _, _, _ = fused_slot_logprobs(
+        hidden, weight, temperature, _fixed_selector(slot_ids, dropped), slot_ids.shape[1], entropy, chunk_tokens
+    )
+    out = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    return FusedTopK(log_pi[:, -1].to(out), log_pi[:, :-1], log_other, ent if entropy else None), log_pi
+
+
+def fused_topk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    topk_ids: torch.Tensor,
+    temperature: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> FusedTopK:
+    """log pi(a_t), log pi at mu's top-K ids and log pi(other) (the mass outside A'_t = TopK U {a_t}, summed from the
+    complement), and the entropy when asked, from hidden [T, H] and the LM head weight [V, H]; logits =
+    hidden @ weight^T / temperature. Exact gradients to hidden and weight (each chunk's logits recomputed).
+
+    Rows outside `mask` (bool [T]; None: all) are not read for the top-K: their top-K ids are neither used nor
+    validated, and only log_p_sampled and entropy are meaningful there.
+
+    Raises:
+        TopKInputError: ids outside [0, V), or a row in the mask repeating a top-K id.
+    """
+    return _fused_topk(hidden, weight, sampled_ids, topk_ids, temperature, mask, entropy, chunk_tokens)[0]
+
+
+def fused_topk_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[torch.Tensor, torch.Tensor, FusedTopK]:
+    """`topk_divergence` (Eq. 15/16) without the logits: (TV [T], KL [T], the `fused_topk_logprobs` outputs).
+
+    TV and KL are float32, detached, 0 outside `mask`, computed by `divergence_at_slots` from the fused statistics;
+    the FusedTopK carries log pi(a_t) (on every row: verl's log_prob) and the entropy with their gradients.
+
+    Raises:
+        TopKInputError: as `topk_divergence`.
+    """
+    check_topk_inputs(hidden, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask)
+    stats, log_pi = _fused_topk(hidden, weight, sampled_ids, rollout_topk_ids, temperature, mask, entropy,
+                                chunk_tokens)
+    n = hidden.shape[0]
+    tv = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    kl = torch.zeros_like(tv)
+    rows = mask.bool().nonzero().squeeze(1) if mask is not None else torch.arange(n, device=hidden.device)
+    if rows.numel() == 0:
+        return tv, kl, stats
+    with torch.no_grad():
+        topk = rollout_topk_ids.long()[rows]
+        sampled = sampled_ids.long()[rows]
+        dropped = torch.zeros(rows.numel(), topk.shape[1] + 1, dtype=torch.bool, device=hidden.device)
+        dropped[:, -1] = (topk == sampled[:, None]).any(dim=1)
+        mu_lp = torch.cat([rollout_topk_logprobs[rows], rollout_sampled_logprobs[rows, None]], dim=1)
+        tv_rows, kl_rows = divergence_at_slots(mu_lp, log_pi[rows], stats.log_p_other[rows], dropped,
+                                               mass_tolerance)
+    tv.index_copy_(0, rows, tv_rows.float())
+    kl.index_copy_(0, rows, kl_rows.float())
+    return tv, kl, stats

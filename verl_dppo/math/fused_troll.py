@@ -1,0 +1,148 @@
+"""TROLL's per-token terms fused with the LM head: the sparse support and pi on it from the hidden states and the LM
+head weight, chunk by chunk, the [T, V] logits never existing (verl's `use_fused_kernels`).
+
+Pure torch (no verl import). Entry point: `fused_troll_token_terms`, the counterpart of
+`verl_dppo.math.troll.troll_token_terms` (same TrollTerms; the module doc of `verl_dppo.math.troll` gives the
+support, the "other" atom and the projection). What differs is only how pi is read: each chunk's logits come from
+the autograd function of `verl_dppo.math.fused_topk` (recomputed in the backward), and this module's selector finds
+S_t = Top(mu) U {a_t} U Top(pi) in them with the rule of `troll_support._PiOnSupport` (its `_candidates` and
+`_kept`). `troll.troll_terms_from_support` then does the rest, the same code as for the logits.
+
+The same pass returns log pi(a_t) on every row (verl's log_prob, which the fused kernel replaces) and the entropy;
+rows outside the update get the support {a_t} alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from verl_dppo.math.fused_topk import DEFAULT_CHUNK_TOKENS, ChunkSlots, fused_slot_logprobs
+from verl_dppo.math.topk import check_topk_inputs
+from verl_dppo.math.troll import (
+    EPS,
+    MASS_TOLERANCE,
+    SUPPORT_MASS,
+    TOPK,
+    TrollInputError,
+    TrollTerms,
+    troll_terms_from_support,
+)
+from verl_dppo.math.troll_support import _candidates, _kept
+
+__all__ = ["FusedPolicy", "fused_troll_token_terms"]
+
+
+class FusedPolicy(NamedTuple):
+    """What verl's fused kernel would have returned, from the same pass: [T] each, with gradient."""
+
+    log_p_sampled: torch.Tensor  # log pi(a_t) on every row
+    entropy: Optional[torch.Tensor]  # None unless asked
+
+
+def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float):
+    """Per chunk, S_t as `_PiOnSupport.forward` finds it (S_t first, padding slots repeating a_t and dropped);
+    rows outside `troll_rows` keep {a_t} only. extra = each slot's candidate column (mu's source for `mu_on_atoms`)."""
+
+    def select(block, scratch, start, end):
+        sampled_c, mu_ids_c = sampled[start:end], mu_ids[start:end]
+        top_logits, top_ids = block.topk(k_pi, dim=1)
+        row_max = top_logits[:, :1]
+        shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
+        candidates, c_ids, c_source, c_first = _candidates(sampled_c, mu_ids_c, top_ids)
+        c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
+        rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)
+        lz = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
+        top_p = (top_logits - lz[:, None]).exp()
+        pi_selected = ((top_p.cumsum(dim=1) - top_p) < support_mass) & troll_rows[start:end, None]
+        always = torch.ones_like(sampled_c[:, None], dtype=torch.bool)  # a_t
+        keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected[start:end], pi_selected], dim=1))
+        tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)  # pi(other) from the tail's own exponentials
+        order = (~keep).long().argsort(dim=1, stable=True)
+        ids = torch.where(keep, c_ids, sampled_c[:, None]).gather(1, order)
+        return ChunkSlots(ids, ~keep.gather(1, order), row_max.squeeze(1), tail, block.gather(1, ids),
+                          c_source.gather(1, order))
+
+    return select
+
+
+def fused_troll_token_terms(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    eps: float = EPS,
+    support_mass: float = SUPPORT_MASS,
+    topk: int = TOPK,
+    entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    mass_tolerance: float = MASS_TOLERANCE,
+) -> tuple[TrollTerms, FusedPolicy]:
+    """`troll_token_terms` on logits = hidden @ weight^T / temperature, without the logits.
+
+    Args:
+        hidden: [T, H] the last hidden states; weight: [V, H] the LM head (both usually with gradient).
+        rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask, eps, support_mass,
+            topk, mass_tolerance: as `troll_token_terms`. sampled_ids holds a valid token id on every row (verl's
+            labels): log pi(a_t) is read on every row.
+        entropy: also return pi's entropy per row.
+
+    Returns:
+        (TrollTerms as `troll_token_terms` returns them, FusedPolicy: log pi(a_t) and the entropy on every row);
+        gradients reach hidden and weight through log_p_sampled, regression_kl and the FusedPolicy.
+
+    Raises:
+        TrollInputError: as `troll_token_terms`, and ids outside [0, V) on any row.
+    """
+    check_topk_inputs(hidden, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
+                      TrollInputError)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    sampled_all = sampled_ids.long()
+    if bool(((sampled_all < 0) | (sampled_all >= vocab)).any()):
+        raise TrollInputError(
+            f"sampled token ids outside the vocabulary [0, {vocab}): the rollout engine and the actor use different "
+            "vocabularies (check actor_rollout_ref.model.path and the tokenizer)"
+        )
+    out_dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    k_pi = min(topk, vocab)
+    policy: dict[str, torch.Tensor] = {}
+
+    def run(rows_arg, mu_ids_rows, mu_selected_rows):
+        """The fused pass over every row; rows_arg (None: all) hold the update's rows, in that order."""
+        mu_ids = torch.zeros(n, mu_ids_rows.shape[1], dtype=torch.long, device=hidden.device)
+        mu_selected = torch.zeros(n, mu_ids_rows.shape[1], dtype=torch.bool, device=hidden.device)
+        troll_rows = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        index = slice(None) if rows_arg is None else rows_arg
+        mu_ids[index], mu_selected[index], troll_rows[index] = mu_ids_rows, mu_selected_rows, True
+        select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass)
+        log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
+            hidden, weight, temperature, select, 1 + mu_ids.shape[1] + k_pi, entropy, chunk_tokens
+        )
+        valid = ~dropped
+        slot = ((ids == sampled_all[:, None]) & valid).long().argmax(dim=1, keepdim=True)  # a_t is always kept
+        policy.update(log_p_sampled=log_pi.gather(1, slot).squeeze(1).to(out_dtype), entropy=ent)
+        return log_pi, log_other, ids, source, valid
+
+    def read_support(rows_arg, sampled, mu_ids_rows, mu_selected_rows):
+        log_pi, log_other, ids, source, valid = run(rows_arg, mu_ids_rows, mu_selected_rows)
+        if rows_arg is not None:
+            log_pi, log_other, ids, source, valid = (t[rows_arg] for t in (log_pi, log_other, ids, source, valid))
+        used = int(valid.sum(dim=1).max()) if valid.shape[0] else 0
+        return ids[:, :used], source[:, :used], valid[:, :used], log_pi[:, :used], log_other
+
+    terms = troll_terms_from_support(
+        read_support, vocab, out_dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
+        rollout_sampled_logprobs, mask, eps=eps, support_mass=support_mass, topk=topk, mass_tolerance=mass_tolerance,
+    )
+    if not policy:  # no row in the update: troll_terms_from_support read nothing, verl still needs log pi(a_t)
+        empty = torch.zeros(n, 0, dtype=torch.long, device=hidden.device)
+        run(None, empty, empty.bool())
+        # run() marked every row as TROLL's with an empty mu: pi's top would join the support, which changes no
+        # value of log pi(a_t) or the entropy.
+    return terms, FusedPolicy(policy["log_p_sampled"], policy["entropy"] if entropy else None)
