@@ -29,7 +29,7 @@ from typing import Any, Optional
 from verl_dppo.cli.errors import UsageError
 
 __all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
-           "cpu_problems", "is_cpu_run",
+           "cpu_problems", "is_cpu_run", "size_local_ray",
            "select_platform", "synthetic_problems", "vocabulary"]
 
 GPU_ONLY_ROLLOUTS = ("vllm", "sglang", "trtllm")
@@ -132,8 +132,6 @@ def check_engine(config: Any) -> None:
 def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:
     """What a `trainer.device=cpu` run cannot do, each one sentence naming the setting; [] when it can start.
     `cluster_cpus`: the CPUs of the Ray cluster at `ray_address` (None: a local Ray instance, sized here)."""
-    from verl_dppo.plugin.run_config import async_trainer_mode
-
     problems = []
     strategy = str(config.actor_rollout_ref.actor.get("strategy"))
     if strategy != "fsdp2":
@@ -150,28 +148,63 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
             f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (the plugin's transformers rollout)"
         )
     trainer = config.trainer
-    workers = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
-    pool = ""
-    if async_trainer_mode(config) == "separate_async":
-        rollout_workers = int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
-        workers += rollout_workers
-        pool = f" + the separate rollout's {rollout_workers}"
     if not ray_address and int(trainer.nnodes) > 1:
         problems.append(f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS, or trainer.nnodes=1")
+    workers, what = _worker_processes(config)
+    held = workers + _transfer_queue_cpus(config)
     requested = config.get("ray_kwargs", {}).get("ray_init", {}).get("num_cpus")
     if ray_address:
-        cpus, where = cluster_cpus or 0, f"the Ray cluster at {ray_address} has"
-    elif requested:
-        cpus, where = requested, "ray_kwargs.ray_init.num_cpus gives Ray"
-    else:
-        cpus, where = _local_cpus(), "Ray finds"
-    if workers > cpus:
+        if held > (cluster_cpus or 0):
+            problems.append(
+                f"{what} = {workers} worker processes, one CPU each on the CPU platform (trainer.device=cpu), plus "
+                f"{held - workers} for verl's TransferQueue, but the Ray cluster at {ray_address} has "
+                f"{cluster_cpus or 0:g} CPU(s): lower trainer.n_gpus_per_node (each 'GPU' is one CPU worker process)"
+            )
+    elif workers > _local_cpus():
         problems.append(
-            f"trainer.nnodes x trainer.n_gpus_per_node{pool} = {workers} worker processes, one CPU each on the CPU "
-            f"platform (trainer.device=cpu), but {where} {cpus:g} CPU(s): lower trainer.n_gpus_per_node (each 'GPU' "
-            "is one CPU worker), or give Ray more logical CPUs with +ray_kwargs.ray_init.num_cpus=N"
+            f"{what} = {workers} worker processes on the CPU platform (trainer.device=cpu: each 'GPU' is one CPU "
+            f"worker process), but this machine has {_local_cpus()} CPU core(s): lower trainer.n_gpus_per_node"
+        )
+    elif requested and held > int(requested):
+        problems.append(
+            f"ray_kwargs.ray_init.num_cpus={requested}: the run holds {held} of Ray's CPUs ({workers} worker "
+            f"processes and {held - workers} for verl's TransferQueue): raise it to {held}, or leave it unset"
         )
     return problems
+
+
+def size_local_ray(config: Any) -> None:
+    """A CPU run on a new local Ray instance: Ray's logical CPUs cover what the run holds (each worker process one,
+    verl's TransferQueue controller and storage units one each), at least the machine's cores. Ray would otherwise
+    leave the run waiting for CPUs on a small machine. A value the user set is kept (and checked)."""
+    if not is_cpu_run(config) or config.ray_kwargs.ray_init.get("num_cpus"):
+        return
+    from omegaconf import open_dict
+
+    held = _worker_processes(config)[0] + _transfer_queue_cpus(config)
+    with open_dict(config.ray_kwargs.ray_init):
+        config.ray_kwargs.ray_init.num_cpus = max(_local_cpus(), held)
+
+
+def _worker_processes(config: Any) -> tuple[int, str]:
+    """The run's worker processes (verl's GPUs: the trainer's and, under separate_async, the rollout pool's), and
+    the settings they come from."""
+    from verl_dppo.plugin.run_config import async_trainer_mode
+
+    trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
+    workers, what = int(trainer.nnodes) * int(trainer.n_gpus_per_node), "trainer.nnodes x trainer.n_gpus_per_node"
+    if async_trainer_mode(config) == "separate_async":
+        workers += int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
+        what += " + actor_rollout_ref.rollout.nnodes x n_gpus_per_node"
+    return workers, what
+
+
+def _transfer_queue_cpus(config: Any) -> int:
+    """CPUs verl's TransferQueue holds for the whole run: its controller and (SimpleStorage) each storage unit."""
+    backend = config.get("transfer_queue", {}).get("backend", {})
+    if backend.get("storage_backend", "SimpleStorage") != "SimpleStorage":
+        return 1
+    return 1 + int(backend.get("SimpleStorage", {}).get("num_data_storage_units", 1))
 
 
 def _local_cpus() -> int:

@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr,
         validate_recipe,
     )
-    from verl_dppo.cli.cpu_tiny import build_assets, builds_assets, check_engine, select_platform
+    from verl_dppo.cli.cpu_tiny import build_assets, builds_assets, check_engine, select_platform, size_local_ray
     from verl_dppo.cli.run_logs import pin_file_logger
 
     # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
@@ -89,6 +89,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir, args.trainer_mode)
             select_platform(config)  # trainer.device=cpu: the CPU platform in the run's Ray processes
             check_engine(config)
+            if not ray_address:
+                size_local_ray(config)
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         site = check_launch_site(config, ray_address)
