@@ -33,6 +33,10 @@ Choices (the authors' code and prime-rl's re-implementation differ; see docs of 
   implicit derivative of F(eta, pi') = KL(p_eta || mu') - eps = 0: d eta / d log pi' = -(dF/d log pi') / (dF/d eta),
   attached as eta0 - (F(eta0, pi') - sg F) / sg(dF/d eta) (value eta0, that gradient), with
   dF/d eta = -Var_p(log p - log mu') / (1 + eta). prime-rl detaches eta; that is not the projection's gradient.
+- The ratio p(a_t) / mu'(a_t) as the DPPO modes take theirs (`capped_ratio`): exp(min(log r, MAX_LOG_RATIO = 20)),
+  with the gradient the capped weight times d log p(a_t). A token the engine gave log mu(a_t) = -100 reaches
+  log r = 95 (float32's exp overflows at 88.7); neither the authors' code nor prime-rl bounds it. Below the cap
+  the loss and its gradient are Eq. 5's exactly.
 
 Memory and what backward keeps. The logits are read in row chunks of `chunk_bytes` (a float32 copy of a few rows
 at a time, two reused buffers). The graph keeps the logits tensor itself (saved, not copied: verl holds it for its
@@ -70,12 +74,14 @@ __all__ = [
     "MU_FLOOR",
     "DEFAULT_CHUNK_BYTES",
     "MASS_TOLERANCE",
+    "MAX_LOG_RATIO",
     "TrollInputError",
     "TrollTerms",
     "Projection",
     "troll_token_terms",
     "troll_terms_from_support",
     "troll_token_loss",
+    "capped_ratio",
     "kl_projection",
 ]
 
@@ -93,6 +99,12 @@ DEFAULT_CHUNK_BYTES = 8 * 2**20
 
 MASS_TOLERANCE = 1e-3
 """mu's reported mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
+
+
+MAX_LOG_RATIO = 20.0
+"""Eq. 5's ratio p(a_t) / mu'(a_t) is taken at log r <= 20 (r <= 4.85e8), the cap of the DPPO modes' ratio
+(`verl_dppo.plugin.losses.MAX_LOG_RATIO`, the same value): a token the engine gave log mu(a_t) = -100 can reach
+log r = 95, past float32's exp (88.7), where r = inf made the loss -inf (A != 0) or NaN (A = 0)."""
 
 
 class TrollInputError(ValueError):
@@ -269,12 +281,23 @@ def troll_terms_from_support(
     )
 
 
+def capped_ratio(log_p: torch.Tensor, log_mu: torch.Tensor) -> torch.Tensor:
+    """r = p(a_t) / mu'(a_t) as the DPPO modes take theirs: the value exp(min(log r, MAX_LOG_RATIO)), the gradient
+    that value times d log p(a_t) (log_mu is detached).
+
+    Below the cap this is exp(log r) exactly, in value and gradient. Above it the token keeps learning with the
+    capped weight, as DPPO's sg(min(r, C)) d log pi does; a plain clamp would cut its gradient to 0 instead.
+    """
+    log_r = log_p - log_mu.detach()
+    return torch.exp(log_r - (log_r.detach() - MAX_LOG_RATIO).clamp(min=0.0))
+
+
 def troll_token_loss(terms: TrollTerms, advantages: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
     """Eq. 5 per token, minimised: -(p(a_t) / mu'(a_t)) A_t + alpha KL(pi' || sg(p)); 0 on rows not in the update.
 
-    No ratio clipping (the projection is the trust region). Aggregate with verl's agg_loss and the response mask.
+    No ratio clipping (the projection is the trust region); the ratio is `capped_ratio` (finite where mu(a_t) is
+    tiny, as for every mode). Aggregate with verl's agg_loss and the response mask.
     """
-    ratio = torch.exp(terms.log_p_sampled - terms.log_mu_sampled)
+    ratio = capped_ratio(terms.log_p_sampled, terms.log_mu_sampled)
     loss = -ratio * advantages.to(ratio.dtype) + alpha * terms.regression_kl
     return torch.where(terms.diagnostics["valid"], loss, 0.0)
-MAX_LOG_RATIO = 20.0

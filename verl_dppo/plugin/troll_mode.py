@@ -5,6 +5,8 @@ mu (its top-K as vLLM/SGLang reported it; no extra forward pass of an old policy
 
     loss_t = -(p(a_t) / mu'(a_t)) A_t + alpha KL(pi' || sg(p))          (their Eq. 5, minimised; no clipping)
 
+with the ratio at log r <= 20 like the DPPO modes' (`verl_dppo.math.troll.capped_ratio`).
+
 p is pi projected onto {KL(. || mu') <= eps} over the sparse support (`verl_dppo.math.troll`). The projection
 needs the whole vocabulary row, so it runs inside verl's engine (`verl_dppo.patches.fsdp_logits_hook`), WITH
 gradient: the hook returns log p(a_t) and KL(pi' || sg(p)) per token still attached to the logits, plus detached
@@ -21,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from verl_dppo.math.troll import capped_ratio
 from verl_dppo.plugin.config import check_troll_options
 from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk, policy_loss_get
 
@@ -93,11 +96,11 @@ def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.
 
 def troll_loss_matrix(terms: dict[str, torch.Tensor], advantages: torch.Tensor, valid: torch.Tensor,
                       alpha: float) -> torch.Tensor:
-    """Eq. 5 per token (the same formula as `verl_dppo.math.troll.troll_token_loss`), 0 outside `valid`; gradient
-    only through log p(a_t) and KL(pi' || sg(p))."""
+    """Eq. 5 per token (the same formula and ratio cap as `verl_dppo.math.troll.troll_token_loss`), 0 outside
+    `valid`; gradient only through log p(a_t) and KL(pi' || sg(p))."""
     log_p = torch.where(valid, terms["log_p"].float(), 0.0)
     log_mu = torch.where(valid, terms["log_mu"].detach().float(), 0.0)
-    ratio = torch.exp(log_p - log_mu)
+    ratio = capped_ratio(log_p, log_mu)  # exp(min(log r, 20)), as the DPPO modes' ratio
     loss = -ratio * advantages + alpha * terms["regression_kl"].float()
     return torch.where(valid, loss, 0.0)
 
