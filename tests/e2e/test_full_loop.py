@@ -1,0 +1,324 @@
+"""verl's whole training loop on CPU, through `python -m verl.trainer.main_ppo` itself (issue 19, part 4).
+
+Each run is verl's own entry point on a config composed from this project's recipes (`cpu_tiny` x the method, as
+`verl-dppo run cpu_tiny --method M` composes it, its model and data built by `verl_dppo.cli.cpu_tiny`), with the
+plugin loaded in every Ray process through its entry point, the CPU platform chosen by `VERL_PLATFORM=cpu` in the
+run's Ray runtime env, and the plugin's `hf` rollout generating. Every stage is verl's: the agent loop, verl's GSM8K
+reward, GRPO advantages, `update_actor` with the plugin's loss, the weight sync, checkpoints, the JSONL log.
+
+The runs share one local Ray cluster (started here, stopped here) and run side by side; the tests read what a user
+reads: the exit code, the JSONL log, the workers' log lines, the checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+import driver  # noqa: E402  (method_for_mode, plugin_loss_modes: read from the recipes and verl's registry)
+
+pytestmark = pytest.mark.e2e
+
+MODES = driver.plugin_loss_modes()
+TOPK = ("dppo_topk_tv", "dppo_topk_kl")
+STEPS = 2
+RESUME_METHOD = "dppo_binary_tv"
+PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "3"))
+"""main_ppo drivers at a time on the shared cluster: start-up is mostly imports in idle-waiting processes."""
+RUN_TIMEOUT_S = 600
+CLUSTER_CPUS = 32
+"""Logical CPUs of the shared cluster: every run takes one per worker process (the CPU platform's Ray resource)."""
+
+NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "global_seqlen/", "actor/lr",
+                "training/time", "training/off_policy/wait")
+"""Clocks, throughput and memory counters differ between runs by nature."""
+
+
+# ----------------------------------------------------------------------------------------------------- the cluster
+
+
+class Cluster:
+    """A local Ray instance owned by a holder process of ours; the runs join it with RAY_ADDRESS."""
+
+    def __init__(self, root: Path):
+        code = ("import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
+                "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
+                % (CLUSTER_CPUS, str(root / "ray")))
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, start_new_session=True, cwd=str(root), env=self.env())
+        self.address = self.process.stdout.readline().strip()
+        if not self.address:
+            raise RuntimeError("the local Ray cluster did not start")
+
+    @staticmethod
+    def env(**extra: str) -> dict[str, str]:
+        """The cluster's and its drivers' environment: Ray's token authentication off (a private local cluster whose
+        token the drivers would otherwise have to find in ~/.ray), no VERL_* of this process (each run sets its own
+        in its Ray runtime env, as `verl-dppo run` does)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "RANK", "WORLD_SIZE", "MASTER_"))}
+        env.update(RAY_AUTH_MODE="disabled", **extra)
+        return env
+
+    def stop(self) -> None:
+        self.process.stdin.close()  # the holder returns from stdin.read(): ray.shutdown at exit stops the cluster
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------------- the runs
+
+
+@dataclass
+class Run:
+    name: str
+    method: str
+    trainer_mode: Optional[str] = None
+    steps: int = STEPS
+    overrides: tuple[str, ...] = ()
+    kill_after_step: Optional[int] = None
+    folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
+    rc: Optional[int] = None
+    seconds: float = 0.0
+    log: str = ""
+    records: list = field(default_factory=list)
+    folder: Optional[Path] = None
+
+    def metrics(self, step: int) -> dict:
+        return next(r["data"] for r in self.records if r["step"] == step)
+
+    def values(self, key: str) -> list[float]:
+        return [r["data"][key] for r in sorted(self.records, key=lambda r: r["step"])]
+
+
+def compose(run: Run, root: Path) -> Path:
+    """The run's config as `verl-dppo run cpu_tiny --method M` composes it, written where main_ppo reads it."""
+    from omegaconf import OmegaConf, open_dict
+
+    from verl_dppo.cli.compose import compose_recipe, resolved_yaml, validate_recipe
+    from verl_dppo.cli.cpu_tiny import build_assets, select_platform
+
+    run.folder = root / (run.folder_of or run.name)
+    run.folder.mkdir(parents=True, exist_ok=True)
+    checkpoints = run.folder / "checkpoints"
+    config = compose_recipe("cpu_tiny", run.method, [
+        f"trainer.total_training_steps={run.steps}",
+        f"trainer.default_local_dir={checkpoints}",
+        "trainer.resume_mode=auto",
+        # A reward that varies between samples (full_loop_reward.py): every step moves the policy, at a rate (lr)
+        # that a missed weight push or a wrong resume cannot hide in.
+        f"reward.custom_reward_function.path={HERE / 'full_loop_reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        # fp32 on both sides: the weight-sync check measures the sync, not bf16 rounding.
+        "actor_rollout_ref.rollout.dtype=float32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        *run.overrides,
+    ], trainer_mode=run.trainer_mode)
+    validate_recipe(config)
+    select_platform(config)  # VERL_PLATFORM=cpu in the run's runtime env: the cluster's processes do not have it
+    with open_dict(config):
+        env = config.ray_kwargs.ray_init.runtime_env.env_vars
+        env.VERL_FILE_LOGGER_ROOT = str(run.folder / "logs")
+        env.OMP_NUM_THREADS = "1"
+    build_assets(config)
+    OmegaConf.resolve(config)
+    path = run.folder / f"{run.name}.yaml"
+    path.write_text(resolved_yaml(config))
+    return path
+
+
+def read_records(run: Run) -> list[dict]:
+    records = []
+    for path in (run.folder / "logs").rglob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written
+    return records
+
+
+def past_step(run: Run, step: int) -> bool:
+    """The checkpoint of `step` is complete and the step's line is in the JSONL log (verl logs after saving)."""
+    try:
+        saved = int((run.folder / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return saved >= step and any(r.get("step") == step for r in read_records(run))
+
+
+def execute(run: Run, address: str) -> Run:
+    config_path = run.folder / f"{run.name}.yaml"
+    env = Cluster.env(RAY_ADDRESS=address, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
+                      HYDRA_FULL_ERROR="1")
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(config_path.parent),
+               "--config-name", config_path.stem, f"hydra.run.dir={run.folder / 'hydra'}", "hydra.output_subdir=null"]
+    start = time.perf_counter()
+    log_path = run.folder / f"{run.name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
+        deadline = start + RUN_TIMEOUT_S
+        while process.poll() is None and time.perf_counter() < deadline:
+            if run.kill_after_step and past_step(run, run.kill_after_step):
+                process.send_signal(signal.SIGKILL)  # a crash right after step kill_after_step
+                break
+            time.sleep(0.2)
+        if process.poll() is None:
+            process.kill()
+        run.rc = process.wait()
+    run.seconds = time.perf_counter() - start
+    run.log = log_path.read_text(errors="replace")
+    run.records = read_records(run)
+    return run
+
+
+def chains() -> list[list[Run]]:
+    """The runs, as chains run one after another (a resume after its killed run); chains run side by side."""
+    modes = [[Run(f"sync-{mode}", driver.method_for_mode(mode),
+                  steps=3 if driver.method_for_mode(mode) == RESUME_METHOD else STEPS)] for mode in MODES]
+    separate = [[Run("separate_async-dppo_topk_tv", "dppo_topk_tv", trainer_mode="separate_async", steps=3,
+                     overrides=("data.max_response_length=192",))]]
+    resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=("trainer.save_freq=2",)),
+               Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed",
+                   overrides=("trainer.save_freq=2",))]]
+    return separate + resume + modes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    root = tmp_path_factory.mktemp("full_loop")
+    only = os.environ.get("DPPO_FULL_LOOP_ONLY")  # comma-separated run names, for a quick look at a few of them
+    plan = [[r for r in chain if not only or r.name in only.split(",")] for chain in chains()]
+    plan = [chain for chain in plan if chain]
+    for chain in plan:  # Hydra's composition is not thread-safe: every config is composed here, first
+        for run in chain:
+            compose(run, root)
+    done: dict[str, Run] = {}
+    lock = threading.Lock()
+
+    def run_chain(chain: list[Run]) -> None:
+        for run in chain:
+            execute(run, cluster.address)
+            with lock:
+                done[run.name] = run
+                print(f"full loop: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
+
+    start = time.perf_counter()
+    cluster = Cluster(root)
+    try:
+        with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+            list(pool.map(run_chain, plan))
+    finally:
+        cluster.stop()
+    total = time.perf_counter() - start
+    print(f"full loop: all runs {total:.0f} s", file=sys.stderr)
+    (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
+    return done
+
+
+def _fail(run: Run, what: str) -> str:
+    tail = "\n".join(run.log.splitlines()[-40:])
+    return f"{run.name}: {what} (rc={run.rc}, {run.seconds:.0f} s); log tail:\n{tail}"
+
+
+def finished(run: Run, steps: int) -> None:
+    assert run.rc == 0, _fail(run, "main_ppo failed")
+    assert [r["step"] for r in run.records] == list(range(1, steps + 1)), _fail(run, "JSONL steps")
+
+
+# ----------------------------------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_loss_mode_trains_through_main_ppo(runs, mode):
+    """Each registered loss mode, sync trainer: main_ppo exits 0 after its steps; every logged number is finite; the
+    mode's own metrics are in the JSONL log; the worker announced the mode in effect (the plugin ran in the worker)."""
+    run = runs[f"sync-{mode}"]
+    finished(run, run.steps)
+    for record in run.records:
+        bad = {k: v for k, v in record["data"].items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, _fail(run, f"step {record['step']}: non-finite {bad}")
+    prefix = "actor/troll/" if mode == "troll" else "actor/dppo/"
+    for record in run.records:
+        assert any(k.startswith(prefix) for k in record["data"]), _fail(run, f"no {prefix}* at step {record['step']}")
+    assert f"verl-dppo {mode} in effect" in run.log, _fail(run, "the worker's 'in effect' line is missing")
+    assert all(r["data"]["response_length/mean"] > 0 for r in run.records)
+
+
+@pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", *TOPK])
+def test_weight_sync_is_exact(runs, mode):
+    """One mini-batch per step (cpu_tiny: ppo_mini_batch_size = train_batch_size), fp32 on both sides: the policy the
+    actor scores is the one the hf rollout sampled from, so mu and pi agree up to float rounding at every step. A
+    weight push that skipped a tensor, or a stale copy, would show a mismatch of the order of the update (1e-3+)."""
+    run = runs[f"sync-{mode}"]
+    finished(run, run.steps)
+    mismatch = run.values("actor/dppo/mismatch_tv_mean")
+    assert len(mismatch) >= 2 and max(mismatch) <= 1e-5, _fail(run, f"mismatch_tv_mean per step {mismatch}")
+
+
+@pytest.mark.parametrize("mode", TOPK)
+def test_topk_rows_reach_the_actor(runs, mode):
+    """The Top-K modes' rows travel from the hf server through the agent loop (patches/agent_loop: one row per
+    generated token, or it raises) to the actor's logits hook, which measures D on mu's top-K. One mini-batch per
+    step, so the update is on-policy: with the server's rows D is ~0 and no token is masked or dropped; rows that
+    are missing, shifted or not mu's would make D large or unusable."""
+    run = runs[f"sync-{mode}"]
+    finished(run, run.steps)
+    for key in ("actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/dropped_frac"):
+        assert max(run.values(key)) == 0.0, _fail(run, f"{key} per step {run.values(key)}")
+    assert min(abs(a) for a in run.values("actor/pg_loss")) > 0 or max(run.values("actor/grad_norm")) > 0
+
+
+def test_separate_async_topk_is_stale_and_resumes_aborted_responses(runs):
+    """separate_async, dppo_topk_tv, weights through the plugin's ray_store checkpoint engine: some samples are a
+    version or more old (actor/dppo/lag_mean > 0 at some step); some response was cut by a weight push and resumed
+    on the new weights (verl's trajectory_spans > 1: generated across versions); and the Top-K hand-over held for
+    every generated token (the agent-loop patch raises on a missing or shifted row, so a finished run proves it)."""
+    run = runs["separate_async-dppo_topk_tv"]
+    finished(run, run.steps)
+    assert max(run.values("actor/dppo/lag_mean")) > 0, _fail(run, "no stale sample")
+    spans = run.values("training/off_policy/trajectory_spans/max")
+    assert max(spans) > 1, _fail(run, f"no response resumed across a weight push: spans {spans}")
+    assert "backend: ray_store" in (run.folder / f"{run.name}.yaml").read_text()
+
+
+def test_resume_after_sigkill_continues_at_step_3(runs):
+    """A run SIGKILLed right after its step-2 checkpoint, started again (trainer.resume_mode=auto), continues at step
+    3; its step-3 metrics equal the uninterrupted run's. Tolerance 1e-4 relative: the checkpoint restores the fp32
+    weights, optimizer and data order exactly and the hf rollout seeds each request from (seed, weight version,
+    prompt), so the same tokens are sampled; what remains is float summation order (batch composition and padding
+    in the rollout's forward), 1e-6 or below. The JSONL log still holds steps 1-2."""
+    killed, restarted, reference = runs["resume-killed"], runs["resume-restarted"], runs[f"sync-{RESUME_METHOD}"]
+    assert killed.rc == -signal.SIGKILL, _fail(killed, "the first run was not killed")
+    finished(reference, 3)
+    finished(restarted, 3)  # the JSONL file of the killed run and the restart: steps 1, 2 (before), 3 (after)
+    assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
+        restarted, "did not resume from the step-2 checkpoint")
+    assert not any("Training from scratch" in line for line in restarted.log.splitlines()), _fail(restarted, "scratch")
+    ours, theirs = restarted.metrics(3), reference.metrics(3)
+    compared = 0
+    for key, value in theirs.items():
+        if key.startswith(NOT_COMPARED) or not isinstance(value, (int, float)):
+            continue
+        assert key in ours, f"step 3 of the resumed run lacks {key}"
+        assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{key}: resumed {ours[key]} vs {value}"
+        compared += 1
+    assert compared > 20
