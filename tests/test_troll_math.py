@@ -196,7 +196,8 @@ def reference_row(logits, topk_ids, topk_lp, sampled, sampled_lp, eps=EPS, mass=
     if sampled not in reported:
         unreported_mass -= math.exp(sampled_lp)
         unreported_count -= 1
-    share = min(max(unreported_mass, troll.MU_FLOOR) / max(unreported_count, 1), min(math.exp(v) for v in reported.values()))
+    share = min(max(unreported_mass, 0.0) / max(unreported_count, 1), min(math.exp(v) for v in reported.values()))
+    share = max(share, troll.MU_FLOOR)  # per atom
     mu_s = [math.exp(sampled_lp) if x == sampled else math.exp(reported[x]) if x in reported else share for x in support]
     mu_atoms = torch.tensor(mu_s + [max(1.0 - sum(mu_s), troll.MU_FLOOR)], dtype=torch.float64)
     mu_atoms = mu_atoms / mu_atoms.sum()
@@ -265,6 +266,48 @@ def test_support_counts_each_token_once_and_prices_unreported_tokens():
         assert terms.diagnostics["support_size"][row].item() == ref["support_size"]
         assert terms.log_p_sampled[row].item() == pytest.approx(ref["log_p_sampled"], rel=1e-9, abs=1e-11)
     assert unpriced > 0  # the unreported-share rule was exercised
+
+
+def test_the_floor_is_per_atom_on_a_qwen_sized_row():
+    """MU_FLOOR floors each atom mu' has no report for (the authors' tiny probability per token), after the
+    unreported mass is divided among the unreported tokens; not that mass before the division (a floor of
+    1e-12 / 151,933 = 6.6e-18 per token, which depends on the vocabulary).
+
+    One row, V = 151,936, by hand in float64: mu reports tokens 0, 1, 2 at 0.5, 0.3, 0.2 - 5e-12 (a_t = 0), so the
+    unreported mass is 5e-12, 3.3e-17 per token. pi: logits 0.5 (token 5), 0 (token 0), -30 elsewhere, so
+    Top(pi) = {5, 0} and S = {0, 1, 2, 5}. mu'(5) = max(min(3.3e-17, 0.2 - 5e-12), 1e-12) = 1e-12 and
+    mu'(other) = 1 - (1 - 5e-12 + 1e-12) = 4e-12: the atoms sum to 1. KL(pi' || mu') = 16.8 nats; the total-mass
+    floor would give mu'(5) = 5e-12 / 151,933 and 23.2 nats. Row 1 adds a reported token at 1e-14: the floor
+    is applied last, so mu'(5) stays 1e-12 (19.7 nats if the cap at the smallest reported probability won).
+    """
+    vocab = 151_936
+    logits = torch.full((2, vocab), -30.0, dtype=torch.float64)
+    logits[:, 5], logits[:, 0] = 0.5, 0.0
+    ids = torch.tensor([[2, 0, 1, 7], [2, 0, 1, 3]])
+    lps = torch.tensor([math.log(0.2 - 5e-12), math.log(0.5), math.log(0.3), -math.inf], dtype=torch.float64)
+    lps = torch.stack([lps, lps.clone()])
+    lps[1, 3] = math.log(1e-14)  # row 1: a reported 1e-14 caps the share below the floor: the floor wins
+    sampled_lp = torch.full((2,), math.log(0.5), dtype=torch.float64)
+    terms = troll_token_terms(logits, ids, lps, torch.tensor([0, 0]), sampled_lp)
+    assert terms.diagnostics["support_size"].tolist() == [4, 4]
+
+    z = math.exp(0.5) + 1.0 + (vocab - 2) * math.exp(-30.0)
+    pi = {0: 1.0 / z, 1: math.exp(-30.0) / z, 2: math.exp(-30.0) / z, 5: math.exp(0.5) / z}
+    pi_other = (vocab - 5) * math.exp(-30.0) / z
+
+    def kl_before(mu5, mu_other):
+        mu = {0: 0.5, 1: 0.3, 2: 0.2 - 5e-12, 5: mu5}
+        total = sum(mu.values()) + mu_other
+        terms_ = [pi[i] * math.log(pi[i] / (mu[i] / total)) for i in pi]
+        return sum(terms_) + pi_other * math.log(pi_other / (mu_other / total))
+
+    per_atom = kl_before(1e-12, 4e-12)
+    shared = 5e-12 / (vocab - 3)
+    total_mass = kl_before(shared, 5e-12 - shared)
+    assert per_atom == pytest.approx(16.798, abs=1e-3) and total_mass == pytest.approx(23.223, abs=1e-3)
+    # Row 1 is row 0 with token 3 reported at 1e-14 (in "other" either way): mu'(5) = 1e-12 again, not 1e-14.
+    assert kl_before(1e-14, 5e-12 - 1e-14) == pytest.approx(19.66, abs=1e-2)
+    assert terms.diagnostics["kl_before"].tolist() == pytest.approx([per_atom, per_atom], rel=1e-6)
 
 
 def frozen_regression(logits, targets):

@@ -26,8 +26,9 @@ Choices (the authors' code and prime-rl's re-implementation differ; see docs of 
   mass the engine left unreported (1 - reported mass - mu(a_t) if a_t is unreported), spread over the unreported
   vocabulary, and never more than the smallest reported probability (it ranks below all of them): prime-rl's
   uniform tail rather than the authors' fixed 1e-12, because that mass is the one fact the engine gives about
-  the tail. mu'(other) is what remains. Both are floored at MU_FLOOR (the authors' tiny probability) and mu' is
-  renormalised. Reported entries of -inf count as unreported; a_t's atom uses the rollout's log mu(a_t).
+  the tail. mu'(other) is what remains. Each of these atoms is then floored at MU_FLOOR (the authors' tiny
+  probability per token; the floor wins over the cap when the smallest reported probability is below it), and mu'
+  is renormalised. Reported entries of -inf count as unreported; a_t's atom uses the rollout's log mu(a_t).
 - eta by a batched bracketing search on log eta in LOG_ETA_BRACKET (Newton steps, bisection whenever Newton
   would leave the bracket), in float64 on the [n, |S| + 1] atoms only, to float64 resolution. Its gradient is the
   implicit derivative of F(eta, pi') = KL(p_eta || mu') - eps = 0: d eta / d log pi' = -(dF/d log pi') / (dF/d eta),

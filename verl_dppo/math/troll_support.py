@@ -15,7 +15,8 @@ from verl_dppo.math.troll_projection import _logsumexp
 __all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms"]
 
 MU_FLOOR = 1e-12
-"""Smallest probability mu' gives an atom (the unreported tail, "other"): the authors' tiny probability."""
+"""Smallest probability mu' gives an atom it has no report for (each token of S_t outside mu's report, and "other"),
+per atom: the authors' tiny probability of a token outside their support."""
 
 
 def _candidates(sampled, mu_ids, pi_ids):
@@ -159,7 +160,8 @@ class _ChunkReader:
 
 
 def _mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, valid, vocab):
-    """log mu' on S_t U {other} (float64): known where reported, the uniform unreported share elsewhere."""
+    """log mu' on S_t U {other} (float64): known where reported, elsewhere the uniform unreported share capped at the
+    smallest reported probability; that share and mu'(other) each floored at MU_FLOOR, then renormalised."""
     k = mu_ids.shape[1]
     reported = torch.isfinite(mu_lp)
     known = torch.cat([sampled_lp[:, None], mu_lp, torch.full_like(sampled_lp[:, None], -math.inf)], dim=1)
@@ -168,8 +170,11 @@ def _mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, valid, vocab):
     unreported_mass = 1.0 - torch.where(reported, mu_lp.exp(), 0.0).sum(dim=1)
     unreported_mass = unreported_mass - torch.where(sampled_reported, 0.0, sampled_lp.exp())
     unreported_count = vocab - reported.sum(dim=1) - (~sampled_reported).long()
-    share = unreported_mass.clamp(min=MU_FLOOR).log() - unreported_count.clamp(min=1).double().log()
+    share = (unreported_mass / unreported_count.clamp(min=1)).clamp(min=0.0).log()
     share = torch.minimum(share, torch.where(reported, mu_lp, math.inf).amin(dim=1))
+    # Per atom, last: no token without a report gets less than the authors' fixed tiny probability, whatever the
+    # vocabulary size or the rounding of the reported mass (which can leave nothing, or less than nothing, over).
+    share = share.clamp(min=math.log(MU_FLOOR))
     slot_lp = torch.where(torch.isfinite(slot_lp), slot_lp, share[:, None])
     slot_lp = torch.where(valid, slot_lp, -math.inf)
     other = (1.0 - slot_lp.exp().sum(dim=1)).clamp(min=MU_FLOOR).log()
