@@ -1,0 +1,255 @@
+"""`verl-dppo run cpu_tiny` (issue 19, part 3 and the bad inputs of part 4), up to the launch: the setup composes and
+passes verl's checks with the CPU settings in the recipe; its model and data are built once under $DPPO_ROOT, with a
+tokenizer verl's Qwen3 token builder and agent loop accept and a data set verl's RLHFDataset reads and verl's own
+GSM8K verifier scores; what cannot run on CPU is one line, exit 2, before Ray starts. (The runs themselves, through
+main_ppo: tests/e2e/test_full_loop.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from verl_dppo.cli import main
+from verl_dppo.cli.compose import compose_recipe
+from verl_dppo.cli.cpu_tiny import (
+    CpuRunError,
+    _local_cpus,
+    build_assets,
+    check_engine,
+    cpu_problems,
+    size_local_ray,
+    synthetic_problems,
+)
+
+RUN = ["run", "cpu_tiny", "--method", "dppo_binary_tv"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The cpu_tiny config as `run` composes it, with its model and data built under a fresh DPPO_ROOT."""
+    root = tmp_path_factory.mktemp("dppo_root")
+    os.environ["DPPO_ROOT"], previous = str(root), os.environ.get("DPPO_ROOT")
+    try:
+        config = compose_recipe("cpu_tiny", "dppo_binary_tv")
+        OmegaConf.resolve(config)
+    finally:
+        if previous is None:
+            del os.environ["DPPO_ROOT"]
+        else:
+            os.environ["DPPO_ROOT"] = previous
+    lines = build_assets(config)
+    return config, lines
+
+
+def tokenizer_of(config):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+
+
+def test_the_build_writes_a_random_qwen3_and_gsm8k_shaped_data_once(built):
+    config, lines = built
+    assert len(lines) == 2 and "random-init Qwen3" in lines[0] and "64 GSM8K-shaped problems" in lines[1]
+    assert build_assets(config) == []  # built once: a second launch reuses both
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(config.actor_rollout_ref.model.path)
+    tiny = config.dppo.tiny_model
+    assert model.config.model_type == "qwen3"
+    assert (model.config.vocab_size, model.config.hidden_size, model.config.num_hidden_layers) == (
+        tiny.vocab_size, tiny.hidden_size, tiny.num_layers)
+    tokenizer = tokenizer_of(config)
+    assert len(tokenizer) == tiny.vocab_size  # every id the model can sample decodes to a word
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.eos_token_id == im_end == tokenizer.eos_token_id
+    assert im_end in GenerationConfig.from_pretrained(config.actor_rollout_ref.model.path).eos_token_id
+
+
+def test_the_tokenizer_is_what_verls_qwen3_token_builder_and_agent_loop_need(built):
+    from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
+
+    config, _ = built
+    tokenizer = tokenizer_of(config)
+    assert len(tokenizer.encode("\n", add_special_tokens=False)) == 1
+    assert len(tokenizer.encode("<|im_end|>", add_special_tokens=False)) == 1
+    builder = QwenContinuousTokenBuilder(tokenizer)  # raises unless both are single tokens
+    rows = pq.read_table(config.data.train_files).to_pylist()
+    unknown = tokenizer.unk_token_id
+    for row in rows:
+        ids = builder.build_initial_tokens(row["prompt"])
+        text = tokenizer.decode(ids)
+        assert text.startswith("<|im_start|> user \n") and text.endswith("<|im_end|> \n <|im_start|> assistant \n")
+        assert unknown not in ids, text  # every word of every prompt is in the vocabulary
+        assert len(ids) <= config.data.max_prompt_length
+
+
+def test_the_data_is_the_data_commands_gsm8k_schema_and_verls_gsm8k_reward_scores_it(built):
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.utils.reward_score import default_compute_score
+
+    from verl_dppo.cli.data import GSM8K_TEMPLATE
+
+    config, _ = built
+    tokenizer = tokenizer_of(config)
+    dataset = RLHFDataset(data_files=[config.data.train_files], tokenizer=tokenizer, config=config.data)
+    assert len(dataset) == config.dppo.tiny_data.problems  # none filtered out as overlong
+    folder = config.dppo.tiny_data.dir
+    sources = [json.loads(line) for line in open(os.path.join(folder, "gsm8k-synthetic.jsonl"))]
+    for index, source in enumerate(sources):
+        item = dataset[index]
+        assert item["data_source"] == "openai/gsm8k"
+        assert item["raw_prompt"] == [{"role": "user",
+                                       "content": GSM8K_TEMPLATE.format(problem=source["question"])}]
+        truth = item["reward_model"]["ground_truth"]
+        assert truth == source["answer"].rsplit("#### ", 1)[1]
+        # the worked solution, as the model would write it (tokens joined by the tokenizer's decoder): reward 1
+        written = tokenizer.decode(tokenizer.encode(source["answer"], add_special_tokens=False))
+        assert default_compute_score("openai/gsm8k", written, truth) == 1.0
+        assert default_compute_score("openai/gsm8k", written.replace(f"#### {truth}", "#### 1000"), truth) == 0.0
+
+
+def test_synthetic_problems_are_deterministic_and_arithmetically_right():
+    rows = synthetic_problems(64, seed=3)
+    assert rows == synthetic_problems(64, seed=3) and rows != synthetic_problems(64, seed=4)
+    assert len({row["question"] for row in rows}) > 50
+    for row in rows:
+        work, answer = row["answer"].split("\n#### ")
+        left, right = work.split(" = ")
+        a, op, b = left.split()[-3:]
+        assert eval(f"{a} {op} {b}") == int(answer) == int(right.split()[0])  # noqa: S307 (digits and + - * /)
+
+
+def test_a_changed_setting_rebuilds_and_a_foreign_folder_is_refused(built, tmp_path):
+    config, _ = built
+    config = OmegaConf.create(OmegaConf.to_container(config))
+    config.dppo.tiny_model.path = config.actor_rollout_ref.model.path = str(tmp_path / "model")
+    config.dppo.tiny_data.dir = str(tmp_path / "data")
+    config.data.train_files = config.data.val_files = str(tmp_path / "data" / "gsm8k.parquet")
+    assert len(build_assets(config)) == 2
+    config.dppo.tiny_data.problems = 8
+    assert build_assets(config) == [f"wrote 8 GSM8K-shaped problems to {tmp_path / 'data' / 'gsm8k.parquet'}"]
+    assert pq.read_metadata(config.data.train_files).num_rows == 8
+    config.actor_rollout_ref.model.path = str(tmp_path / "my_model")  # the user's own model: not touched
+    assert build_assets(config) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "weights.bin").write_text("x")
+    config.dppo.tiny_data.dir = str(tmp_path / "mine")
+    config.data.train_files = str(tmp_path / "mine" / "gsm8k.parquet")
+    with pytest.raises(CpuRunError, match="is not a cpu_tiny build"):
+        build_assets(config)
+    assert (tmp_path / "mine" / "weights.bin").read_text() == "x"
+    with pytest.raises(CpuRunError, match="dppo.tiny_model.vocab_size=64"):
+        config.dppo.tiny_model.path = config.actor_rollout_ref.model.path
+        config.dppo.tiny_model.vocab_size = 64
+        build_assets(config)
+
+
+def test_gsm8k_answers_are_the_number_after_the_hashes(tmp_path):
+    from verl_dppo.cli.data import DATASETS, convert_rows
+
+    rows = convert_rows([{"question": "How many?", "answer": "3 * 412 = 1,236\n#### 1,236"}], DATASETS["gsm8k"], "x")
+    assert rows[0]["reward_model"]["ground_truth"] == "1236"
+    assert rows[0]["data_source"] == "openai/gsm8k"
+    assert DATASETS["gsm8k"].hub_config == "main"  # openai/gsm8k has two configurations
+
+
+# ---------------------------------------------------------------------------------------------- the recipe
+
+
+def test_the_dry_run_carries_the_cpu_settings_and_builds_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    assert main([*RUN[:-1], "dppo_topk_tv", "--trainer-mode", "separate_async", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    config = yaml.safe_load(captured.out)
+    actor, rollout = config["actor_rollout_ref"]["actor"], config["actor_rollout_ref"]["rollout"]
+    assert config["trainer"]["device"] == "cpu" and rollout["name"] == "hf"
+    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["use_torch_compile"] is False
+    assert config["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
+    assert rollout["checkpoint_engine"]["backend"] == "ray_store"  # the recipes' nccl needs GPUs
+    assert rollout["agent"]["num_workers"] == config["reward"]["num_workers"] == 1
+    assert config["data"]["dataloader_num_workers"] == 0
+    assert config["transfer_queue"]["backend"]["SimpleStorage"]["num_data_storage_units"] == 1
+    ray_init = config["ray_kwargs"]["ray_init"]
+    assert ray_init["runtime_env"]["env_vars"]["VERL_PLATFORM"] == "cpu"
+    assert ray_init["num_cpus"] >= 2 + 2  # trainer + rollout worker, TransferQueue's controller + storage unit
+    assert config["trainer"]["experiment_name"] == "cpu_tiny-dppo_topk_tv-separate_async"
+    assert "the launch builds the model" in captured.err
+    assert not (tmp_path / "models").exists() and not (tmp_path / "data").exists()
+    assert "VERL_PLATFORM" not in os.environ  # set in the driver only by a launch
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def no_launch(monkeypatch, tmp_path):
+    """A run refused up front: neither Ray nor main_ppo may start, nothing is built."""
+    import ray
+    import verl.trainer.main_ppo as main_ppo
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("Ray or main_ppo started for a run that should have been refused")
+
+    monkeypatch.setattr(ray, "init", must_not_start)
+    monkeypatch.setattr(main_ppo, "run_ppo", must_not_start)
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield tmp_path
+    assert not (tmp_path / "models").exists()
+
+
+def _one_line(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "[validate_config]" not in line]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("verl-dppo: error:"), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("actor_rollout_ref.actor.strategy=megatron", ["actor_rollout_ref.actor.strategy=megatron", "Megatron needs GPUs",
+                                                    "strategy=fsdp2"]),
+    ("actor_rollout_ref.rollout.name=vllm", ["rollout.name=vllm", "GPUs only", "rollout.name=hf"]),
+    ("trainer.n_gpus_per_node={too_many}", ["= {too_many} worker processes", "CPU core(s)",
+                                            "lower trainer.n_gpus_per_node"]),
+])
+def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys, override, fragments):
+    too_many = str(_local_cpus() + 1)  # the cores a local Ray instance finds
+    line = _one_line(capsys, [*RUN, override.format(too_many=too_many)])
+    for fragment in fragments:
+        assert fragment.format(too_many=too_many) in line, line
+
+
+def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = compose_recipe("cpu_tiny", "dppo_binary_tv")
+    OmegaConf.resolve(config)
+    assert cpu_problems(config, None) == []  # the recipe as shipped runs here
+    for engine in ("sglang", "trtllm"):
+        bad = OmegaConf.merge(config, {"actor_rollout_ref": {"rollout": {"name": engine}}})
+        assert [f"rollout.name={engine}" in p and "rollout.name=hf" in p for p in cpu_problems(bad, None)] == [True]
+    fsdp1 = OmegaConf.merge(config, {"actor_rollout_ref": {"actor": {"strategy": "fsdp"}}})
+    assert "fsdp does not run on CPU" in cpu_problems(fsdp1, None)[0]
+    with pytest.raises(CpuRunError, match="model_engine=megatron.*Megatron needs GPUs"):
+        check_engine(compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"]))
+    # separate_async: the rollout pool's workers count too; a cluster is asked for its CPUs
+    pooled = compose_recipe("cpu_tiny", "dppo_binary_tv", trainer_mode="separate_async")
+    OmegaConf.resolve(pooled)
+    assert cpu_problems(pooled, "10.0.0.1:6379", cluster_cpus=4) == []  # 2 workers + TransferQueue's 2
+    (problem,) = cpu_problems(pooled, "10.0.0.1:6379", cluster_cpus=3)
+    assert "= 2 worker processes" in problem and "plus 2 for verl's TransferQueue" in problem
+    own = OmegaConf.merge(pooled, {"ray_kwargs": {"ray_init": {"num_cpus": 3}}})
+    assert "ray_kwargs.ray_init.num_cpus=3" in cpu_problems(own, None)[0] and "raise it to 4" in cpu_problems(own, None)[0]
+    size_local_ray(pooled)
+    assert pooled.ray_kwargs.ray_init.num_cpus == max(_local_cpus(), 4)
