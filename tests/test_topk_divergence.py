@@ -159,6 +159,31 @@ def test_bad_inputs_raise_clear_errors():
         topk_divergence(pi_logits, topk_ids, topk_lp.clone().fill_(math.nan), sampled, sampled_lp)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nan_error_names_what_is_nan(bad):
+    """Issue 18.4: only the sampled token's rollout log-prob is NaN/+inf (a_t outside the top-K): the error names
+    rollout_sampled_logprobs, not the top-K rows; a bad top-K entry names the top-K; a bad a_t inside the top-K
+    is not read (the top-K entry is used) and raises nothing."""
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(3, 4, seed=4, inside=False)
+    bad_sampled = sampled_lp.clone()
+    bad_sampled[1] = bad
+    with pytest.raises(TopKInputError, match=r"^the rollout's log-prob of the sampled token \(rollout_sampled_logprobs"
+                       r"\) is NaN or \+inf at 1 of 3 rows") as err:
+        topk_divergence(pi_logits, topk_ids, topk_lp, sampled, bad_sampled)
+    assert "top-K log-probs" not in str(err.value)
+    bad_topk = topk_lp.clone()
+    bad_topk[2, 1] = bad
+    with pytest.raises(TopKInputError, match=r"^the rollout's top-K log-probs \(rollout_topk_logprobs\) contain NaN "
+                       r"or \+inf at 1 of 3 rows") as err:
+        topk_divergence(pi_logits, topk_ids, bad_topk, sampled, sampled_lp)
+    assert "sampled token" not in str(err.value)
+    with pytest.raises(TopKInputError, match="top-K log-probs .* and the rollout's log-prob of the sampled token"):
+        topk_divergence(pi_logits, topk_ids, bad_topk, sampled, bad_sampled)
+    inside = topk_ids[:, 0].clone()
+    tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, inside, bad_sampled)
+    assert bool(torch.isfinite(tv).all() and torch.isfinite(kl).all())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Issue 8.1: rows as peaked as a real LLM's. pi(other) summed from the complement, never 1 - (kept mass): before,
 # pi == mu on peaked rows gave D_KL = +inf (the kept mass rounded to 1 in float32, pi(other) to 0).

@@ -215,16 +215,19 @@ def divergence_at_slots(
     mass_tolerance: float = MASS_TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (15)/(16) per row from log mu and log pi at the slots of A'_t ([N, S] each; `dropped` slots are not in
-    A'_t) and log pi(other) ([N], pi's mass outside A'_t, summed from the complement): the reduction to
-    A'_t U {other} and its TV and KL(mu' || pi'), in float64. mu(other) = 1 - mu's kept mass, floored at 0.
+    A'_t; the last slot is a_t's, the others the top-K) and log pi(other) ([N], pi's mass outside A'_t, summed from
+    the complement): the reduction to A'_t U {other} and its TV and KL(mu' || pi'), in float64. mu(other) = 1 -
+    mu's kept mass, floored at 0.
 
     Raises:
-        TopKInputError: mu's log-probs are NaN/+inf, or its kept mass exceeds 1 + mass_tolerance.
+        TopKInputError: mu's log-probs are NaN/+inf (the message names the top-K or a_t's), or its kept mass exceeds
+            1 + mass_tolerance.
     """
     neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=mu_logprobs.device)
     mu_lp = torch.where(dropped, neg_inf, mu_logprobs.double())
-    if bool(torch.isnan(mu_lp).any()) or bool((mu_lp == math.inf).any()):
-        raise TopKInputError("the rollout's top-K log-probs contain NaN or +inf")
+    unusable = torch.isnan(mu_lp) | (mu_lp == math.inf)
+    if bool(unusable.any()):
+        _raise_unusable(unusable)
     pi_lp = torch.where(dropped, neg_inf, pi_logprobs.double())
 
     log_mass_mu = torch.logsumexp(mu_lp, dim=1)
@@ -246,6 +249,15 @@ def divergence_at_slots(
     other_term = torch.where(other_mu > 0, other_mu * (log_other_mu - log_other_pi), torch.zeros_like(other_mu))
     kl = (kept_terms + other_term).clamp(min=0.0)
     return tv, kl
+
+
+def _raise_unusable(unusable: torch.Tensor) -> None:
+    """NaN/+inf log mu at kept slots: the error names the top-K rows or a_t's own log-prob (last slot)."""
+    counts = unusable[:, :-1].any(dim=1).sum().item(), unusable[:, -1].sum().item()
+    names = ("the rollout's top-K log-probs (rollout_topk_logprobs) contain", "the rollout's log-prob of the sampled "
+             "token (rollout_sampled_logprobs) is")
+    found = [f"{name} NaN or +inf at {c} of {unusable.shape[0]} rows" for name, c in zip(names, counts) if c]
+    raise TopKInputError(" and ".join(found) + ": mask such tokens out (verl's logits hook drops them)")
 
 
 PiReader = Callable[[Optional[torch.Tensor], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
