@@ -79,8 +79,8 @@ def test_the_tokenizer_is_what_verls_qwen3_token_builder_and_agent_loop_need(bui
 
     config, _ = built
     tokenizer = tokenizer_of(config)
-    assert len(tokenizer.encode("\n", add_special_tokens=False)) == 1
-    assert len(tokenizer.encode("<|im_end|>", add_special_tokens=False)) == 1
+    for token in ("\n", "<|im_end|>"):  # one token each, and not the unknown-word token
+        assert tokenizer.convert_ids_to_tokens(tokenizer.encode(token, add_special_tokens=False)) == [token]
     builder = QwenContinuousTokenBuilder(tokenizer)  # raises unless both are single tokens
     rows = pq.read_table(config.data.train_files).to_pylist()
     unknown = tokenizer.unk_token_id
