@@ -26,9 +26,10 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
 dW += dlogits^T h. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
 a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
 
-Memory: per chunk, the logits in the matmul's dtype, a float32 copy when that differs, one float32 scratch of the
-same size, and the entropy's row blocks (`_ENTROPY_ROWS` rows at a time); between forward and backward only [T, S]
-and [T] tensors beside the inputs. `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per
+Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with
+dL/dlogits), the logits in the matmul's dtype beside it when that is not float32 (bf16), and the entropy's row
+blocks (`_ENTROPY_ROWS` rows at a time); TROLL's selector one more float32 buffer. Between forward and backward
+only [T, S] and [T] tensors beside the inputs; the weight's gradient is accumulated in place (addmm_). `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per
 chunk, so a GPU needs chunks of a few hundred tokens to be compute-bound rather than bandwidth-bound.
 """
 
@@ -79,7 +80,7 @@ class ChunkSlots(NamedTuple):
 
 Selector = Callable[[torch.Tensor, torch.Tensor, int, int], ChunkSlots]
 """(block, scratch, start, end) -> ChunkSlots: block holds the chunk's logits in float32 at least (the selector may
-overwrite it), scratch is a buffer of the same size; start:end are the chunk's rows."""
+overwrite it), scratch a buffer of the same size when asked for (else None); start:end are the chunk's rows."""
 
 
 class FusedTopK(NamedTuple):
@@ -112,19 +113,32 @@ def _entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _add_entropy_grad(grad, block, log_z, entropy, g_entropy) -> None:
-    """grad += -g_H pi (log pi + H), row block by row block."""
-    for r in range(0, block.shape[0], _ENTROPY_ROWS):
-        rows = slice(r, r + _ENTROPY_ROWS)
-        log_p = block[rows] - log_z[rows, None]
-        grad[rows].sub_(log_p.exp().mul_(log_p.add_(entropy[rows, None])).mul_(g_entropy[rows, None]))
+def _entropy_grad(logits, log_z, entropy, g_entropy) -> torch.Tensor:
+    """dL/dlogit from the entropy: -g_H pi (log pi + H)."""
+    log_p = logits - log_z[:, None]
+    return log_p.exp().mul_(log_p.add_(entropy[:, None])).mul_(-g_entropy[:, None])
+
+
+def _logits_grad_in_place(block, ids, dropped, tail_base, tail_coef, on_slots, log_z, entropy, g_entropy):
+    """Overwrite the chunk's logits with dL/dlogits (the module doc's three lines): one chunk-sized buffer."""
+    if g_entropy is not None:  # the entropy term at the slots (once per id), before their logits are overwritten
+        at_slots = _entropy_grad(block.gather(1, ids), log_z, entropy, g_entropy)
+        on_slots = on_slots + torch.where(dropped, 0.0, at_slots)
+    if g_entropy is None:
+        block.sub_(tail_base[:, None]).exp_().mul_(tail_coef[:, None])
+    else:
+        for r in range(0, block.shape[0], _ENTROPY_ROWS):  # row blocks: the entropy term needs the logits too
+            rows = slice(r, r + _ENTROPY_ROWS)
+            term = _entropy_grad(block[rows], log_z[rows], entropy[rows], g_entropy[rows])
+            block[rows].sub_(tail_base[rows, None]).exp_().mul_(tail_coef[rows, None]).add_(term)
+    return block.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_slots)
 
 
 class _FusedSlotLogprobs(torch.autograd.Function):
     """(hidden, weight) -> log pi at each row's slots, log pi(other), the entropy; see the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, temperature, chunk, select, width, want_entropy):
+    def forward(ctx, hidden, weight, temperature, chunk, select, width, want_entropy, needs_scratch):
         ctx.set_materialize_grads(False)
         n, dev = hidden.shape[0], hidden.device
         work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
@@ -137,7 +151,7 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
         rows = min(chunk, n)
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
-        scratch = torch.empty_like(buffer)
+        scratch = torch.empty_like(buffer) if needs_scratch else None
         matmul_dtype = work
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
@@ -147,7 +161,7 @@ class _FusedSlotLogprobs(torch.autograd.Function):
             del logits
             if want_entropy:
                 entropy[start:end] = _entropy_rows(block, _finite(block.amax(dim=1)))
-            slots = select(block, scratch[: end - start], start, end)
+            slots = select(block, scratch[: end - start] if needs_scratch else None, start, end)
             ids[start:end], dropped[start:end] = slots.ids, slots.dropped
             row_max[start:end], sum_outside[start:end] = slots.row_max, slots.sum_outside
             slot_logits[start:end] = slots.slot_logits
@@ -195,7 +209,6 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         device_type, autocast_on, autocast_dtype = ctx.autocast
         chunk, rows = ctx.chunk, min(ctx.chunk, n)
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
-        scratch = torch.empty_like(buffer)
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
@@ -203,11 +216,9 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                 logits = _chunk_logits(h, weight, ctx.temperature, buffer)
                 block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
                 del logits
-                grad = torch.sub(block, tail_base[start:end, None], out=scratch[: end - start]).exp_()
-                grad.scatter_(1, ids[start:end], 0.0).mul_(tail_coef[start:end, None])
-                grad.scatter_add_(1, ids[start:end], on_slots[start:end])
-                if g_h is not None:
-                    _add_entropy_grad(grad, block, log_z_w[start:end], entropy_w[start:end], g_h[start:end])
+                c = slice(start, end)
+                grad = _logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
+                                             log_z_w[c], entropy_w[c], g_h[c] if g_h is not None else None)
                 del block
                 if ctx.temperature != 1.0:
                     grad.div_(ctx.temperature)
@@ -220,20 +231,21 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                     else:
                         grad_weight += d_logits.t() @ h
                 del d_logits, grad
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_slot_logprobs(hidden, weight, temperature: float, select: Selector, width: int, entropy: bool = False,
-                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS, scratch: bool = False):
     """log pi at the slots `select` picks per chunk, log pi(other) (the ids in no slot) and the entropy, fused with
     the LM head. Returns (log_pi [T, width] float64, log_other [T] float64, entropy [T] (0 unless asked), ids
-    [T, width], dropped [T, width], extra [T, width]); the first three with gradient to hidden and weight."""
+    [T, width], dropped [T, width], extra [T, width]); the first three with gradient to hidden and weight.
+    scratch: `select` gets a chunk-sized float32 buffer (else None)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [T, H] and weight [V, H] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if not (temperature > 0 and math.isfinite(temperature)) or chunk_tokens < 1:
         raise ValueError(f"need temperature > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
     return _FusedSlotLogprobs.apply(hidden, weight, float(temperature), int(chunk_tokens), select, int(width),
-                                    bool(entropy))
+                                    bool(entropy), bool(scratch))
 
 
 def _topk_slots(sampled: torch.Tensor, topk_ids: torch.Tensor, rows: Optional[torch.Tensor]):

@@ -122,7 +122,7 @@ def fused_troll_token_terms(
         mu_ids[index], mu_selected[index], troll_rows[index] = mu_ids_rows, mu_selected_rows, True
         select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass)
         log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
-            hidden, weight, temperature, select, 1 + mu_ids.shape[1] + k_pi, entropy, chunk_tokens
+            hidden, weight, temperature, select, 1 + mu_ids.shape[1] + k_pi, entropy, chunk_tokens, scratch=True
         )
         valid = ~dropped
         slot = ((ids == sampled_all[:, None]) & valid).long().argmax(dim=1, keepdim=True)  # a_t is always kept
