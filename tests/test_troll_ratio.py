@@ -1,14 +1,15 @@
 """TROLL's importance ratio p(a_t) / mu'(a_t) where mu gave a_t almost nothing (issue 18, item 1; README "Bad input").
 
-A finite rollout log-prob of -100 for a token outside mu's top-K row (the engine's own log-prob of the sampled
-token; mu's report peaked at 1 - 1e-9 elsewhere) puts log r = log p(a_t) - log mu'(a_t) at 93 with eps = 1, past
-float32's exp overflow (88.7): r = inf, so the loss was -inf (A = 1) or NaN (A = 0, inf x 0) and the gradient
-non-finite, in the math layer and through verl's engine. Pinned: TROLL's ratio is treated as the DPPO modes treat
-theirs (`verl_dppo.plugin.losses.MAX_LOG_RATIO`): its value is exp(min(log r, 20)), and its gradient that weight
-times the score d log p(a_t) (DPPO's sg(min(r, C)) d log pi), so the loss and the gradient stay finite at
-eps = 1 and 0.05 for A = 1, 0, -1, identical to the uncapped Eq. 5 below the cap; through verl's real FSDP engine
-(prepare_model_inputs -> tiny Llama -> the plugin's logits hook -> verl's ppo_loss) the loss and the parameter
-gradient equal a direct float64 call of the math layer.
+A finite rollout log-prob of -100 for a token outside mu's top-K row, with mu agreeing with pi elsewhere, puts
+log r = log p(a_t) - log mu'(a_t) at 92-96 (the projection keeps p(a_t) near 1 / 100): past float32's exp overflow
+(88.7), r = inf, so the loss was -inf (A = 1) or NaN (A = 0, inf x 0) and the gradient non-finite, in the math
+layer and through verl's engine. Pinned: TROLL's ratio is treated as the DPPO modes treat theirs
+(`verl_dppo.plugin.losses.MAX_LOG_RATIO`): its value is exp(min(log r, 20)) and its gradient that weight times the
+score d log p(a_t) (DPPO's sg(min(r, C)) d log pi), so the loss and the gradient stay finite at eps = 1 and 0.05 for
+A = 1, 0, -1 (bf16, float32, float64 logits; a peaked mu row too), and Eq. 5 is unchanged below the cap. Through
+verl's real FSDP engine (prepare_model_inputs -> tiny Llama -> the plugin's logits hook -> verl's ppo_loss): the
+loss equals a direct float64 call of the math layer, and the parameter gradient is the capped weight times the score
+on the engine's own graph.
 """
 
 from __future__ import annotations
