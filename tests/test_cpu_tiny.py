@@ -176,6 +176,7 @@ def test_the_dry_run_carries_the_cpu_settings_and_builds_nothing(monkeypatch, tm
     assert config["trainer"]["device"] == "cpu" and rollout["name"] == "hf"
     assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["use_torch_compile"] is False
     assert config["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
+    assert rollout["dtype"] == "float32" and actor["fsdp_config"]["mixed_precision"]["param_dtype"] == "fp32"
     assert rollout["checkpoint_engine"]["backend"] == "ray_store"  # the recipes' nccl needs GPUs
     assert rollout["agent"]["num_workers"] == config["reward"]["num_workers"] == 1
     assert config["data"]["dataloader_num_workers"] == 0
@@ -253,3 +254,16 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
     assert "ray_kwargs.ray_init.num_cpus=3" in cpu_problems(own, None)[0] and "raise it to 4" in cpu_problems(own, None)[0]
     size_local_ray(pooled)
     assert pooled.ray_kwargs.ray_init.num_cpus == max(_local_cpus(), 4)
+
+
+def test_a_run_already_at_its_last_step_is_refused_instead_of_starting_ray_for_nothing(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = compose_recipe("cpu_tiny", "dppo_binary_tv", [f"trainer.default_local_dir={tmp_path}"])
+    OmegaConf.resolve(config)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")  # verl's tracker: step 3 of 4 saved
+    assert cpu_problems(config, None) == []  # resumes at step 4
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    (problem,) = cpu_problems(config, None)
+    assert "already holds step 4 of trainer.total_training_steps=4" in problem and "resume_mode=disable" in problem
+    config.trainer.resume_mode = "disable"
+    assert cpu_problems(config, None) == []

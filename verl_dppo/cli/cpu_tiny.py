@@ -170,7 +170,27 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
             f"ray_kwargs.ray_init.num_cpus={requested}: the run holds {held} of Ray's CPUs ({workers} worker "
             f"processes and {held - workers} for verl's TransferQueue): raise it to {held}, or leave it unset"
         )
+    finished = _finished(config)
+    if finished:
+        problems.append(finished)
     return problems
+
+
+def _finished(config: Any) -> Optional[str]:
+    """A run that verl would resume (resume_mode=auto) at its last step: it would start Ray and stop at once."""
+    trainer = config.trainer
+    if trainer.get("resume_mode") != "auto" or trainer.get("total_training_steps") is None:
+        return None
+    folder = Path(os.path.expanduser(str(trainer.default_local_dir)))
+    try:  # verl's own tracker file (verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename)
+        step = int((folder / "latest_checkpointed_iteration.txt").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if step < int(trainer.total_training_steps):
+        return None
+    return (f"{folder} already holds step {step} of trainer.total_training_steps={trainer.total_training_steps}: "
+            "verl would resume there and stop at once. Raise trainer.total_training_steps to train on, or start "
+            "over with trainer.resume_mode=disable")
 
 
 def size_local_ray(config: Any) -> None:
