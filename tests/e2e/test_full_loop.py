@@ -6,8 +6,9 @@ plugin loaded in every Ray process through its entry point, the CPU platform cho
 run's Ray runtime env, and the plugin's `hf` rollout generating. Every stage is verl's: the agent loop, verl's GSM8K
 reward, GRPO advantages, `update_actor` with the plugin's loss, the weight sync, checkpoints, the JSONL log.
 
-The runs share one local Ray cluster (started here, stopped here) and run side by side; the tests read what a user
-reads: the exit code, the JSONL log, the workers' log lines, the checkpoint folder.
+The runs go in two lanes side by side, each lane's runs one after another on a local Ray cluster of its own (started
+and stopped here); the tests read what a user reads: the exit code, the JSONL log, the workers' log lines, the
+checkpoint folder.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ MODES = driver.plugin_loss_modes()
 TOPK = ("dppo_topk_tv", "dppo_topk_kl")
 STEPS = 2
 RESUME_METHOD = "dppo_binary_tv"
-PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "3"))
-"""main_ppo drivers at a time on the shared cluster: start-up is mostly imports in idle-waiting processes."""
+PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
+"""Lanes of runs side by side, each on a local Ray cluster of its own, its runs one after another: verl's
+TransferQueue names its controller actor globally (namespace "transfer_queue"), so two main_ppo jobs at once on one
+cluster would share it."""
 RUN_TIMEOUT_S = 600
 CLUSTER_CPUS = 32
 """Logical CPUs of the shared cluster: every run takes one per worker process (the CPU platform's Ray resource)."""
@@ -57,6 +60,7 @@ class Cluster:
     """A local Ray instance owned by a holder process of ours; the runs join it with RAY_ADDRESS."""
 
     def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
         code = ("import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
                 "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
                 % (CLUSTER_CPUS, str(root / "ray")))
@@ -213,21 +217,23 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             compose(run, root)
     done: dict[str, Run] = {}
     lock = threading.Lock()
+    lanes = [plan[i::PARALLEL] for i in range(PARALLEL)]
 
-    def run_chain(chain: list[Run]) -> None:
-        for run in chain:
-            execute(run, cluster.address)
-            with lock:
-                done[run.name] = run
-                print(f"full loop: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
+    def run_lane(index: int) -> None:
+        cluster = Cluster(root / f"lane{index}")
+        try:
+            for chain in lanes[index]:
+                for run in chain:
+                    execute(run, cluster.address)
+                    with lock:
+                        done[run.name] = run
+                    print(f"full loop: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
+        finally:
+            cluster.stop()
 
     start = time.perf_counter()
-    cluster = Cluster(root)
-    try:
-        with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-            list(pool.map(run_chain, plan))
-    finally:
-        cluster.stop()
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        list(pool.map(run_lane, range(PARALLEL)))
     total = time.perf_counter() - start
     print(f"full loop: all runs {total:.0f} s", file=sys.stderr)
     (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))

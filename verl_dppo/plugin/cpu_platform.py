@@ -213,3 +213,6 @@ def install() -> PlatformBase:
     if get_platform() is not _installed:
         raise RuntimeError("verl's platform was replaced after the CPU platform was installed")
     return _installed
+
+
+register()  # at import: `import verl` (which loads the plugin) may itself be what imports this module first

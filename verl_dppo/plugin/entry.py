@@ -21,9 +21,11 @@ def register_backends() -> None:
     from verl_dppo.patches.cpu_distributed import patch_distributed
     from verl_dppo.patches.cpu_resources import patch_resource_check
     from verl_dppo.patches.file_logger import patch_file_logger
-    from verl_dppo.plugin import cpu_platform, hf_rollout, ray_store_engine
+    # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
+    # so this plugin) right now, the module is still partial here and finishes the registration itself.
+    import verl_dppo.plugin.cpu_platform  # noqa: F401
+    from verl_dppo.plugin import hf_rollout, ray_store_engine
 
-    cpu_platform.register()
     when_imported("verl.workers.rollout.replica", hf_rollout.register_replica)
     when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
     when_imported("verl.checkpoint_engine.base", ray_store_engine.register)
