@@ -1,13 +1,14 @@
 """`verl-dppo run cpu_tiny`: verl's whole trainer on this machine's CPUs, and what such a run needs.
 
-Three parts, each called by `run` before anything slow starts:
+What `run` does for it, before anything slow starts:
 
 - `select_platform(config)`: a recipe with `trainer.device=cpu` runs on the plugin's CPU platform
-  (verl_dppo.plugin.cpu_platform). It is chosen by VERL_PLATFORM=cpu, set here in the driver before verl's first
-  `get_platform()` (local Ray workers inherit it) and in `ray_kwargs.ray_init.runtime_env.env_vars` (the nodes of
-  an existing cluster).
+  (verl_dppo.plugin.cpu_platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
+  Ray process, on every node) and, at launch, in the driver before verl's first `get_platform()` (local Ray workers
+  inherit it). `size_local_ray(config)`: a new local Ray instance gets the logical CPUs the run holds.
 - `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron
-  engine or strategy, FSDP1, a GPU-only rollout engine, more worker processes than Ray has CPUs.
+  engine or strategy, FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
+  CPUs), and a run verl would resume at its last step (it would start Ray only to stop).
 - `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a random-init Qwen3
   (a transformers config, no download) with a ChatML word-level tokenizer (verl's Qwen3 token builder needs
   `<|im_end|>` and "\\n" as single tokens, and the agent loop a chat template), and a small GSM8K-shaped data set
@@ -29,8 +30,7 @@ from typing import Any, Optional
 from verl_dppo.cli.errors import UsageError
 
 __all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
-           "cpu_problems", "is_cpu_run", "size_local_ray",
-           "select_platform", "synthetic_problems", "vocabulary"]
+           "cpu_problems", "is_cpu_run", "select_platform", "size_local_ray", "synthetic_problems", "vocabulary"]
 
 GPU_ONLY_ROLLOUTS = ("vllm", "sglang", "trtllm")
 CPU_ROLLOUT = "hf"
@@ -67,7 +67,7 @@ _QUESTIONS = (
 
 
 class CpuRunError(UsageError, ValueError):
-    """The cpu_tiny build cannot go ahead; the message names the setting or path to change."""
+    """A CPU run or the cpu_tiny build cannot go ahead; the message names the setting or path to change."""
 
 
 @dataclass(frozen=True)
