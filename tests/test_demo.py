@@ -3,6 +3,7 @@ verl file-logger rows, valid PNGs, and the command line end to end (a few steps,
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_actor_config_is_verls_own_dataclass():
     from verl_dppo import DPPOLossConfig
 
     by_name = {m.name: m for m in METHODS}
-    config = actor_config(by_name["grpo_clip"], 32, 8, 4, 32, 1e-3, 1.0)
+    config = actor_config(by_name["grpo_clip_higher"], 32, 8, 4, 32, 1e-3, 1.0)
     assert isinstance(config, FSDPActorConfig) and isinstance(config.policy_loss, DPPOLossConfig)
     assert (config.clip_ratio_low, config.clip_ratio_high, config.ppo_mini_batch_size) == (0.2, 0.28, 8)
     assert math.isinf(actor_config(by_name["pg_is"], 32, 8, 4, 32, 1e-3, 1.0).policy_loss.ratio_cap)
@@ -118,14 +119,14 @@ def test_jsonl_rows_are_verl_file_logger_rows(warm, tmp_path):
 
 
 def test_same_seed_same_run(warm, tmp_path):
-    method = runnable_methods(["grpo_clip"])[0]
+    method = runnable_methods(["grpo_clip_higher"])[0]
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir(), second.mkdir()
     for out in (first, second):
         train_method(method, DemoSettings(**TINY), warm, str(out))
     strip = lambda path: [{k: v for k, v in json.loads(l)["data"].items() if not k.startswith("timing_s/")}
                           for l in path.read_text().splitlines()]
-    assert strip(first / "grpo_clip.jsonl") == strip(second / "grpo_clip.jsonl")
+    assert strip(first / "grpo_clip_higher.jsonl") == strip(second / "grpo_clip_higher.jsonl")
 
 
 def test_figures_are_valid_pngs(warm, tmp_path):
@@ -140,12 +141,20 @@ def test_figures_are_valid_pngs(warm, tmp_path):
         assert matplotlib.image.imread(path).shape[0] > 100
 
 
-def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
-    from verl_dppo.cli.demo import runner
+def shrink_the_demo(monkeypatch) -> None:
+    """The CLI at a tiny size: the DemoSettings defaults are what `make demo` runs; shrink them, and the warm-up's
+    screening to the `warm` fixture's (160 candidates x 8 samples, not 1,024 x 16), for the test."""
+    import functools
 
-    # The CLI at a tiny size: the DemoSettings defaults are what `make demo` runs; shrink them for the test.
+    from verl_dppo.cli.demo import runner, warmup
+
     tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
     monkeypatch.setattr(runner, "DemoSettings", lambda: tiny)
+    monkeypatch.setattr(warmup, "warm_start", functools.partial(warmup.warm_start, n_candidates=160, probe_samples=8))
+
+
+def test_demo_command_end_to_end(tmp_path, capsys, monkeypatch):
+    shrink_the_demo(monkeypatch)
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), "--steps", "2", "--mini-batches", "2", "--methods", "pg_is,dppo_binary_kl"]
     assert main([*argv, "--no-progress"]) == 0
@@ -201,3 +210,96 @@ def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
         full[attention.bool()] = value
         topk_values = full[:, cols][mask.bool()]
         assert (binary[key][mask.bool()] <= topk_values + 1e-5).all() and topk_values.max() > 0
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_each_demo_method_is_named_after_the_recipe_it_runs(method):
+    """Issue 18.10: a demo row is named after recipes/method/<name>.yaml and runs that recipe's loss mode with its
+    thresholds. Not compared: `topk` (the demo's vocabulary has 64 tokens, not 151,936) and `ratio_cap` (the demo's
+    inf and the recipes' clip_ratio_c 10000 both mean no truncation)."""
+    from verl_dppo.cli.compose import compose_recipe
+
+    actor = compose_recipe("sanity_1p5b", method.name).actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == method.loss_mode
+    for key, value in method.policy_loss.items():
+        if key not in ("topk", "ratio_cap"):
+            assert actor.policy_loss[key] == value, key
+    for key, value in method.actor.items():
+        assert actor[key] == value, key
+
+
+def test_demo_help_lists_every_accepted_method_and_the_old_name_runs_the_recipes_row(capsys):
+    from verl_dppo.cli import build_parser
+    from verl_dppo.cli.demo.methods import ALIASES
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    listed = help_text.split("subset of:")[1].split("(default: all)")[0]
+    assert set(re.findall(r"[a-z0-9_]+", listed)) - {"or"} == {m.name for m in METHODS} | set(ALIASES)
+    (row,) = runnable_methods(["grpo_clip"])
+    assert row.name == "grpo_clip_higher"
+    assert runnable_methods(["grpo_clip", "grpo_clip_higher"]) == [row]  # one run, not two under one name
+
+
+def test_held_out_set_is_every_problem_no_gradient_or_choice_saw(warm):
+    """The held-out set (val-core): the n_val problems set aside, then every problem that no supervised batch drew
+    and that neither the probe set nor the sanity-set screening used; recomputed here from the warm-up's own
+    draws (same seed: numpy's permutation, then one batch of 64 per supervised step)."""
+    rng = np.random.default_rng(0)
+    problems = task.all_problems()[rng.permutation(10**task.N_DIGITS)]
+    pool = problems[32:]  # the fixture's n_val
+    drawn = np.zeros(len(pool), dtype=bool)
+    for _ in range(warm.supervised_steps):
+        drawn[rng.integers(0, len(pool), size=64)] = True
+    drawn[: 256 + 160] = True  # the probe set and the fixture's n_candidates
+    key = lambda rows: {tuple(row) for row in rows.tolist()}
+    expected = key(problems[:32]) | key(pool[~drawn])
+    held_out = key(warm.val_problems)
+    assert held_out == expected and len(held_out) == len(warm.val_problems)
+    assert (warm.val_problems[:32] == problems[:32]).all()
+    assert not held_out & key(warm.train_problems)
+    assert len(warm.val_problems) > 1000  # a greedy accuracy to about +-0.015, not +-0.03 as on 256 problems
+
+
+def test_demo_with_several_seeds_reports_the_mean_and_spread(tmp_path, capsys, monkeypatch):
+    """--seeds 0,1: a warm-up per seed, every method from each, <method>_seed<S>.jsonl logs; the table gives the
+    mean over the seeds with the lowest and highest seed, computed from each run's own summary."""
+    shrink_the_demo(monkeypatch)
+    out = tmp_path / "seeds"
+    argv = ["demo", "--out", str(out), "--steps", "2", "--mini-batches", "2", "--methods", "pg_is,grpo_clip",
+            "--seeds", "0,1", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for name in ("pg_is_seed0.jsonl", "pg_is_seed1.jsonl", "grpo_clip_higher_seed0.jsonl",
+                 "grpo_clip_higher_seed1.jsonl", "warmup_seed0.pt", "warmup_seed1.pt", "reward.png"):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [0, 1] and set(summary["warmup"]) == {"0", "1"}
+    runs = {(r["method"], r["seed"]): r for r in summary["methods"]}
+    assert set(runs) == {(m, s) for m in ("pg_is", "grpo_clip_higher") for s in (0, 1)}
+    assert runs["pg_is", 0]["held_out_accuracy"] != runs["pg_is", 1]["held_out_accuracy"]  # two warm starts
+    for method in ("pg_is", "grpo_clip_higher"):
+        final = [runs[method, s]["held_out_accuracy"][-1][1] for s in (0, 1)]
+        rewards = [runs[method, s]["final_reward"] for s in (0, 1)]
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {method} |"))
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert cells[1].startswith(f"{np.mean(rewards):.2f} ({min(rewards):.2f}-{max(rewards):.2f})")
+        assert cells[7] == f"{np.mean(final):.2f} ({min(final):.2f}-{max(final):.2f})"
+        assert re.fullmatch(r"[012] of 2", cells[3])
+    assert "mean over seeds 0,1" in printed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0,0"], "--seeds: 0 is named twice"),
+        (["--seeds", "0,x"], "--seeds: 'x' is not a whole number"),
+        (["--seeds", "0,-1"], "--seed must be >= 0"),
+        (["--methods", "dppo_binary_tv_recompute"], "unknown demo method(s) ['dppo_binary_tv_recompute']"),
+    ],
+)
+def test_demo_seed_and_method_errors_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["demo", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -13,6 +13,10 @@ staleness and staleness_figures: `verl-dppo staleness`, the same loop with a rol
 from __future__ import annotations
 
 
+DEMO_MINUTES = "about 8 minutes"
+"""`make demo`'s wall time on 2 cores (measured, docs/demo.md); the README and docs/demo.md state the same."""
+
+
 def _handler(args) -> int:
     from verl_dppo.cli.demo.runner import main_from_args
 
@@ -25,9 +29,13 @@ def add_command(commands) -> None:
     parser, defaults = add_parser(
         commands, "demo", "CPU sanity test: PG-IS vs GRPO vs DPPO on a tiny LM, logs + figures in minutes",
         "Train a tiny LM with each method side by side on CPU and write verl-format logs, figures "
-        "and a table to --out. Seeded and reproducible; ~2-5 minutes on 2 cores with the defaults.",
+        f"and a table to --out. Seeded and reproducible; {DEMO_MINUTES} on 2 cores with the defaults "
+        "(one seed), about that per seed with --seeds.",
     )
     add_training_options(parser, defaults, defaults.steps, METHODS, "method")
+    parser.add_argument("--seeds", default="", metavar="S,S",
+                        help="several seeds, e.g. 0,1,2: every method from each seed's own warm-up; the figures "
+                             "and the table give the mean and the spread (min-max) over the seeds (replaces --seed)")
     parser.add_argument("--rollout-precision", default=defaults.rollout_precision,
                         choices=("bf16-emulated", "bf16", "fp32"),
                         help="the rollout copy's arithmetic (bf16-emulated: fast on CPU; fp32: no mismatch)")
@@ -46,13 +54,15 @@ def add_parser(commands, name: str, help: str, description: str):
 
 def add_training_options(parser, defaults, steps: int, methods, unit: str) -> None:
     """--steps, --seed, --lr, --mini-batches, --methods: shared by `demo` and `staleness`."""
+    from verl_dppo.cli.demo.methods import accepted_names
+
     parser.add_argument("--steps", type=int, default=steps, help=f"RL steps per {unit} ({steps})")
     parser.add_argument("--seed", type=int, default=defaults.seed, help=f"seed ({defaults.seed})")
     parser.add_argument("--lr", type=float, default=defaults.lr, help=f"RL learning rate ({defaults.lr:g})")
     parser.add_argument("--mini-batches", type=int, default=defaults.mini_batches,
                         help=f"optimizer updates per rollout batch ({defaults.mini_batches})")
     parser.add_argument("--methods", default="", metavar="A,B",
-                        help="comma-separated subset of: " + ", ".join(m.name for m in methods) + " (default: all)")
+                        help="comma-separated subset of: " + accepted_names(methods) + " (default: all)")
 
 
 def add_process_options(parser, defaults, unit: str) -> None:

@@ -23,26 +23,46 @@ def _smooth(values: np.ndarray, window: int = 10) -> np.ndarray:
     return out
 
 
+def _mean_and_range(series: list[tuple[np.ndarray, np.ndarray]]):
+    """Steps logged by every run, and the mean, lowest and highest value over the runs at each."""
+    common = sorted(set.intersection(*(set(steps.tolist()) for steps, _ in series)))
+    stacked = np.array([[dict(zip(steps.tolist(), values))[s] for s in common] for steps, values in series])
+    return np.array(common), stacked.mean(axis=0), stacked.min(axis=0), stacked.max(axis=0)
+
+
 def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
-    """Write reward.png, mismatch.png, masked.png and blocked_probs.png into out_dir; returns their paths."""
+    """Write reward.png, mismatch.png, masked.png and blocked_probs.png into out_dir; returns their paths. Several
+    runs of one method (one per seed) are drawn as their mean, with a band from the lowest to the highest run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {r["method"]: load_run(os.path.join(out_dir, f"{r['method']}.jsonl")) for r in results}
+    by_method: dict[str, list[dict]] = {}
+    for r in results:
+        by_method.setdefault(r["method"], []).append(r)
+    runs = {name: [load_run(os.path.join(out_dir, f"{r.get('run', name)}.jsonl")) for r in group]
+            for name, group in by_method.items()}
+    seeds = sorted({r.get("seed", 0) for r in results})
+    several = len(seeds) > 1
+    over_seeds = f"mean over seeds {','.join(map(str, seeds))}, band: lowest to highest" if several else "one seed"
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     paths = []
 
     def lines(axis, metric, smooth=10, log=False):
-        for name, run in runs.items():
-            steps, values = _series(run, metric)
-            if len(steps) == 0:
+        for name, method_runs in runs.items():
+            series = [_series(run, metric) for run in method_runs]
+            if any(len(steps) == 0 for steps, _ in series):
                 continue
             if smooth > 1:
-                axis.plot(steps, values, color=colors[name], alpha=0.18, linewidth=0.7)
-                values = _smooth(values, smooth)
-            axis.plot(steps, values, color=colors[name], label=name, linewidth=1.4)
+                series = [(steps, _smooth(values, smooth)) for steps, values in series]
+            steps, mean, low, high = _mean_and_range(series)
+            if several:
+                axis.fill_between(steps, low, high, color=colors[name], alpha=0.15, linewidth=0)
+            elif smooth > 1:
+                raw_steps, raw = _series(method_runs[0], metric)
+                axis.plot(raw_steps, raw, color=colors[name], alpha=0.18, linewidth=0.7)
+            axis.plot(steps, mean, color=colors[name], label=name, linewidth=1.4)
         axis.set_xlabel("RL step", fontsize=8)
         axis.grid(alpha=0.3)
         axis.tick_params(labelsize=7)
@@ -58,18 +78,26 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     lines(left, "critic/score/mean")
-    # The demo's collapse verdict (rl.summarize): a COLLAPSE_WINDOW-step mean below this line.
-    threshold = COLLAPSE_FRACTION * results[0]["initial_reward"]
+    # The demo's collapse verdict (rl.summarize): a COLLAPSE_WINDOW-step mean below this line (each seed has its
+    # own warm start; the line is drawn at their mean).
+    threshold = COLLAPSE_FRACTION * float(np.mean([r["initial_reward"] for r in by_method[next(iter(runs))]]))
     left.axhline(threshold, color="black", linestyle="--", linewidth=0.9,
                  label=f"collapse: {results[0].get('collapse_window', 20)}-step mean below "
                        f"{COLLAPSE_FRACTION:g} x warm start ({threshold:.2f})")
-    left.set_title("training reward (critic/score/mean; 10-step mean)", fontsize=9)
+    left.set_title(f"training reward (critic/score/mean; 10-step mean)\n{over_seeds}", fontsize=8.5)
     left.legend(fontsize=7)
-    for name, run in runs.items():
-        steps, values = _series(run, "val-core/digit_sum/acc/mean@1")
-        right.plot(steps, values, "o-", color=colors[name], label=name, markersize=3, linewidth=1.2)
-    right.set_title("held-out greedy accuracy (val-core/digit_sum/acc/mean@1)\n"
-                    "one seed: the order of close methods changes with --seed", fontsize=8.5)
+    for name, group in by_method.items():
+        series = [tuple(np.array(column) for column in zip(*r["held_out_accuracy"])) for r in group]
+        if not all(series):
+            continue
+        steps, mean, low, high = _mean_and_range(series)
+        if several:
+            right.fill_between(steps, low, high, color=colors[name], alpha=0.15, linewidth=0)
+        right.plot(steps, mean, "o-", color=colors[name], label=name, markersize=3, linewidth=1.2)
+    n_held_out = sorted({r.get("n_held_out", 0) for r in results})
+    size = f"{n_held_out[0]:,}" if len(n_held_out) == 1 else f"{n_held_out[0]:,}-{n_held_out[-1]:,}"
+    right.set_title(f"held-out greedy accuracy, {size} problems (val-core/digit_sum/acc/mean@1)\n{over_seeds}",
+                    fontsize=8.5)
     right.set_xlabel("RL step", fontsize=8)
     right.grid(alpha=0.3)
     right.tick_params(labelsize=7)
@@ -96,17 +124,19 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     edges = np.array(results[0]["prob_bins"])
     centers, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
-    masking = [r for r in results if sum(r["blocked_by_prob"]) > 0]
+    pooled = {name: (np.sum([r["blocked_by_prob"] for r in group], axis=0).astype(float),
+                     np.sum([r["updates_by_prob"] for r in group], axis=0).astype(float))
+              for name, group in by_method.items()}
+    masking = [name for name, (blocked, _) in pooled.items() if blocked.sum() > 0]
     bar_width = width / max(1, len(masking))
-    for k, r in enumerate(masking):
-        blocked = np.array(r["blocked_by_prob"], dtype=float)
+    for k, name in enumerate(masking):
+        blocked, updates = pooled[name]
         left.bar(edges[:-1] + k * bar_width, blocked / blocked.sum(), width=bar_width, align="edge",
-                 color=colors[r["method"]], label=f"{r['method']} ({int(blocked.sum())} tokens)")
-        updates = np.array(r["updates_by_prob"], dtype=float)
+                 color=colors[name], label=f"{name} ({int(blocked.sum())} tokens)")
         rate = np.divide(blocked, updates, out=np.full_like(blocked, np.nan), where=updates > 0)
-        right.plot(centers, rate, "o-", color=colors[r["method"]], label=r["method"], markersize=3)
-    left.set_title("rollout probability mu(a_t) of the tokens each method blocked\n(share of its blocked tokens)",
-                   fontsize=8.5)
+        right.plot(centers, rate, "o-", color=colors[name], label=name, markersize=3)
+    left.set_title("rollout probability mu(a_t) of the tokens each method blocked\n(share of its blocked tokens"
+                   + (", all seeds)" if several else ")"), fontsize=8.5)
     left.set_xlabel("mu(a_t)", fontsize=8)
     right.set_title("blocked share of the updates (A != 0), by mu(a_t)", fontsize=8.5)
     right.set_xlabel("mu(a_t)", fontsize=8)

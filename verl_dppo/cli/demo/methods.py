@@ -21,7 +21,8 @@ TROLL_TOPK = 16
 @dataclass(frozen=True)
 class Method:
     name: str
-    """Run name: the JSONL file stem and the legend label."""
+    """Run name: the JSONL file stem and the legend label; the recipe's name (recipes/method/<name>.yaml) where the
+    row runs a recipe's settings."""
     loss_mode: str
     """actor_rollout_ref.actor.policy_loss.loss_mode."""
     description: str
@@ -37,7 +38,7 @@ class Method:
 METHODS = (
     Method("pg_is", "pg_is", "PG-IS: no trust region, no truncation", {"ratio_cap": float("inf")}),
     Method(
-        "grpo_clip",
+        "grpo_clip_higher",
         "grpo_clip",
         "GRPO Clip-Higher, ratio in [0.8, 1.28]",
         actor={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
@@ -59,21 +60,33 @@ STUDY_METHODS = (
     Method("dppo_binary_tv_recompute", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15, anchored on the recompute",
            {"delta_low": 0.15, "delta_high": 0.15, "anchor": "recompute"}),
 )
-"""Rows of `verl-dppo staleness` only (not in the demo's default list): the anchoring question needs them."""
+"""Rows of `verl-dppo staleness` only (not in the demo's list): the anchoring question needs them."""
+
+ALIASES = {"grpo_clip": "grpo_clip_higher"}
+"""Other names --methods accepts: `grpo_clip` is the row's loss mode and was its demo name before the rows took the
+recipes' names; the run is logged under the row's name."""
 
 
-def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...] = METHODS) -> list[Method]:
-    """The methods to run: `names` in order (every registered one of `default` when empty); a name is any row of
-    METHODS or STUDY_METHODS. Unknown names raise ValueError."""
+def accepted_names(rows: tuple[Method, ...]) -> str:
+    """Every name --methods accepts among `rows`, aliases beside their row (for --help and errors)."""
+    aliases = {row: alias for alias, row in ALIASES.items()}
+    return ", ".join(m.name + (f" (or {aliases[m.name]})" if m.name in aliases else "") for m in rows)
+
+
+def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...] = METHODS,
+                     accepted: tuple[Method, ...] = (*METHODS, *STUDY_METHODS)) -> list[Method]:
+    """The methods to run: `names` in order, each a row of `accepted` or an alias of one, a row named twice run
+    once (every registered row of `default` when empty). Unknown names raise ValueError."""
     import verl  # noqa: F401  (loads the plugin: registers the loss modes)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    by_name = {method.name: method for method in (*METHODS, *STUDY_METHODS)}
+    by_name = {method.name: method for method in accepted}
+    by_name.update({alias: by_name[name] for alias, name in ALIASES.items() if name in by_name})
     if names:
         unknown = [name for name in names if name not in by_name]
         if unknown:
-            raise ValueError(f"unknown demo method(s) {unknown}; choose from {sorted(by_name)}")
-        chosen = [by_name[name] for name in names]
+            raise ValueError(f"unknown demo method(s) {unknown}; choose from {accepted_names(accepted)}")
+        chosen = list({by_name[name].name: by_name[name] for name in names}.values())
     else:
         chosen = list(default)
     missing = [m.loss_mode for m in chosen if m.loss_mode not in POLICY_LOSS_REGISTRY]

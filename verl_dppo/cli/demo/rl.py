@@ -182,9 +182,12 @@ def train_method(
     with contextlib.redirect_stdout(io.StringIO()):  # FileLogger announces its path on stdout
         tracker = Tracking("verl_dppo_demo", run_name, default_backend=["file"])
     blocked_tokens = BlockedTokens()
-    scores, clipfracs = [], []
+    scores, clipfracs, held_out = [], [], []
+    val_key = f"val-core/{task.DATA_SOURCE}/acc/mean@1"
     try:
-        tracker.log(data=validate(engine, warm.val_problems), step=0)
+        start_row = validate(engine, warm.val_problems)
+        tracker.log(data=start_row, step=0)
+        held_out.append([0, start_row[val_key]])
         for step in range(1, settings.steps + 1):
             step_start = time.perf_counter()
             # Same prompts and the same sampling noise at step s for every method: differences come from pi only.
@@ -303,6 +306,7 @@ def train_method(
             if step % settings.val_every == 0 or step == settings.steps:
                 engine.sync(policy)
                 row.update(validate(engine, warm.val_problems))
+                held_out.append([step, row[val_key]])
             row["timing_s/gen"] = gen_s
             row["timing_s/update_actor"] = update_s
             row["timing_s/step"] = time.perf_counter() - step_start
@@ -313,17 +317,21 @@ def train_method(
                 on_step(step, row["critic/score/mean"])
     finally:
         tracker.finish()
-    return summarize(method, settings, warm, scores, clipfracs, blocked_tokens, time.perf_counter() - start)
+    return summarize(method, settings, warm, scores, clipfracs, blocked_tokens, time.perf_counter() - start,
+                     held_out)
 
 
-def summarize(method, settings, warm, scores, clipfracs, blocked_tokens: BlockedTokens, seconds: float) -> dict:
-    """The final-table row: reward over the last tenth of the run, collapse verdict, masked fraction, time."""
+def summarize(method, settings, warm, scores, clipfracs, blocked_tokens: BlockedTokens, seconds: float,
+              held_out: Optional[list] = None) -> dict:
+    """The final-table row: reward over the last tenth of the run, collapse verdict, masked fraction, held-out
+    accuracy ([step, greedy accuracy] at each validation), time."""
     tail = max(10, len(scores) // 10)
     final = float(np.mean(scores[-tail:])) if scores else float("nan")
     window = min(COLLAPSE_WINDOW, len(scores))
     lowest = float(np.convolve(scores, np.ones(window) / window, "valid").min()) if scores else float("nan")
     return {
         "method": method.name,
+        "seed": settings.seed,
         "description": method.description,
         "final_reward": final,
         "final_window": min(tail, len(scores)),
@@ -338,6 +346,8 @@ def summarize(method, settings, warm, scores, clipfracs, blocked_tokens: Blocked
         "blocked_by_prob": blocked_tokens.blocked.tolist(),
         "updates_by_prob": blocked_tokens.updates.tolist(),
         "prob_bins": PROB_BINS.tolist(),
+        "held_out_accuracy": held_out or [],
+        "n_held_out": len(warm.val_problems),
     }
 
 

@@ -24,7 +24,9 @@ class WarmStart:
     train_problems: np.ndarray
     """[n, 4] digits: the sanity set the RL phase trains on."""
     val_problems: np.ndarray
-    """[n, 4] digits: held-out problems for greedy validation (val-core/digit_sum/acc/mean@1)."""
+    """[n, 4] digits: the held-out set for greedy validation (val-core/digit_sum/acc/mean@1): the `n_val` problems
+    set aside before the warm-up, then every other problem that no supervised batch drew and that neither the probe
+    set (the warm-up's stopping rule) nor the sanity-set screening used. No gradient and no choice saw one of them."""
     supervised_steps: int
     probe_accuracy: float
     """Sampled accuracy (temperature 1, rollout engine) on the probe set when the supervised phase stopped."""
@@ -71,8 +73,11 @@ def warm_start(
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
     engine = RolloutEngine(policy, rollout_precision)
     accuracy, step = 0.0, 0
+    drawn = np.zeros(len(pool), dtype=bool)
     while step < max_supervised_steps:
-        digits = pool[rng.integers(0, len(pool), size=batch_size)]
+        batch = rng.integers(0, len(pool), size=batch_size)
+        drawn[batch] = True
+        digits = pool[batch]
         input_ids = torch.cat([task.encode_prompts(digits), task.answers(digits)], dim=1)
         log_probs, _ = sequence_log_probs(policy, input_ids, torch.ones_like(input_ids))
         # Column i holds log p(token i+1): the answer tokens sit at columns PROMPT_LEN-1 .. end-1.
@@ -105,10 +110,14 @@ def warm_start(
             f"only {len(keep)} of {n_candidates} candidate problems are solved {band[0]:.0%}-{band[1]:.0%} of the "
             "time after the warm-up; change --warmup-target"
         )
+    # A larger held-out set without changing any draw above: the RL runs and their training rewards stay as they
+    # were, and 256 problems alone gave a +-0.03 binomial error on a greedy accuracy.
+    unseen = ~drawn
+    unseen[: 256 + n_candidates] = False  # the probe set (the stopping rule) and the screened candidates
     return WarmStart(
         policy_state={name: tensor.clone() for name, tensor in policy.state_dict().items()},
         train_problems=candidates[keep],
-        val_problems=val_problems,
+        val_problems=np.concatenate([val_problems, pool[unseen]]),
         supervised_steps=step,
         probe_accuracy=accuracy,
         train_success_rate=float(success[keep].mean()),
