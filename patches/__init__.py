@@ -12,11 +12,17 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics |
 | `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
+| `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels) |
 | `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
 | `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K              |
 | `sglang_async_server`    | workers.rollout.sglang_rollout.async_sglang_server   | `SGLangHttpServer.generate`: top_logprobs_num=K    |
 | `agent_loop`             | experimental.agent_loop.agent_loop                   | `AgentLoopWorker._run_agent_loop`, `AgentLoopOutput.as_dict`, `ContinuousTokenBuilder.align_response_metadata` |
 | `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
+| `cpu_distributed`        | utils.distributed (CPU platform only)                | `initialize_global_process_group_ray`: one gloo    |
+| `cpu_resources`          | single_controller.ray.base (CPU platform only)       | `ResourcePoolManager._check_resource_available`    |
+| `file_logger`            | utils.tracking                                       | `FileLogger`: a resumed run keeps its earlier steps |
+
+The last three are installed by `verl_dppo.plugin.entry.register_backends`, with the `hf` rollout's registrations.
 
 Installed from the `patches/` folder at the top of the repository as `verl_dppo.patches` (setup.py's package_dir).
 """
@@ -30,6 +36,7 @@ def install() -> None:
     from verl_dppo.patches import (
         agent_loop,
         engine_workers,
+        fused_lm_head,
         llm_server,
         padding_utils,
         sglang_async_server,
@@ -40,6 +47,8 @@ def install() -> None:
 
     workers_utils_losses.install()
     when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
+    when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)
     when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
     when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
     when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)
