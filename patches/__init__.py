@@ -12,6 +12,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics |
 | `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
+| `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels) |
 | `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
 | `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K              |
 | `sglang_async_server`    | workers.rollout.sglang_rollout.async_sglang_server   | `SGLangHttpServer.generate`: top_logprobs_num=K    |
@@ -35,6 +36,7 @@ def install() -> None:
     from verl_dppo.patches import (
         agent_loop,
         engine_workers,
+        fused_lm_head,
         llm_server,
         padding_utils,
         sglang_async_server,
@@ -45,6 +47,8 @@ def install() -> None:
 
     workers_utils_losses.install()
     when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
+    when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)
     when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
     when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
     when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)

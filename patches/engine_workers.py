@@ -62,9 +62,14 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     use_fused = tu.get_non_tensor_data(data, key="use_fused_kernels", default=None)
     if use_fused is None:
         use_fused = getattr(engine_config, "use_fused_kernels", False)
-    if use_fused:
-        raise ValueError(fused_kernels_problem(mode))
     megatron = getattr(engine_config, "strategy", None) == "megatron"
+    if use_fused:  # the hook then runs fused with the LM head (verl_dppo.patches.fused_lm_head), where it can
+        model = getattr(worker, "model_config", None)
+        backend = ((getattr(model, "fused_kernel_options", None) or {}).get("impl_backend", "torch")
+                   if model is not None else "torch")
+        problem = fused_kernels_problem(mode, megatron, backend, getattr(engine_config, "use_remove_padding", True))
+        if problem is not None:
+            raise ValueError(problem)
     if megatron and mode in TROLL_MODES:
         raise ValueError(megatron_troll_problem(mode))
     if getattr(engine_config, "pad_to_length", False):

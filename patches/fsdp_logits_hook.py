@@ -9,7 +9,9 @@ call here: the rollout's top-K fields are laid out on the packed token stream, s
 Ulysses, and reduced with `verl_dppo.math.topk.topk_divergence` (chunked; no float32 [nnz, V] tensor).
 Why no extension point: verl's hook exists for top-K distillation only; nothing else can ask for the logits.
 What would make it unnecessary: a logits-processor slot on the policy loss (verl's hook, opened to any loss).
-The Megatron engine's hook (vocabulary-parallel logits) is `megatron_logits_hook`; both share `packed_rollout_fields`.
+With `use_fused_kernels` there are no logits: `fused_lm_head` calls `fused_lm_head_outputs` here with the LM head's
+input and weight instead, and the same outputs reach the loss. The Megatron engine's hook (vocabulary-parallel
+logits) is `megatron_logits_hook`; all share `topk_fields` (the rollout's fields on the packed stream).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from typing import Any, Optional
 
 import torch
 
+from verl_dppo.math.fused_topk import fused_topk_divergence
+from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import topk_divergence
 from verl_dppo.math.troll import troll_token_terms
+from verl_dppo.patches.topk_fields import local_rollout_fields, packed_rollout_fields, unusable_rows  # noqa: F401
 from verl_dppo.plugin import troll_mode
 from verl_dppo.plugin.topk_mode import (
     OUTPUT_KEYS,
@@ -35,96 +40,10 @@ from verl_dppo.plugin.topk_mode import (
     policy_loss_get,
 )
 
-__all__ = ["logits_processor", "packed_rollout_fields", "troll_outputs", "unusable_rows"]
+__all__ = ["logits_processor", "fused_lm_head_outputs", "packed_rollout_fields", "troll_outputs", "unusable_rows"]
 
 
-def _jagged_values(data: Any, key: str) -> torch.Tensor:
-    value = data[key]
-    if not value.is_nested:
-        raise ValueError(f"Top-K DPPO expects {key} as a jagged (nested) tensor, as verl's v1 trainer builds it")
-    return value.values()
-
-
-def _packed_layout(data: Any, total_nnz: int):
-    """Positions in the packed token stream whose logits predict each response token (the engine's left shift)."""
-    input_ids = data["input_ids"]
-    prompts, responses = data["prompts"], data["responses"]
-    if not (input_ids.is_nested and prompts.is_nested and responses.is_nested):
-        raise ValueError(
-            "Top-K DPPO runs on verl's no-padding (v1) micro-batches: set trainer.use_v1=True "
-            "(input_ids / prompts / responses must be jagged tensors)"
-        )
-    seq_offsets = input_ids.offsets()[:-1].long()
-    prompt_lens = prompts.offsets().diff().long()
-    response_lens = responses.offsets().diff().long()
-    if int(seq_offsets.numel()) and int(input_ids.offsets()[-1]) != total_nnz:
-        raise ValueError(f"packed length {int(input_ids.offsets()[-1])} != logits length {total_nnz}")
-    if bool((prompt_lens == 0).any()):
-        raise ValueError("Top-K DPPO needs a non-empty prompt in every sample (the first response token's logits)")
-    row = torch.repeat_interleave(torch.arange(response_lens.numel(), device=response_lens.device), response_lens)
-    first = responses.offsets()[:-1].long()
-    t = torch.arange(row.numel(), device=row.device) - first[row]
-    return seq_offsets[row] + prompt_lens[row] - 1 + t, response_lens
-
-
-def _slice_for_sequence_parallel(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
-
-    if get_ulysses_sequence_parallel_world_size() <= 1:
-        return tensors
-    # Same pad-then-slice rule the engine applies to input_ids (and distillation to its teacher tensors).
-    return [slice_input_tensor(t.unsqueeze(0), dim=1).squeeze(0) for t in tensors]
-
-
-def packed_rollout_fields(loss_mode: str, k: int, data: Any, device: torch.device):
-    """The rollout's per-token fields laid out on the full packed token stream (prompt positions masked out): the
-    row at position p holds the statistics of the token that the logits at p predict (the engine's left shift).
-
-    Returns (topk_ids [nnz, K] long, topk_logprobs [nnz, K] float32, sampled_ids [nnz] long,
-    sampled_logprobs [nnz] float32, mask [nnz] bool), nnz = the micro-batch's packed length."""
-    topk_ids = _jagged_values(data, TOPK_IDS)
-    topk_logprobs = _jagged_values(data, TOPK_LOGPROBS)
-    if topk_ids.dim() != 2 or topk_ids.shape[1] != k:
-        raise ValueError(
-            f"{loss_mode}: the batch carries {topk_ids.shape[-1] if topk_ids.dim() == 2 else '?'} top-K log-probs per "
-            f"token but policy_loss.topk={k}; the rollout and the loss must use the same K (set only "
-            "actor_rollout_ref.actor.policy_loss.topk; the plugin passes it to the rollout)"
-        )
-    global_nnz = int(data["input_ids"].offsets()[-1])
-    positions, _ = _packed_layout(data, global_nnz)
-    if topk_ids.shape[0] != positions.numel():
-        raise ValueError(
-            f"{loss_mode}: {topk_ids.shape[0]} rows of {TOPK_IDS} for {positions.numel()} response tokens; the "
-            "top-K fields must be aligned with `responses` (one row per response token)"
-        )
-    positions = positions.to(device)
-    full_ids = torch.zeros(global_nnz, k, dtype=torch.long, device=device)
-    full_lp = torch.zeros(global_nnz, k, dtype=torch.float32, device=device)
-    full_sampled = torch.zeros(global_nnz, dtype=torch.long, device=device)
-    full_sampled_lp = torch.zeros(global_nnz, dtype=torch.float32, device=device)
-    full_mask = torch.zeros(global_nnz, dtype=torch.bool, device=device)
-    full_ids[positions] = topk_ids.to(device).long()
-    full_lp[positions] = topk_logprobs.to(device).float()
-    full_sampled[positions] = _jagged_values(data, "responses").to(device).long()
-    full_sampled_lp[positions] = _jagged_values(data, "rollout_log_probs").to(device).float()
-    full_mask[positions] = _jagged_values(data, "response_mask").to(device).bool()
-    return full_ids, full_lp, full_sampled, full_sampled_lp, full_mask
-
-
-def unusable_rows(topk_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Rows of `mask` whose rollout statistics give no divergence: log mu(a_t) NaN or +-inf (the loss drops such a
-    token for every mode, README "Bad input"), or a top-K log-prob NaN or +inf (-inf is a probability of 0, valid).
-    The hook leaves them out of the reduction and reports D = NaN there, so the loss drops them too."""
-    bad = ~torch.isfinite(sampled_logprobs) | torch.isnan(topk_logprobs).any(dim=-1) | (topk_logprobs == math.inf).any(dim=-1)
-    return bad & mask
-
-
-def logits_processor(
-    config: Any, student_logits: torch.Tensor, data: Any, data_format: Optional[str] = None
-) -> dict[str, torch.Tensor]:
-    """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl}, float32, shaped like the logits'
-    leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`. For troll:
-    TROLL's terms (`troll_outputs`), FSDP only."""
+def _checked_mode(config: Any, data: Any) -> tuple[str, int]:
     loss_mode = policy_loss_get(config, "loss_mode")
     if not is_topk_mode(loss_mode):
         raise RuntimeError(
@@ -133,7 +52,16 @@ def logits_processor(
     for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
         if key not in data.keys():
             raise ValueError(f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}")
-    k = configured_topk(config)
+    return loss_mode, configured_topk(config)
+
+
+def logits_processor(
+    config: Any, student_logits: torch.Tensor, data: Any, data_format: Optional[str] = None
+) -> dict[str, torch.Tensor]:
+    """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl}, float32, shaped like the logits'
+    leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`. For troll:
+    TROLL's terms (`troll_outputs`), FSDP only."""
+    loss_mode, k = _checked_mode(config, data)
     if data_format is not None:
         if loss_mode in TROLL_MODES:
             raise ValueError(megatron_troll_problem(loss_mode))
@@ -144,21 +72,55 @@ def logits_processor(
     logits = student_logits.squeeze(0)
     if isinstance(logits, torch.distributed.tensor.DTensor):
         logits = logits.full_tensor()
-    fields = packed_rollout_fields(loss_mode, k, data, logits.device)
-    full_ids, full_lp, full_sampled, full_sampled_lp, full_mask = _slice_for_sequence_parallel(list(fields))
-    if full_mask.shape[0] != logits.shape[0]:
-        raise ValueError(
-            f"{loss_mode}: {logits.shape[0]} logit rows for {full_mask.shape[0]} packed tokens; static packing "
-            "(actor_rollout_ref.actor.fsdp_config.pad_to_length) is not supported with Top-K: disable it"
-        )
-    unusable = unusable_rows(full_lp, full_sampled_lp, full_mask)
+    ids, lps, sampled, sampled_lps, mask = local_rollout_fields(loss_mode, k, data, logits.device, logits.shape[0])
+    unusable = unusable_rows(lps, sampled_lps, mask)
     if loss_mode in TROLL_MODES:
-        return troll_outputs(config, logits, full_ids, full_lp, full_sampled, full_sampled_lp, full_mask & ~unusable)
-    tv, kl = topk_divergence(logits, full_ids, full_lp, full_sampled, full_sampled_lp, mask=full_mask & ~unusable)
+        return troll_outputs(config, logits, ids, lps, sampled, sampled_lps, mask & ~unusable)
+    tv, kl = topk_divergence(logits, ids, lps, sampled, sampled_lps, mask=mask & ~unusable)
+    return _topk_outputs(tv, kl, unusable)
+
+
+def _topk_outputs(tv: torch.Tensor, kl: torch.Tensor, unusable: torch.Tensor) -> dict[str, torch.Tensor]:
     tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)
     return {OUTPUT_KEYS["tv"]: tv.unsqueeze(0), OUTPUT_KEYS["kl"]: kl.unsqueeze(0)}
 
 
+def fused_lm_head_outputs(
+    config: Any, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+    data: Any, entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The hook's outputs under `use_fused_kernels` (FSDP), from the LM head's input instead of its logits: what
+    verl's `FusedLinearForPPO` returns (log pi(labels) float32 and the entropy, shaped like `labels`; the entropy 0
+    unless asked) and the same dict `logits_processor` returns, computed in one fused pass
+    (`verl_dppo.math.fused_topk` / `fused_troll`). `labels` are verl's rolled input ids, the sampled tokens a_t at
+    the response positions."""
+    loss_mode, k = _checked_mode(config, data)
+    if hidden_states.dim() == 3 and hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"{loss_mode} with use_fused_kernels reads the packed token stream: set "
+            "actor_rollout_ref.model.use_remove_padding=True"
+        )
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    ids, lps, sampled, sampled_lps, mask = local_rollout_fields(loss_mode, k, data, hidden.device, hidden.shape[0])
+    if bool((sampled != flat_labels)[mask].any()):
+        raise ValueError(f"{loss_mode}: the engine's labels are not the rollout's responses on the packed stream")
+    unusable = unusable_rows(lps, sampled_lps, mask)
+    if loss_mode in TROLL_MODES:
+        options = troll_mode.troll_options(config)
+        terms, policy = fused_troll_token_terms(
+            hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable, temperature=temperature,
+            eps=options.eps, support_mass=options.support_mass, topk=options.topk, entropy=entropy,
+        )
+        outputs = _troll_dict(terms)
+        log_p, ent = policy.log_p_sampled, policy.entropy
+    else:
+        tv, kl, stats = fused_topk_divergence(hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable,
+                                              temperature=temperature, entropy=entropy)
+        outputs = _topk_outputs(tv, kl, unusable)
+        log_p, ent = stats.log_p_sampled, stats.entropy
+    ent = ent if ent is not None else torch.zeros_like(log_p)
+    return log_p.float().view(labels.shape), ent.view(labels.shape), outputs
 
 
 def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
@@ -176,6 +138,10 @@ def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, top
         logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
         eps=options.eps, support_mass=options.support_mass, topk=options.topk,
     )
+    return _troll_dict(terms)
+
+
+def _troll_dict(terms) -> dict[str, torch.Tensor]:
     values = {"log_p": terms.log_p_sampled, "regression_kl": terms.regression_kl, "log_mu": terms.log_mu_sampled,
               **terms.diagnostics}
     return {key: values[term].float().unsqueeze(0) for term, key in troll_mode.OUTPUT_KEYS.items()}

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
 from verl_dppo.patches.agent_loop import record_turn
-from verl_dppo.plugin.topk_mode import configured_topk, is_topk_mode
+from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
 __all__ = ["sync_rollout_config", "patch_llm_server"]
 
@@ -54,8 +54,9 @@ def sync_rollout_config(config: Any) -> Optional[int]:
         raise ValueError(f"{mode} needs the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True")
     if not config.get("trainer", {}).get("use_v1", True):
         raise ValueError(f"{mode} carries the top-K through verl's v1 trainer only: set trainer.use_v1=True")
-    if arr.model.get("use_fused_kernels", False):
-        raise ValueError(f"{mode} needs the actor's logits: set actor_rollout_ref.model.use_fused_kernels=False")
+    fused_problem = configured_fused_kernels_problem(mode, arr)  # None: off, or fused with the LM head
+    if fused_problem is not None:
+        raise ValueError(fused_problem)
     logprobs_mode = rollout.get("logprobs_mode", "processed_logprobs")
     if logprobs_mode is not None and "logprobs" not in str(logprobs_mode):
         raise ValueError(

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from verl_dppo.patches.fsdp_logits_hook import packed_rollout_fields, unusable_rows
+from verl_dppo.patches.topk_fields import packed_rollout_fields, unusable_rows
 from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
 from verl_dppo.math.topk import vocab_parallel_topk_divergence
 

@@ -188,12 +188,12 @@ def test_loss_without_the_hook_refuses_instead_of_guessing(model):
     config = actor_config("dppo_topk_tv", topk=K)
     loss_fn, model_output = run_engine(model, data, config)
     for key in ("dppo_topk_tv", "dppo_topk_kl"):
-        model_output.pop(key)  # as with use_fused_kernels=True: the hook never ran
-    with pytest.raises(ValueError, match="use_fused_kernels must be False"):
+        model_output.pop(key)  # as if the engine's hook had not run
+    with pytest.raises(ValueError, match="the loss was not called through verl's engine with the hook on"):
         loss_fn(model_output=model_output, data=data, dp_group=None)
 
 
-def test_train_batch_turns_the_hook_on_and_refuses_fused_kernels():
+def test_train_batch_turns_the_hook_on_and_refuses_the_triton_fused_backend():
     from verl.workers.engine_workers import TrainingWorker
 
     from verl_dppo.patches.engine_workers import prepare_train_batch
@@ -206,8 +206,12 @@ def test_train_batch_turns_the_hook_on_and_refuses_fused_kernels():
     tu.assign_non_tensor(data, distillation_use_topk=False)  # what the v1 trainer sends
     prepare_train_batch(worker, data)
     assert tu.get_non_tensor_data(data, "distillation_use_topk", False) is True
-    worker.engine_config = FSDPEngineConfig(use_fused_kernels=True)
-    with pytest.raises(ValueError, match="use_fused_kernels=False"):
+    worker.engine_config = FSDPEngineConfig(use_fused_kernels=True)  # torch backend: fused with the LM head
+    prepare_train_batch(worker, data)
+    from types import SimpleNamespace
+
+    worker.model_config = SimpleNamespace(fused_kernel_options={"impl_backend": "triton"})
+    with pytest.raises(ValueError, match="impl_backend=torch"):
         prepare_train_batch(worker, data)
     worker.engine_config = FSDPEngineConfig()
     bare, _ = micro_batch([3], [4], drop=("rollout_topk_ids",))

@@ -88,7 +88,8 @@ def test_other_modes_leave_the_config_alone():
     "override, message",
     [
         ("actor_rollout_ref.rollout.calculate_log_probs=False", "calculate_log_probs=True"),
-        ("actor_rollout_ref.model.use_fused_kernels=True", "use_fused_kernels=False"),
+        (("actor_rollout_ref.model.use_fused_kernels=True",  # fused: the torch backend only
+          "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"), "impl_backend=torch"),
         ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=20", "max_logprobs=20 < policy_loss.topk=32"),
         ("actor_rollout_ref.rollout.name=trtllm", "rollout.name=vllm, sglang or hf"),
         ("trainer.use_v1=False", "trainer.use_v1=True"),
@@ -96,7 +97,8 @@ def test_other_modes_leave_the_config_alone():
     ],
 )
 def test_rollout_settings_that_cannot_work_are_refused(override, message):
-    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv", override])
+    overrides = list(override) if isinstance(override, tuple) else [override]
+    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv", *overrides])
     with pytest.raises(ValueError, match=message):
         sync_rollout_config(config)
 

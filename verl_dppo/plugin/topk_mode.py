@@ -5,7 +5,9 @@ modes and `troll` (whose loss side is `verl_dppo.plugin.troll_mode`). They share
 to the rollout servers, the hook and the settings under which it cannot run.
 
 The statistics themselves are computed inside verl's engine by the logits hook (`verl_dppo.patches.fsdp_logits_hook`,
-`verl_dppo.patches.megatron_logits_hook`) with the math of `verl_dppo.math.topk`; the loss reads them back here.
+`verl_dppo.patches.megatron_logits_hook`) with the math of `verl_dppo.math.topk`, or, under the FSDP engine's
+`use_fused_kernels`, fused with the LM head (`verl_dppo.patches.fused_lm_head`, `verl_dppo.math.fused_topk`); the
+loss reads them back here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 __all__ = [
     "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
+    "configured_fused_kernels_problem",
     "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem",
 ]
 
@@ -91,8 +94,8 @@ def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torc
         raise ValueError(
             f"{mode_name} needs the per-token Top-K statistics that the actor's logits hook computes, but this "
             "micro-batch has none. Either the batch lacks the rollout's top-K fields (set "
-            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's engine with the hook on "
-            "(actor_rollout_ref.model.use_fused_kernels must be False: fused kernels never materialise logits)"
+            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's engine with the hook on (the "
+            "FSDP or Megatron engine's logits hook, or with use_fused_kernels the fused LM-head pass)"
         )
     if tuple(value.shape) != tuple(valid.shape):
         raise ValueError(f"{mode_name}: Top-K statistics {tuple(value.shape)} vs response {tuple(valid.shape)}")
@@ -100,11 +103,34 @@ def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torc
     return torch.where(valid, value.detach().float(), torch.zeros_like(value, dtype=torch.float32))
 
 
-def fused_kernels_problem(mode: str) -> str:
-    return (
-        f"{mode} needs the actor's logits, which fused kernels never materialise: set "
-        "actor_rollout_ref.model.use_fused_kernels=False"
-    )
+def fused_kernels_problem(mode: str, megatron: bool, backend: Optional[str], remove_padding: bool) -> Optional[str]:
+    """Why `use_fused_kernels=True` cannot serve this mode, or None: on the FSDP engine's torch (or liger) backend the
+    hook's statistics are computed fused with the LM head (`verl_dppo.patches.fused_lm_head`)."""
+    if megatron:
+        return (
+            f"{mode} with use_fused_kernels on the Megatron engine: verl's fused path there is its Triton "
+            "linear_cross_entropy kernel (log-probs and entropy only), which the plugin does not replace: set "
+            "actor_rollout_ref.model.use_fused_kernels=False (the logits hook runs) or use the FSDP engine"
+        )
+    if backend == "triton":
+        return (
+            f"{mode} with use_fused_kernels: the Triton backend (verl's linear_cross_entropy kernel) returns "
+            "log-probs and entropy only; the plugin fuses the Top-K statistics into the torch backend: set "
+            "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"
+        )
+    if not remove_padding:
+        return (f"{mode} with use_fused_kernels reads the packed token stream: set "
+                "actor_rollout_ref.model.use_remove_padding=True")
+    return None
+
+
+def configured_fused_kernels_problem(mode: str, arr: Any) -> Optional[str]:
+    """`fused_kernels_problem` for a composed `actor_rollout_ref` section; None when fused kernels are off."""
+    if not arr.model.get("use_fused_kernels", False):
+        return None
+    backend = (arr.model.get("fused_kernel_options", None) or {}).get("impl_backend", "torch")
+    return fused_kernels_problem(mode, arr.actor.get("strategy") == "megatron", backend,
+                                 arr.model.get("use_remove_padding", True))
 
 
 def pad_to_length_problem(mode: str, megatron: bool) -> str:
@@ -141,8 +167,9 @@ def unsupported_settings(config: Any) -> list[str]:
     problems = []
     if megatron and mode in TROLL_MODES:
         problems.append(megatron_troll_problem(mode))
-    if arr.model.get("use_fused_kernels", False):
-        problems.append(fused_kernels_problem(mode))
+    fused = configured_fused_kernels_problem(mode, arr)
+    if fused is not None:
+        problems.append(fused)
     if engine.get("pad_to_length", False):
         problems.append(pad_to_length_problem(mode, megatron))
     if megatron and engine.get("dynamic_context_parallel", False):

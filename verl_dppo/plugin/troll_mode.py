@@ -9,7 +9,8 @@ with the ratio at log r <= 20 like the DPPO modes' (`verl_dppo.math.troll.capped
 
 p is pi projected onto {KL(. || mu') <= eps} over the sparse support (`verl_dppo.math.troll`). The projection
 needs the whole vocabulary row, so it runs inside verl's engine (`verl_dppo.patches.fsdp_logits_hook`), WITH
-gradient: the hook returns log p(a_t) and KL(pi' || sg(p)) per token still attached to the logits, plus detached
+gradient: the hook returns log p(a_t) and KL(pi' || sg(p)) per token still attached to the logits (with
+`use_fused_kernels`: to the LM head's input and weight, `verl_dppo.math.fused_troll`), plus detached
 diagnostics; the `ppo_loss` wrapper pads them into `BatchExtras.troll`. The loss's gradient flows only through those
 two tensors, never through verl's own log_prob (whose flash-attn cross entropy would write its gradient into the
 logits in place, under TROLL's saved tensors). Aggregation, the dropped-token rule and the shared diagnostics are
@@ -85,8 +86,8 @@ def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.
         raise ValueError(
             f"{mode_name} needs TROLL's per-token terms, which the actor's logits hook computes, but this micro-batch "
             "has none. Either the batch lacks the rollout's top-K fields (set "
-            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's engine with the hook on "
-            "(actor_rollout_ref.model.use_fused_kernels must be False: fused kernels never materialise logits)"
+            f"{ROLLOUT_SETTINGS}), or the loss was not called through verl's FSDP engine with the hook on (the "
+            "logits hook, or with use_fused_kernels the fused LM-head pass)"
         )
     for key, value in terms.items():
         if tuple(value.shape) != tuple(response.shape):
