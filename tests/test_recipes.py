@@ -139,11 +139,13 @@ def test_thresholds_the_loss_will_use(method, mode, delta_low, delta_high):
 
 
 @pytest.mark.parametrize("method", ["dppo_topk_tv", "dppo_topk_kl"])
-def test_topk_methods_use_k_20_and_unfused_logits(method):
+def test_topk_methods_use_k_20_and_the_setups_fused_kernels(method):
     config = recipe("moe_base", method)
     actor, resolved = options(config)
     assert resolved.topk == 20
     assert actor.use_fused_kernels is False and config.actor_rollout_ref.model.use_fused_kernels is False
+    dense = recipe("dense_8b", method)  # FSDP: fused with the LM head (issue 20)
+    assert options(dense)[0].use_fused_kernels is True and dense.actor_rollout_ref.model.use_fused_kernels is True
 
 
 @pytest.mark.parametrize("method", RECOMPUTE)
@@ -251,11 +253,17 @@ def test_run_refuses_top_k_where_the_logits_hook_cannot_run_and_a_dry_run_warns(
     dcp = "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True"
     assert "dynamic_context_parallel=False" in check_supported(recipe("moe_base", "dppo_topk_tv", dcp))[0]
     assert check_supported(recipe("moe_base", "dppo_binary_tv", dcp)) == []
+    # Fused kernels (issue 20): dense_8b (FSDP) switches them on and the Top-K statistics are fused with the LM head;
+    # Megatron's fused path and verl's Triton backend cannot serve them.
     fused = "actor_rollout_ref.model.use_fused_kernels=True"
-    assert "use_fused_kernels=False" in check_supported(recipe("dense_8b", "dppo_topk_kl", fused))[0]
+    assert recipe("dense_8b", "dppo_topk_kl").actor_rollout_ref.model.use_fused_kernels is True
+    assert check_supported(recipe("dense_8b", "troll")) == []
+    triton = "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"
+    assert "impl_backend=torch" in check_supported(recipe("dense_8b", "dppo_topk_kl", triton))[0]
+    assert "use_fused_kernels=False" in check_supported(recipe("moe_base", "dppo_topk_kl", fused))[0]
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
     assert cli.main(["run", "moe_base", "--method", "dppo_topk_kl", fused]) == 2
-    assert "dppo_topk_kl needs the actor's logits" in capsys.readouterr().err
+    assert "dppo_topk_kl with use_fused_kernels on the Megatron engine" in capsys.readouterr().err
 
 
 def test_recipes_command_lists_each_recipe_with_its_figure(capsys):
