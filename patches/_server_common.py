@@ -21,27 +21,12 @@ __all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "RolloutTopKError", "rol
 logger = logging.getLogger("verl_dppo")
 
 
-CUSTOM_KEY = "dppo_topk"
-"""Key in actor_rollout_ref.rollout.custom that carries K to the servers (written by the driver-side patch)."""
-
-
-EXTRA_IDS = "dppo_topk_ids"
-
-
-EXTRA_LOGPROBS = "dppo_topk_logprobs"
+# The names and K's hand-over are defined once, in the plugin (the hf rollout uses them too).
+from verl_dppo.plugin.rollout_fields import CUSTOM_KEY, EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk  # noqa: E402
 
 
 class RolloutTopKError(ValueError):
     """The rollout engine's log-probs do not hold a well-formed top-K per generated token."""
-
-
-def rollout_topk(rollout_config: Any) -> Optional[int]:
-    """K requested by the run (written by the driver from policy_loss.topk), or None when Top-K is off."""
-    custom = rollout_config.get("custom", None) if hasattr(rollout_config, "get") else getattr(rollout_config, "custom", None)
-    if not custom:
-        return None
-    value = custom.get(CUSTOM_KEY, None)
-    return int(value) if value is not None else None
 
 
 REQUEST_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("verl_dppo_request_k", default=None)

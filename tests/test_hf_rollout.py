@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS
+from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS
 from verl_dppo.plugin.hf_rollout.engine import HFRolloutError, parse_sampling_params, sample_next
 from verl_dppo.plugin.hf_rollout.server import HFRolloutServer
 

@@ -8,7 +8,7 @@ requests arriving while generation is paused wait for the resume), `abort_reques
 weight push of the plugin's server adapter (`load_weights` per bucket, then `finish_weight_update`).
 
 For the Top-K modes and TROLL the reply carries mu's top-K rows in `extra_fields` under the keys the vLLM/SGLang
-patches use (`verl_dppo.patches._server_common`), so `patches/` carries them to the batch unchanged.
+patches use (`verl_dppo.plugin.rollout_fields`), so `patches/` carries them to the batch unchanged.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class HFRolloutServer:
                        **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
-        from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk
+        from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk
 
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise HFRolloutError("the hf rollout generates from text only: image/video/audio inputs need "
