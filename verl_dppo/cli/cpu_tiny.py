@@ -9,24 +9,25 @@ What `run` does for it, before anything slow starts:
 - `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron
   engine or strategy, FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
   CPUs), and a run verl would resume at its last step (it would start Ray only to stop).
-- `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a random-init Qwen3
-  (a transformers config, no download) with a ChatML word-level tokenizer (verl's Qwen3 token builder needs
-  `<|im_end|>` and "\\n" as single tokens, and the agent loop a chat template), and a small GSM8K-shaped data set
-  written by the `data` command's own code path (`verl_dppo.cli.data.prepare`), so verl's own GSM8K verifier
-  rewards it. A build goes to a temporary folder renamed into place: runs that start together share one build.
+- `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a Qwen3 from a
+  transformers config (no download), warm-started (cpu_tiny_warmup) to a reward of about 0.5, with a ChatML
+  word-level tokenizer (verl's Qwen3 token builder needs `<|im_end|>` and "\\n" as single tokens, the agent loop a
+  chat template), and small GSM8K-shaped data written by the `data` command's own code (`verl_dppo.cli.data.prepare`),
+  so verl's own GSM8K verifier rewards it. A build goes to a temporary folder renamed into place: runs that start
+  together share one build.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from verl_dppo.cli.cpu_tiny_warmup import ITEMS, NAMES, QUESTIONS, WarmUp, synthetic_problems, warm_up
 from verl_dppo.cli.errors import UsageError
 
 __all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
@@ -48,23 +49,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # "#### <number>", sees the answer marker as the model wrote it: the decoder joins tokens with spaces).
 PRE_TOKENIZER_PATTERN = r"\n|####|\w+|[^\w\s]"
 MANIFEST = "cpu_tiny.json"
-BUILD_FORMAT = 1
-"""In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt."""
-
-_NAMES = ("Ada", "Ben", "Cleo", "Dev", "Emma", "Finn", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
-_ITEMS = ("apples", "books", "coins", "eggs", "marbles", "pencils", "stamps", "stickers")
-_LOW, _HIGH = 2, 12  # operands; answers stay within 0..144
-_QUESTIONS = (
-    ("{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?",
-     "{name} has {a} + {b} = {r} {item} now.", lambda a, b: a + b),
-    ("{name} had {s} {item} and gave {b} of them to a friend. How many {item} does {name} have left?",
-     "{name} has {s} - {b} = {r} {item} left.", lambda a, b: a),
-    ("{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?",
-     "{name} buys {a} * {b} = {r} {item}.", lambda a, b: a * b),
-    ("{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get?",
-     "Each friend gets {p} / {b} = {r} {item}.", lambda a, b: a),
-)
-
+BUILD_FORMAT = 2
+"""In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt (2: the
+model is warm-started, the problems' operands are 2..5)."""
 
 class CpuRunError(UsageError, ValueError):
     """A CPU run or the cpu_tiny build cannot go ahead; the message names the setting or path to change."""
@@ -244,20 +231,6 @@ def builds_assets(config: Any) -> bool:
     return config.dppo.get("tiny_model") is not None
 
 
-def synthetic_problems(count: int, seed: int) -> list[dict]:
-    """GSM8K-shaped rows (`question`, `answer` = worked solution ending in "#### <number>"), one-step word
-    problems over a small fixed vocabulary."""
-    rng = random.Random(seed)
-    rows = []
-    for index in range(count):
-        question, solution, result = _QUESTIONS[index % len(_QUESTIONS)]
-        a, b = rng.randint(_LOW, _HIGH), rng.randint(_LOW, _HIGH)
-        fields = dict(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b, s=a + b, p=a * b, r=result(a, b))
-        rows.append({"question": question.format(**fields),
-                     "answer": solution.format(**fields) + f"\n#### {fields['r']}"})
-    return rows
-
-
 def vocabulary(vocab_size: int) -> dict[str, int]:
     """Word -> id: every word the prompts, solutions and chat template use, the numbers 0..200, then reserved
     filler up to `vocab_size`, the special tokens last (Qwen's layout)."""
@@ -265,8 +238,8 @@ def vocabulary(vocab_size: int) -> dict[str, int]:
 
     from verl_dppo.cli.data import GSM8K_TEMPLATE
 
-    texts = [GSM8K_TEMPLATE, "user assistant system \n ####", *_NAMES, *_ITEMS]
-    texts += [question + " " + solution for question, solution, _ in _QUESTIONS]
+    texts = [GSM8K_TEMPLATE, "user assistant system \n ####", *NAMES, *ITEMS]
+    texts += [question + " " + solution for question, solution, _ in QUESTIONS]
     words = set()
     for text in texts:
         words.update(re.findall(PRE_TOKENIZER_PATTERN, re.sub(r"\{\w+\}", " ", text)))
@@ -296,7 +269,9 @@ def _tokenizer(vocab_size: int):
     return tokenizer
 
 
-def _write_model(directory: Path, spec: TinyModel) -> int:
+def _write_model(directory: Path, spec: TinyModel, warmup: Any) -> str:
+    """The model, warm-started (`warmup`: a cpu_tiny_warmup.WarmUp), and its tokenizer; returns what was built, one
+    line with "{at}" for where it will be."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -312,9 +287,16 @@ def _write_model(directory: Path, spec: TinyModel) -> int:
     with torch.random.fork_rng():  # leave the caller's random state alone
         torch.manual_seed(spec.seed)
         model = Qwen3ForCausalLM(config)
+    # Its own draws of the problems: the run's data set is another draw of the same kind.
+    done = warm_up(model, tokenizer, synthetic_problems(warmup.train_problems, 1000 + spec.seed),
+                   synthetic_problems(warmup.probe_problems, 2000 + spec.seed), warmup, spec.seed)
     model.save_pretrained(directory)
     GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, bos_token_id=None).save_pretrained(directory)
-    return sum(parameter.numel() for parameter in model.parameters())
+    size = f"{sum(parameter.numel() for parameter in model.parameters()):,} parameters"
+    if not done.steps:
+        return f"built a random-init Qwen3 ({size}) and its tokenizer at {{at}}"
+    return (f"built a Qwen3 ({size}) and its tokenizer at {{at}}: random init, then {done.steps} supervised steps "
+            f"to a sampled GSM8K reward of {done.reward:.2f} on problems it did not train on ({done.seconds:.0f} s)")
 
 
 def _write_data(folder: Path, problems: int, seed: int) -> int:
@@ -370,14 +352,14 @@ def build_assets(config: Any) -> list[str]:
     """Build the cpu_tiny model at `dppo.tiny_model.path` and its data in `dppo.tiny_data.dir` unless already there
     with the same settings (each only if the run reads it: a user's own model or data is left alone); returns what
     was built, one line each. Raises CpuRunError if a path holds something else."""
-    spec = TinyModel.from_config(config.dppo.tiny_model)
+    spec, warmup = TinyModel.from_config(config.dppo.tiny_model), WarmUp.from_config(config.dppo.tiny_model.get("warmup"))
     model_dir = _path(config.dppo.tiny_model.path)
     built = []
     if _path(config.actor_rollout_ref.model.path) == model_dir:
-        parameters = _build_once(model_dir, {**asdict(spec), "format": BUILD_FORMAT},
-                                 lambda tmp: _write_model(tmp, spec))
-        if parameters is not None:
-            built.append(f"built a random-init Qwen3 ({parameters:,} parameters) and its tokenizer at {model_dir}")
+        line = _build_once(model_dir, {**asdict(spec), "warmup": asdict(warmup), "format": BUILD_FORMAT},
+                           lambda tmp: _write_model(tmp, spec, warmup))
+        if line is not None:
+            built.append(line.format(at=model_dir))
     data = config.dppo.tiny_data
     folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
     read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}
