@@ -145,13 +145,15 @@ def test_greedy_max_tokens_and_stop_ids(server):
 
 
 def test_the_model_eos_ends_a_response_unless_ignored(model_dir):
-    """The model's eos id stops a response; ignore_eos=True generates through it."""
+    """The model's eos id stops a response; ignore_eos=True (per request, or rollout.ignore_eos) generates through it."""
     server = make_server(model_dir, topk=None)
     ends = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16, ignore_eos=True,
                                                         stop_token_ids=[]), "a"))
     server.engine.eos_token_ids = (ends.token_ids[2],)
     cut = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16), "b"))
     assert cut.token_ids == ends.token_ids[: ends.token_ids.index(ends.token_ids[2]) + 1]
+    object.__setattr__(server.config, "ignore_eos", True)  # rollout.ignore_eos: the default of every request
+    assert asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16), "c")).token_ids == ends.token_ids
     assert EXTRA_IDS not in cut.extra_fields  # Top-K off: no rows
 
 

@@ -211,8 +211,10 @@ def chains() -> list[list[Run]]:
                   steps=3 if driver.method_for_mode(mode) == RESUME_METHOD else STEPS,
                   overrides=(f"actor_rollout_ref.actor.ppo_mini_batch_size={2 if mode == ROWS_MODE else 4}",))]
              for mode in MODES]
+    # Long responses (192 tokens, no early end): the rollout is the slower side, so a weight push finds responses
+    # half generated.
     separate = [[Run("separate_async-dppo_topk_tv", "dppo_topk_tv", trainer_mode="separate_async", steps=3,
-                     overrides=("data.max_response_length=192",))]]
+                     overrides=("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True"))]]
     resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=("trainer.save_freq=2",)),
                Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed",
                    overrides=("trainer.save_freq=2",))]]

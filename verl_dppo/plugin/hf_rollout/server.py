@@ -167,7 +167,9 @@ class HFRolloutServer:
         prompt_ids = [int(t) for t in prompt_ids]
         default = min(self.config.response_length,
                       self.config.prompt_length + self.config.response_length - len(prompt_ids))
-        settings = parse_sampling_params(dict(sampling_params), max(1, default))
+        params = dict(sampling_params)
+        params.setdefault("ignore_eos", bool(self.config.get("ignore_eos", False)))  # as verl's vLLM server does
+        settings = parse_sampling_params(params, max(1, default))
         k = rollout_topk(self.config)
         result = await self.engine.generate(prompt_ids, settings, request_id, topk=k)
         extra: dict[str, Any] = {"global_steps": self.global_steps}
