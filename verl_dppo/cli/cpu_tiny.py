@@ -352,7 +352,8 @@ def build_assets(config: Any) -> list[str]:
     """Build the cpu_tiny model at `dppo.tiny_model.path` and its data in `dppo.tiny_data.dir` unless already there
     with the same settings (each only if the run reads it: a user's own model or data is left alone); returns what
     was built, one line each. Raises CpuRunError if a path holds something else."""
-    spec, warmup = TinyModel.from_config(config.dppo.tiny_model), WarmUp.from_config(config.dppo.tiny_model.get("warmup"))
+    spec = TinyModel.from_config(config.dppo.tiny_model)
+    warmup = WarmUp.from_config(config.dppo.tiny_model.get("warmup"))
     model_dir = _path(config.dppo.tiny_model.path)
     built = []
     if _path(config.actor_rollout_ref.model.path) == model_dir:
