@@ -5,8 +5,9 @@ method, as `verl-dppo run` does), build the real worker on a tiny random Qwen3, 
 does: a bf16 copy of the policy samples and reports mu(a) and mu's top-K, verl's GRPO estimator gives the
 advantages, `compute_log_prob` (when bypass mode is off) and `update_actor` get the trainer's batch keys and
 non-tensor settings. They run in processes of their own, side by side (one CPU core each): one rank, two
-data-parallel ranks, the learning runs, and verl's separate_async actor (`DetachActorWorker`) on rollouts 0, 2 and 8
-weight versions old. The tests below check what a user would look at.
+data-parallel ranks, the learning runs, verl's separate_async actor (`DetachActorWorker`) on rollouts 0, 2 and 8
+weight versions old, and the Top-K modes and troll with `use_fused_kernels=True`. The tests below check what a user
+would look at.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Runs:
         return self.results[name]
 
 
-SCENARIO_FILES = ("single", "dp0", "dp1", "learning", "async")
+SCENARIO_FILES = ("single", "dp0", "dp1", "learning", "async", "fused")
 
 
 @pytest.fixture(scope="module")
@@ -368,6 +369,32 @@ def test_dppo_masks_more_the_staler_the_rollout(runs, mode):
 def test_pg_is_never_masks_however_stale(runs):
     record = _ok(runs["async"]["modes"]["pg_is"])
     assert [record["stale"][str(k)]["actor/pg_clipfrac"] for k in async_worker.STALENESS] == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# use_fused_kernels: the Top-K modes and troll fused with the LM head (issue 20)
+# ---------------------------------------------------------------------------------------------------------------
+
+FUSED_MODES = [m for m in ("dppo_topk_tv", "dppo_topk_kl", "troll") if m in MODES]
+
+
+@pytest.mark.parametrize("mode", FUSED_MODES)
+def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
+    """actor_rollout_ref.model.use_fused_kernels=True through verl's real worker: the model runs verl's fused forward
+    (no logits), the plugin computes the hook's statistics fused with the LM head, and the step trains (parameters
+    move). Same batch and start as the unfused step: every metric the trainer logs is the unfused step's (the loss,
+    the masked fractions from the Top-K D or TROLL's projection, the gradient norm)."""
+    result = runs["fused"]
+    assert result["fused_forwards"] and set(result["fused_forwards"]) == {"forward_with_torch_backend"}
+    fused, plain = _ok(result["modes"][mode]["fused"]), _ok(result["modes"][mode]["unfused"])
+    assert fused["checksums"] == plain["checksums"], "not the same data"
+    assert fused["param_change"][0] > 0
+    a, b = _compared(fused["steps"][0]), _compared(plain["steps"][0])
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    disagree = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6)}
+    assert not disagree, f"fused vs unfused (fused, unfused): {disagree}"
+    if mode.startswith("dppo_topk_"):
+        assert a["actor/pg_clipfrac"] > 0.0  # the Top-K D decided something
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Scenarios (`all`: every one, each in a process of its own; what test_real_worker
   learning  a toy reward, 12 steps, per trust-region mode
   async     every loss mode through verl's separate_async actor (DetachActorWorker), rollouts 0, 2, 8 versions old
             (async_worker.py)
+  fused     the Top-K modes and troll with use_fused_kernels=True (the hook fused with the LM head), each beside the
+            same step unfused
 """
 
 from __future__ import annotations
@@ -164,7 +166,50 @@ def scenario_learning(runner: Runner) -> dict:
     return {"modes": {mode: runner.run(mode, LEARNING_SHAPE, steps=LEARNING_STEPS) for mode in modes}}
 
 
-SCENARIOS = {"single": scenario_single, "dp": scenario_dp, "learning": scenario_learning,
+FUSED_MODES = ("dppo_topk_tv", "dppo_topk_kl", "troll")
+"""The modes whose logits hook runs fused with the LM head under use_fused_kernels (issue 20)."""
+
+
+def scenario_fused(runner: Runner) -> dict:
+    """Each FUSED_MODES mode: one COMPARE_SHAPE step unfused, then the same step with use_fused_kernels=True (same
+    data, same start). A process of its own: verl's fused-kernel patch (`patch_forward_with_backends`) replaces the
+    model class's forward for the whole process, so the unfused runs go first, and after each fused build the fused
+    forward is kept on the worker's FSDP class only while the bf16 rollout copy samples with the plain one.
+    The model ties its embeddings: verl's fused forward reads lm_head.weight outside lm_head's forward, which FSDP2
+    (the CPU engine) leaves sharded when it wraps an untied lm_head as a unit of its own (verl's own fused kernel
+    fails there; the plugin names the setting). On GPUs the recipes' FSDP1 keeps the LM head in the root unit."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    tied = runner.model_dir.parent / "model_tied_embeddings"
+    driver.save_model(tied, replace(driver.TINY_MODEL, tie_word_embeddings=True))
+    runner = Runner(tied, runner.rank, runner.world_size)
+
+    plain_forward, build, fused_forwards = Qwen3ForCausalLM.forward, driver.build_worker, []
+
+    def build_fused(config):
+        worker = build(config)
+        module_class = type(worker.actor.engine.module)
+        module_class.forward = Qwen3ForCausalLM.forward  # what verl installed: fused for use_fused_kernels=True
+        fused_forwards.append(module_class.forward.__name__)
+        Qwen3ForCausalLM.forward = plain_forward
+        return worker
+
+    modes = [m for m in FUSED_MODES if m in driver.plugin_loss_modes()]
+    overrides = {m: delta_overrides(COMPARE_DELTA[m.removeprefix("dppo_topk_")]) if m.startswith("dppo_topk_")
+                 else () for m in modes}
+    results = {mode: {"unfused": runner.run(mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode])} for mode in modes}
+    driver.build_worker = build_fused
+    try:
+        for mode in modes:
+            fused = ("actor_rollout_ref.model.use_fused_kernels=True",)
+            results[mode]["fused"] = runner.run(mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode] + fused,
+                                                params=True)
+    finally:
+        driver.build_worker = build
+    return {"modes": results, "fused_forwards": fused_forwards}
+
+
+SCENARIOS = {"single": scenario_single, "dp": scenario_dp, "learning": scenario_learning, "fused": scenario_fused,
              "async": async_worker.scenario_async}
 
 
@@ -204,7 +249,8 @@ def run_all(out_dir: Path, model_dir: Path, port: int) -> int:
     driver.compose_recipes(methods)  # inherited by the forked processes
     async_worker.compose_all()
     context = multiprocessing.get_context("fork")
-    plan = (("dp0", "dp", 0, 2), ("dp1", "dp", 1, 2), ("learning", "learning", 0, 1), ("async", "async", 0, 1))
+    plan = (("dp0", "dp", 0, 2), ("dp1", "dp", 1, 2), ("learning", "learning", 0, 1), ("async", "async", 0, 1),
+            ("fused", "fused", 0, 1))
     children = {
         name: context.Process(target=_forked, name=name, args=(
             scenario, out_dir / f"{name}.json", model_dir, rank, world_size, port if world_size > 1 else None))
