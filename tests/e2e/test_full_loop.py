@@ -17,9 +17,11 @@ import copy
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,9 +69,12 @@ class Cluster:
 
     def __init__(self, root: Path):
         root.mkdir(parents=True, exist_ok=True)
+        # Ray's socket paths (<temp>/session_<date>_<pid>/sockets/plasma_store) must stay under AF_UNIX's 107 bytes:
+        # pytest's tmp_path (/tmp/pytest-of-<user>/pytest-<n>/...) is too long once n has two digits.
+        self.ray_dir = tempfile.mkdtemp(prefix="dppo-ray-", dir="/tmp")
         code = ("import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
                 "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
-                % (CLUSTER_CPUS, str(root / "ray")))
+                % (CLUSTER_CPUS, self.ray_dir))
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, start_new_session=True, cwd=str(root), env=self.env())
         self.address = self.process.stdout.readline().strip()
@@ -91,6 +96,7 @@ class Cluster:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------- the runs
