@@ -245,7 +245,8 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
         write_log(tmp_path / f"{method}.jsonl", score=lambda s, i=index: 0.5 - 0.01 * i * s)
         results.append({"method": method, "initial_reward": 0.5, "collapse_window": 20, "prob_bins": bins,
                         "blocked_by_prob": [0, 0, 0, 0, 0, 0, 0] if method == "pg_is" else [40, 30, 20, 10, 2, 1, 0],
-                        "updates_by_prob": [100] * 7})
+                        "updates_by_prob": [100] * 7, "held_out_accuracy": [[0, 0.5], [25, 0.5 + 0.1 * index]],
+                        "n_held_out": 1200})
     figures = []
     monkeypatch.setattr(plt, "close", lambda figure=None: figures.append(figure))
     paths = draw_all(str(tmp_path), results)
