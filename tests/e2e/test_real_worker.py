@@ -36,7 +36,7 @@ TOPK_MODES = [m for m in MODES if m.startswith("dppo_topk_")]
 NO_TRUST_REGION = {"pg_is"}  # README: PG-IS has no mask (worker_runs.NO_TRUST_REGION)
 TRUST_REGION_MODES = [m for m in MODES if m not in NO_TRUST_REGION]
 
-PROCESS_TIMEOUT_S = 900
+PROCESS_TIMEOUT_S = 1800
 
 DOCUMENTED_DIAGNOSTICS = {
     # README, "Diagnostics": every metric the plugin documents, as verl's trainer logs it.
