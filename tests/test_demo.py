@@ -303,3 +303,22 @@ def test_demo_seed_and_method_errors_are_one_line(tmp_path, capsys, argv, messag
     assert main(["demo", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_one_figure_for_the_demos_time_everywhere(capsys):
+    """Issue 18.10: README's `make demo` line, docs/demo.md and `demo --help` state the same measured wall time."""
+    from pathlib import Path
+
+    from verl_dppo.cli import build_parser
+    from verl_dppo.cli.demo import DEMO_MINUTES
+
+    root = Path(__file__).resolve().parents[1]
+    make_demo_line = next(line for line in (root / "README.md").read_text().splitlines()
+                          if line.startswith("make demo"))
+    docs = " ".join((root / "docs" / "demo.md").read_text().split())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for text in (make_demo_line, docs, help_text):
+        assert DEMO_MINUTES in text.lower()
+        assert not re.search(r"\b\d+-\d+ minutes", text)  # a range is not one figure

@@ -45,7 +45,8 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
             for name, group in by_method.items()}
     seeds = sorted({r.get("seed", 0) for r in results})
     several = len(seeds) > 1
-    over_seeds = f"mean over seeds {','.join(map(str, seeds))}, band: lowest to highest" if several else "one seed"
+    over_seeds = (f"mean of seeds {','.join(map(str, seeds))} (band: lowest to highest)" if several
+                  else f"seed {seeds[0]}, one run (--seeds 0,1,2: mean and spread)")
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     paths = []
 
@@ -76,7 +77,7 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
         plt.close(figure)
         paths.append(path)
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.9))
     lines(left, "critic/score/mean")
     # The demo's collapse verdict (rl.summarize): a COLLAPSE_WINDOW-step mean below this line (each seed has its
     # own warm start; the line is drawn at their mean).
@@ -85,23 +86,25 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
                  label=f"collapse: {results[0].get('collapse_window', 20)}-step mean below "
                        f"{COLLAPSE_FRACTION:g} x warm start ({threshold:.2f})")
     left.set_title(f"training reward (critic/score/mean; 10-step mean)\n{over_seeds}", fontsize=8.5)
-    left.legend(fontsize=7)
     for name, group in by_method.items():
         series = [tuple(np.array(column) for column in zip(*r["held_out_accuracy"])) for r in group]
         if not all(series):
             continue
         steps, mean, low, high = _mean_and_range(series)
         if several:
-            right.fill_between(steps, low, high, color=colors[name], alpha=0.15, linewidth=0)
+            right.fill_between(steps, low, high, color=colors[name], alpha=0.1, linewidth=0)
         right.plot(steps, mean, "o-", color=colors[name], label=name, markersize=3, linewidth=1.2)
     n_held_out = sorted({r.get("n_held_out", 0) for r in results})
     size = f"{n_held_out[0]:,}" if len(n_held_out) == 1 else f"{n_held_out[0]:,}-{n_held_out[-1]:,}"
-    right.set_title(f"held-out greedy accuracy, {size} problems (val-core/digit_sum/acc/mean@1)\n{over_seeds}",
+    right.set_title(f"held-out greedy accuracy (val-core/digit_sum/acc/mean@1)\n{size} problems, {over_seeds}",
                     fontsize=8.5)
     right.set_xlabel("RL step", fontsize=8)
     right.grid(alpha=0.3)
     right.tick_params(labelsize=7)
-    save(figure, "reward.png")
+    # One legend under both panels: inside, it covered the curves.
+    handles, labels = left.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    save(figure, "reward.png", rect=(0, 0.05 * -(-len(labels) // 4), 1, 1))
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     lines(left, "training/rollout_probs_diff_mean", log=True)
