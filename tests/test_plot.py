@@ -258,7 +258,7 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
     collapse = [line for line in left.get_lines() if line.get_label().startswith("collapse")]
     assert len(collapse) == 1 and set(collapse[0].get_ydata()) == {COLLAPSE_FRACTION * 0.5}
     assert "20-step mean" in collapse[0].get_label()
-    assert "one seed" in right.get_title()
+    assert "seed 0, one run" in right.get_title()
 
     renderer = blocked.canvas.get_renderer()
     assert all(axis.get_legend() is None for axis in blocked.axes)
