@@ -5,8 +5,8 @@ Pure torch (no verl import). Entry point: `fused_troll_token_terms`, the counter
 `verl_dppo.math.troll.troll_token_terms` (same TrollTerms; the module doc of `verl_dppo.math.troll` gives the
 support, the "other" atom and the projection). What differs is only how pi is read: each chunk's logits come from
 the autograd function of `verl_dppo.math.fused_topk` (recomputed in the backward), and this module's selector finds
-S_t = Top(mu) U {a_t} U Top(pi) in them with the rule of `troll_support._PiOnSupport` (its `_candidates` and
-`_kept`). `troll.troll_terms_from_support` then does the rest, the same code as for the logits.
+S_t = Top(mu) U {a_t} U Top(pi) in them with `troll_support.support_in_chunk`, the rule the logits path uses.
+`troll.troll_terms_from_support` then does the rest, the same code as for the logits.
 
 The same pass returns log pi(a_t) on every row (verl's log_prob, which the fused kernel replaces) and the entropy;
 rows outside the update get the support {a_t} alone.
@@ -29,7 +29,7 @@ from verl_dppo.math.troll import (
     TrollTerms,
     troll_terms_from_support,
 )
-from verl_dppo.math.troll_support import _candidates, _kept
+from verl_dppo.math.troll_support import support_in_chunk
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -42,27 +42,13 @@ class FusedPolicy(NamedTuple):
 
 
 def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float):
-    """Per chunk, S_t as `_PiOnSupport.forward` finds it (S_t first, padding slots repeating a_t and dropped);
+    """Per chunk, S_t as `support_in_chunk` finds it (S_t first, padding slots repeating a_t and dropped);
     rows outside `troll_rows` keep {a_t} only. extra = each slot's candidate column (mu's source for `mu_on_atoms`)."""
 
     def select(block, scratch, start, end):
-        sampled_c, mu_ids_c = sampled[start:end], mu_ids[start:end]
-        top_logits, top_ids = block.topk(k_pi, dim=1)
-        row_max = top_logits[:, :1]
-        shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
-        candidates, c_ids, c_source, c_first = _candidates(sampled_c, mu_ids_c, top_ids)
-        c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
-        rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)
-        lz = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
-        top_p = (top_logits - lz[:, None]).exp()
-        pi_selected = ((top_p.cumsum(dim=1) - top_p) < support_mass) & troll_rows[start:end, None]
-        always = torch.ones_like(sampled_c[:, None], dtype=torch.bool)  # a_t
-        keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected[start:end], pi_selected], dim=1))
-        tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)  # pi(other) from the tail's own exponentials
-        order = (~keep).long().argsort(dim=1, stable=True)
-        ids = torch.where(keep, c_ids, sampled_c[:, None]).gather(1, order)
-        return ChunkSlots(ids, ~keep.gather(1, order), row_max.squeeze(1), tail, block.gather(1, ids),
-                          c_source.gather(1, order))
+        s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
+                             support_mass, troll_rows[start:end])
+        return ChunkSlots(s.ids, ~s.valid, s.row_max, s.tail, block.gather(1, s.ids), s.source)
 
     return select
 

@@ -6,7 +6,7 @@ public entry point (its module doc gives the support rule, the "other" bucket an
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,6 +39,44 @@ def _kept(ids, source, first, selected):
     return first & group_selected.gather(1, group)
 
 
+class ChunkSupport(NamedTuple):
+    """S_t in one chunk of rows: ids [n, width] (S_t first, padding slots repeating a_t), their candidate columns
+    (`_candidates`' source), valid (False on padding), and per row the max logit, the tail's exponentials
+    sum(exp(l_j - max)) off S_t and the log-normaliser."""
+
+    ids: torch.Tensor
+    source: torch.Tensor
+    valid: torch.Tensor
+    row_max: torch.Tensor
+    tail: torch.Tensor
+    log_z: torch.Tensor
+
+
+def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
+                     pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
+    """S_t = {a_t} U Top(mu) U Top(pi) from a chunk's logits `block` [n, V] (`scratch`: a buffer of its shape,
+    overwritten). Top(pi): pi's smallest prefix of its k_pi most likely ids holding `support_mass`, only on
+    `pi_rows` (bool [n]; None: every row). One pass over the vocabulary for the normaliser and the tail."""
+    top_logits, top_ids = block.topk(k_pi, dim=1)
+    row_max = top_logits[:, :1]
+    shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
+    candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
+    c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
+    rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # every id that is no candidate
+    log_z = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
+    top_p = (top_logits - log_z[:, None]).exp()
+    pi_selected = (top_p.cumsum(dim=1) - top_p) < support_mass
+    if pi_rows is not None:
+        pi_selected &= pi_rows[:, None]
+    always = torch.ones_like(sampled[:, None], dtype=torch.bool)  # a_t
+    keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected, pi_selected], dim=1))
+    # pi(other) from the tail's own exponentials: exact however close pi's support mass is to 1.
+    tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)
+    order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
+    ids = torch.where(keep, c_ids, sampled[:, None]).gather(1, order)
+    return ChunkSupport(ids, c_source.gather(1, order), keep.gather(1, order), row_max.squeeze(1), tail, log_z)
+
+
 class _PiOnSupport(torch.autograd.Function):
     """log pi at the support ids and log pi(other) from the full logits, with Top(pi) and S_t found on the way.
 
@@ -61,27 +99,12 @@ class _PiOnSupport(torch.autograd.Function):
         log_z = torch.empty(n, dtype=reader.work, device=dev)
         log_z_tail = torch.empty_like(log_z)
         for start, end, block, scratch in reader:
-            sampled_c, mu_ids_c = sampled[start:end], mu_ids[start:end]
-            top_logits, top_ids = block.topk(k_pi, dim=1)
-            row_max = top_logits[:, :1]
-            shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
-            candidates, c_ids, c_source, c_first = _candidates(sampled_c, mu_ids_c, top_ids)
-            c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
-            rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # one pass: every id that is no candidate
-            lz = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
-            top_p = (top_logits - lz[:, None]).exp()
-            pi_selected = (top_p.cumsum(dim=1) - top_p) < support_mass
-            always = torch.ones_like(sampled_c[:, None], dtype=torch.bool)  # a_t
-            keep = _kept(c_ids, c_source, c_first, torch.cat([always, mu_selected[start:end], pi_selected], dim=1))
-            # pi(other) from the tail's own exponentials: exact however close pi's support mass is to 1.
-            tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)
-            order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
-            s_ids = torch.where(keep, c_ids, sampled_c[:, None]).gather(1, order)
-            ids[start:end], source[start:end] = s_ids, c_source.gather(1, order)
-            valid[start:end] = keep.gather(1, order)
-            log_pi[start:end] = block.gather(1, s_ids) - lz[:, None]
-            log_z[start:end] = lz
-            log_z_tail[start:end] = row_max.squeeze(1) + tail.log()
+            s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
+                                 support_mass)
+            ids[start:end], source[start:end], valid[start:end] = s.ids, s.source, s.valid
+            log_pi[start:end] = block.gather(1, s.ids) - s.log_z[:, None]
+            log_z[start:end] = s.log_z
+            log_z_tail[start:end] = s.row_max + s.tail.log()
         used = int(valid.sum(dim=1).max()) if n else 0
         ids, source, valid = ids[:, :used].contiguous(), source[:, :used].contiguous(), valid[:, :used].contiguous()
         log_pi = log_pi[:, :used].contiguous()
