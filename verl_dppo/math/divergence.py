@@ -20,12 +20,19 @@ __all__ = [
     "floor_logprob",
     "ratio_deviation",
     "log1mexp",
+    "MAX_LOG_RATIO",
 ]
 
 _LN2 = math.log(2.0)
 _TINY = torch.finfo(torch.float32).tiny
 LOG_FLOOR = math.log(_TINY)
 """log of float32's smallest normal number (-87.3): the floor of probabilities in binary_kl."""
+
+MAX_LOG_RATIO = 20.0
+"""Every mode's importance ratio (DPPO's pi/mu, TROLL's p/mu') is taken at log r <= 20 (r <= 4.85e8): with
+`ratio_cap=inf` (PG-IS), or a token the engine gave log mu(a_t) = -100, the log-ratio can pass float32's exp limit
+(88.7), where r = inf made the loss -inf (A != 0) or NaN (0 x inf, A = 0). Any cap C below 4.85e8 (the paper's
+"off" value is 1e4) is unaffected."""
 
 
 def log1mexp(logp: torch.Tensor) -> torch.Tensor:

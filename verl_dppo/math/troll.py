@@ -61,6 +61,7 @@ from typing import Optional
 
 import torch
 
+from verl_dppo.math.divergence import MAX_LOG_RATIO  # the DPPO modes' cap, for Eq. 5's ratio
 from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll_projection import (  # noqa: F401  (LOG_ETA_BRACKET, SOLVER_STEPS: re-exported)
     EPS, LOG_ETA_BRACKET, SOLVER_STEPS, Projection, _logsumexp, kl_projection,
@@ -102,10 +103,6 @@ MASS_TOLERANCE = 1e-3
 """mu's reported mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
 
 
-MAX_LOG_RATIO = 20.0
-"""Eq. 5's ratio p(a_t) / mu'(a_t) is taken at log r <= 20 (r <= 4.85e8), the cap of the DPPO modes' ratio
-(`verl_dppo.plugin.losses.MAX_LOG_RATIO`, the same value): a token the engine gave log mu(a_t) = -100 can reach
-log r = 95, past float32's exp (88.7), where r = inf made the loss -inf (A != 0) or NaN (A = 0)."""
 
 
 class TrollInputError(ValueError):

@@ -28,7 +28,14 @@ from verl_dppo.plugin.metrics import ratio_of
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
 from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
 from verl_dppo.plugin import troll_mode
-from verl_dppo.math.divergence import binary_kl, binary_kl_floored, binary_tv, floor_logprob, ratio_deviation
+from verl_dppo.math.divergence import (
+    MAX_LOG_RATIO,
+    binary_kl,
+    binary_kl_floored,
+    binary_tv,
+    floor_logprob,
+    ratio_deviation,
+)
 from verl_dppo.math.trust_region import trust_region_blocked
 
 __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
@@ -38,10 +45,6 @@ logger = logging.getLogger("verl_dppo")
 # The paper's "bad update" (Sec. 5.3): A < 0 and mu(a_t) - pi(a_t) > 0.5.
 BAD_UPDATE_DROP = 0.5
 
-MAX_LOG_RATIO = 20.0
-"""The importance ratio is computed as exp(min(log pi - log mu, 20)): r <= 4.85e8 whatever the cap, so that with
-`ratio_cap=inf` (PG-IS) a token whose log-ratio exceeds 88.7 gives a finite weight instead of r = inf (and a NaN
-loss from 0 x inf on a zero-advantage token). Any cap C below 4.85e8 (the paper's "off" value is 1e4) is unaffected."""
 
 
 @dataclass(frozen=True)
