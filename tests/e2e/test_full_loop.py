@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,8 @@ PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
 TransferQueue names its controller actor globally (namespace "transfer_queue"), so two main_ppo jobs at once on one
 cluster would share it."""
 RUN_TIMEOUT_S = 600
+WORKER_DEATH_TIMEOUT_S = 180
+"""After its training worker is killed, the driver has this long to fail on its own (a hang is a failure)."""
 CLUSTER_CPUS = 32
 """Logical CPUs of the shared cluster: every run takes one per worker process (the CPU platform's Ray resource)."""
 
@@ -110,6 +113,10 @@ class Run:
     steps: int = STEPS
     overrides: tuple[str, ...] = ()
     kill_after_step: Optional[int] = None
+    """SIGKILL the run's training worker (verl's WorkerDict actor: the FSDP actor) once this step is checkpointed and
+    logged, as a node lost mid-run would; the driver must then fail on its own."""
+    killed_pid: Optional[int] = None
+    exited_on_its_own: bool = True
     folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
     rc: Optional[int] = None
     seconds: float = 0.0
@@ -190,6 +197,13 @@ def past_step(run: Run, step: int) -> bool:
     return saved >= step and any(r.get("step") == step for r in read_records(run))
 
 
+def worker_pid(log_path: Path) -> int:
+    """The pid of the run's training worker, from Ray's log prefix "(WorkerDict pid=N)"."""
+    pids = set(re.findall(r"\(WorkerDict pid=(\d+)\)", log_path.read_text(errors="replace")))
+    assert len(pids) == 1, f"expected one WorkerDict process in {log_path}, found {sorted(pids)}"
+    return int(pids.pop())
+
+
 def execute(run: Run, address: str) -> Run:
     config_path = run.folder / f"{run.name}.yaml"
     env = Cluster.env(RAY_ADDRESS=address, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
@@ -202,11 +216,13 @@ def execute(run: Run, address: str) -> Run:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
         deadline = start + RUN_TIMEOUT_S
         while process.poll() is None and time.perf_counter() < deadline:
-            if run.kill_after_step and past_step(run, run.kill_after_step):
-                process.send_signal(signal.SIGKILL)  # a crash right after step kill_after_step
-                break
+            if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step):
+                run.killed_pid = worker_pid(log_path)
+                os.kill(run.killed_pid, signal.SIGKILL)  # the worker dies right after step kill_after_step
+                deadline = min(deadline, time.perf_counter() + WORKER_DEATH_TIMEOUT_S)
             time.sleep(0.2)
         if process.poll() is None:
+            run.exited_on_its_own = False
             process.kill()
         run.rc = process.wait()
     run.seconds = time.perf_counter() - start
@@ -221,10 +237,18 @@ def chains() -> list[list[Run]]:
                   steps=3 if driver.method_for_mode(mode) == RESUME_METHOD else STEPS,
                   overrides=(f"actor_rollout_ref.actor.ppo_mini_batch_size={2 if mode == ROWS_MODE else 4}",))]
              for mode in MODES]
-    # Long responses (192 tokens, no early end): the rollout is the slower side, so a weight push finds responses
-    # half generated.
-    separate = [[Run("separate_async-dppo_topk_tv", "dppo_topk_tv", trainer_mode="separate_async", steps=3,
-                     overrides=("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True"))]]
+    # Every weight push must find a response half generated. The rollout is kept the slower side with a backlog: two
+    # sequences at a time (max_num_seqs=2: a batch of 8 responses of 192 tokens, no early end, takes about 2.2 s
+    # idle, the trainer's step about 1 s) and two warm-up batches (verl's num_warmup_batches; the default 1), so at
+    # each push the rollout still holds one to two batches it cannot have finished. With one warm-up batch and all
+    # 8 responses in one 1.2 s batch the push raced the generation (verl's sampler polls every 2 s) and found it
+    # done in some runs. Every push then aborts a response with tokens (five of five pushes, in each of two idle
+    # runs), but a resumed response queues behind the backlog and is trained one to three steps later (first
+    # trained span > 1 at steps 3-5 in eight idle runs of 4-5 steps): six steps.
+    separate = [[Run("separate_async-dppo_topk_tv", "dppo_topk_tv", trainer_mode="separate_async", steps=6,
+                     overrides=("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True",
+                                "actor_rollout_ref.rollout.max_num_seqs=2",
+                                "trainer.v1.separate_async.num_warmup_batches=2"))]]
     resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=("trainer.save_freq=2",)),
                Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed",
                    overrides=("trainer.save_freq=2",))]]
@@ -341,13 +365,19 @@ def test_separate_async_topk_is_stale_and_resumes_aborted_responses(runs):
 
 
 def test_resume_after_sigkill_continues_at_step_3(runs):
-    """A run SIGKILLed right after its step-2 checkpoint, started again (trainer.resume_mode=auto), continues at step
-    3; its step-3 metrics equal the uninterrupted run's. Tolerance 1e-4 relative: the checkpoint restores the fp32
+    """A run whose training worker (verl's WorkerDict actor) is SIGKILLed right after the step-2 checkpoint fails
+    loudly on its own: main_ppo exits non-zero within WORKER_DEATH_TIMEOUT_S, Ray's actor-death error in its log.
+    Started again (trainer.resume_mode=auto), it continues at step 3; its step-3 metrics equal the uninterrupted run's. Tolerance 1e-4 relative: the checkpoint restores the fp32
     weights, optimizer and data order exactly and the hf rollout seeds each request from (seed, weight version,
     prompt), so the same tokens are sampled; what remains is float summation order (batch composition and padding
     in the rollout's forward), 1e-6 or below. The JSONL log still holds steps 1-2."""
     killed, restarted, reference = runs["resume-killed"], runs["resume-restarted"], runs[f"sync-{RESUME_METHOD}"]
-    assert killed.rc == -signal.SIGKILL, _fail(killed, "the first run was not killed")
+    assert killed.killed_pid is not None, _fail(killed, "the worker was never killed")
+    assert killed.exited_on_its_own, _fail(killed, f"main_ppo hung after its worker died (killed after "
+                                                   f"{WORKER_DEATH_TIMEOUT_S} s)")
+    assert killed.rc not in (0, None), _fail(killed, "main_ppo exited 0 after its worker died")
+    assert "ActorDiedError" in killed.log or "RayActorError" in killed.log, _fail(killed, "no actor-death error")
+    assert max(r["step"] for r in killed.records) == 2, _fail(killed, "steps logged by the killed run")
     finished(reference, 3)
     finished(restarted, 3)  # the JSONL file of the killed run and the restart: steps 1, 2 (before), 3 (after)
     assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
