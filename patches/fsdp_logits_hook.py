@@ -38,6 +38,7 @@ from verl_dppo.plugin.topk_mode import (
     is_topk_mode,
     megatron_troll_problem,
     policy_loss_get,
+    untied_head_fsdp2_problem,
 )
 
 __all__ = ["logits_processor", "fused_lm_head_outputs", "packed_rollout_fields", "troll_outputs", "unusable_rows"]
@@ -101,12 +102,7 @@ def fused_lm_head_outputs(
             "actor_rollout_ref.model.use_remove_padding=True"
         )
     if isinstance(weight, torch.distributed.tensor.DTensor):
-        raise ValueError(
-            f"{loss_mode} with use_fused_kernels: the LM head weight is still sharded where verl's fused forward "
-            "reads it (FSDP2 wraps an untied lm_head as its own unit, unsharded only inside lm_head's forward; "
-            "verl's own fused kernel fails there too): set actor_rollout_ref.actor.strategy=fsdp, or "
-            "actor_rollout_ref.model.use_fused_kernels=False"
-        )
+        raise ValueError(untied_head_fsdp2_problem(loss_mode))
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     flat_labels = labels.reshape(-1).long()
     ids, lps, sampled, sampled_lps, mask = local_rollout_fields(loss_mode, k, data, hidden.device, hidden.shape[0])

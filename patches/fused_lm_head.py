@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,6 +42,17 @@ class _Step:
 
 
 _STEP: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("verl_dppo_fused_step", default=None)
+_ANNOUNCED: set = set()
+logger = logging.getLogger("verl_dppo")
+
+
+def _announce(config: Any) -> None:
+    """Once per process and mode, the line a user looks for to know the fused pass runs (as "in effect")."""
+    mode = policy_loss_get(config, "loss_mode")
+    if mode not in _ANNOUNCED:
+        _ANNOUNCED.add(mode)
+        logger.warning("verl-dppo %s: statistics fused with the LM head (use_fused_kernels, torch backend): the "
+                       "[tokens, vocabulary] logits are never formed", mode)
 
 
 def _topk_config(loss_function: Any, micro_batch: Any) -> Any:
@@ -72,6 +84,7 @@ def patch_torch_functional(module: Any) -> None:
             log_probs, ent, step.outputs = fused_lm_head_outputs(
                 step.config, hidden_states, vocab_weights, input_ids, float(temperature), step.data, entropy
             )
+            _announce(step.config)
             return log_probs, ent
 
         return forward

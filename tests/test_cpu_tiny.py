@@ -287,6 +287,41 @@ def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys,
         assert fragment.format(too_many=too_many) in line, line
 
 
+def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_passes(built, monkeypatch, capsys,
+                                                                                         tmp_path):
+    """Top-K or troll with use_fused_kernels under FSDP2 (cpu_tiny's engine) needs the LM head tied to the embedding
+    (the engine would refuse it at the first step, after Ray and the model started): `run` reads the model's
+    config.json and refuses an untied one, one line, exit 2; the recipe's tie_word_embeddings=true builds one that
+    passes the check."""
+    import ray
+    import verl.trainer.main_ppo as main_ppo
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("Ray or main_ppo started for a run that should have been refused")
+
+    monkeypatch.setattr(ray, "init", must_not_start)
+    monkeypatch.setattr(main_ppo, "run_ppo", must_not_start)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config, _ = built
+    monkeypatch.setenv("DPPO_ROOT", str(config.dppo.root))  # the untied model is built there already
+    fused = "actor_rollout_ref.model.use_fused_kernels=True"
+    line = _one_line(capsys, ["run", "cpu_tiny", "--method", "troll", fused])
+    for fragment in ("troll with use_fused_kernels", "tie_word_embeddings=false", "strategy=fsdp",
+                     "use_fused_kernels=False"):
+        assert fragment in line, line
+    from verl_dppo.cli.preflight import check_paths
+
+    assert check_paths(compose_recipe("cpu_tiny", "dppo_binary_tv", [fused])) == []  # binary: verl's own fused path
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    tied = compose_recipe("cpu_tiny", "dppo_topk_tv", [fused, "dppo.tiny_model.tie_word_embeddings=true",
+                                                       "+dppo.tiny_model.warmup.max_steps=0"])
+    OmegaConf.resolve(tied)
+    build_assets(tied)
+    assert json.loads((tmp_path / "models" / os.path.basename(str(tied.actor_rollout_ref.model.path)) /
+                       "config.json").read_text())["tie_word_embeddings"] is True
+    assert check_paths(tied) == []
+
+
 def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     config = compose_recipe("cpu_tiny", "dppo_binary_tv")

@@ -3,7 +3,9 @@
 Each run is verl's own entry point on a config composed from this project's recipes (`cpu_tiny` x the method, as
 `verl-dppo run cpu_tiny --method M` composes it, its model and data built by `verl_dppo.cli.cpu_tiny`), with the
 plugin loaded in every Ray process through its entry point, the CPU platform chosen by `VERL_PLATFORM=cpu` in the
-run's Ray runtime env, and the plugin's `hf` rollout generating. Every stage is verl's: the agent loop, verl's GSM8K
+run's Ray runtime env, and the plugin's `hf` rollout generating. The restart of the killed run is launched as a user
+would, through the `verl-dppo run` console script (its own composition, checks and Ray launch): its step 3 must equal
+the uninterrupted run's, composed here. Every stage is verl's: the agent loop, verl's GSM8K
 reward, GRPO advantages, `update_actor` with the plugin's loss, the weight sync, checkpoints, the JSONL log.
 
 The runs go in two lanes side by side, each lane's runs one after another on a local Ray cluster of its own (started
@@ -47,6 +49,14 @@ ROWS_MODE = "dppo_topk_kl"
 that is not its token's shows); the other runs use a random-init model of the same shape, whose samples differ
 within a group (nonzero advantages: every step moves the policy, which the weight-push and resume checks need)."""
 RANDOM_MODEL = ("+dppo.tiny_model.warmup.max_steps=0", "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-random")
+FUSED_MODE = "dppo_topk_tv"
+"""Its run trains with verl's fused kernels (use_fused_kernels=True, torch backend): the Top-K statistics come from
+the plugin's pass fused with the LM head (issue 20), and its weight-sync check then holds the fused log-probs to the
+rollout's."""
+FUSED = ("actor_rollout_ref.model.use_fused_kernels=True", "dppo.tiny_model.tie_word_embeddings=true",
+         "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-random-tied")
+"""FSDP2 (the CPU's engine) reads an untied LM head's weight still sharded in the fused forward (refused, by verl's
+kernel too): the fused run's random-init model ties its head to the embedding, as Qwen3 up to 4B does."""
 STEPS = 2
 RESUME_METHOD = "dppo_binary_tv"
 PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
@@ -118,6 +128,10 @@ class Run:
     killed_pid: Optional[int] = None
     exited_on_its_own: bool = True
     folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
+    via_cli: bool = False
+    """Launched as a user launches it, `verl-dppo run cpu_tiny --method M OVERRIDES` (the console script: its own
+    composition, checks, asset build and Ray launch), instead of main_ppo on a YAML composed here."""
+    command: list = field(default_factory=list)
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -149,7 +163,7 @@ def compose(run: Run, root: Path) -> Path:
     key = (run.method, run.trainer_mode)
     if key not in _COMPOSED:
         _COMPOSED[key] = compose_recipe("cpu_tiny", run.method, trainer_mode=run.trainer_mode)
-    config = driver.apply_overrides(copy.deepcopy(_COMPOSED[key]), [
+    overrides = [
         f"trainer.total_training_steps={run.steps}",
         f"trainer.default_local_dir={checkpoints}",
         "trainer.resume_mode=auto",
@@ -163,7 +177,14 @@ def compose(run: Run, root: Path) -> Path:
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         *(() if run.name == f"sync-{ROWS_MODE}" else RANDOM_MODEL),
         *run.overrides,
-    ])
+    ]
+    if run.via_cli:  # the same overrides, with the two runtime-env settings set below as overrides too
+        run.command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "cpu_tiny", "--method", run.method,
+                       *([f"--trainer-mode={run.trainer_mode}"] if run.trainer_mode else []), *overrides,
+                       f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={run.folder / 'logs'}",
+                       "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'"]
+        return run.folder
+    config = driver.apply_overrides(copy.deepcopy(_COMPOSED[key]), overrides)
     validate_recipe(config)
     select_platform(config)  # VERL_PLATFORM=cpu in the run's runtime env: the cluster's processes do not have it
     with open_dict(config):
@@ -174,6 +195,8 @@ def compose(run: Run, root: Path) -> Path:
     OmegaConf.resolve(config)
     path = run.folder / f"{run.name}.yaml"
     path.write_text(resolved_yaml(config))
+    run.command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(path.parent),
+                   "--config-name", path.stem, f"hydra.run.dir={run.folder / 'hydra'}", "hydra.output_subdir=null"]
     return path
 
 
@@ -205,15 +228,12 @@ def worker_pid(log_path: Path) -> int:
 
 
 def execute(run: Run, address: str) -> Run:
-    config_path = run.folder / f"{run.name}.yaml"
     env = Cluster.env(RAY_ADDRESS=address, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
-                      HYDRA_FULL_ERROR="1")
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(config_path.parent),
-               "--config-name", config_path.stem, f"hydra.run.dir={run.folder / 'hydra'}", "hydra.output_subdir=null"]
+                      HYDRA_FULL_ERROR="1", DPPO_ROOT=str(run.folder.parent / "dppo_root"))
     start = time.perf_counter()
     log_path = run.folder / f"{run.name}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
+        process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
         deadline = start + RUN_TIMEOUT_S
         while process.poll() is None and time.perf_counter() < deadline:
             if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step):
@@ -235,7 +255,8 @@ def chains() -> list[list[Run]]:
     """The runs, as chains run one after another (a resume after its killed run); chains run side by side."""
     modes = [[Run(f"sync-{mode}", driver.method_for_mode(mode),
                   steps=3 if driver.method_for_mode(mode) == RESUME_METHOD else STEPS,
-                  overrides=(f"actor_rollout_ref.actor.ppo_mini_batch_size={2 if mode == ROWS_MODE else 4}",))]
+                  overrides=(f"actor_rollout_ref.actor.ppo_mini_batch_size={2 if mode == ROWS_MODE else 4}",
+                             *(FUSED if mode == FUSED_MODE else ())))]
              for mode in MODES]
     # Every weight push must find a response half generated. The rollout is kept the slower side with a backlog: two
     # sequences at a time (max_num_seqs=2: a batch of 8 responses of 192 tokens, no early end, takes about 2.2 s
@@ -250,7 +271,7 @@ def chains() -> list[list[Run]]:
                                 "actor_rollout_ref.rollout.max_num_seqs=2",
                                 "trainer.v1.separate_async.num_warmup_batches=2"))]]
     resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=("trainer.save_freq=2",)),
-               Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed",
+               Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed", via_cli=True,
                    overrides=("trainer.save_freq=2",))]]
     return separate + resume + modes
 
@@ -351,6 +372,16 @@ def test_topk_rows_reach_the_actor(runs):
         assert max(run.values(key)) == 0.0, _fail(run, f"{key} per step {run.values(key)}")
 
 
+def test_fused_topk_trains_through_main_ppo(runs):
+    """use_fused_kernels=True in main_ppo: the plugin's fused pass ran in the worker (its announcement), the run
+    finished with its Top-K metrics (test_every_loss_mode_trains_through_main_ppo) and the fused log-probs equal the
+    rollout's to 1e-5 at every step (test_weight_sync_is_exact)."""
+    run = runs[f"sync-{FUSED_MODE}"]
+    finished(run, run.steps)
+    assert "use_fused_kernels: true" in (run.folder / f"{run.name}.yaml").read_text()
+    assert f"verl-dppo {FUSED_MODE}: statistics fused with the LM head" in run.log, _fail(run, "no fused pass")
+
+
 def test_separate_async_topk_is_stale_and_resumes_aborted_responses(runs):
     """separate_async, dppo_topk_tv, weights through the plugin's ray_store checkpoint engine: some samples are a
     version or more old (actor/dppo/lag_mean > 0 at some step); some response was cut by a weight push and resumed
@@ -380,6 +411,7 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     assert max(r["step"] for r in killed.records) == 2, _fail(killed, "steps logged by the killed run")
     finished(reference, 3)
     finished(restarted, 3)  # the JSONL file of the killed run and the restart: steps 1, 2 (before), 3 (after)
+    assert f"verl-dppo: launching cpu_tiny + {RESUME_METHOD}" in restarted.log, _fail(restarted, "not through the CLI")
     assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
         restarted, "did not resume from the step-2 checkpoint")
     assert not any("Training from scratch" in line for line in restarted.log.splitlines()), _fail(restarted, "scratch")

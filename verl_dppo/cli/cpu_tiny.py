@@ -70,10 +70,12 @@ class TinyModel:
     head_dim: int = 16
     max_position_embeddings: int = 2048
     seed: int = 0
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_config(cls, node: Any) -> "TinyModel":
-        values = {key: int(node[key]) for key in cls.__dataclass_fields__ if node.get(key) is not None}
+        values = {key: (bool if key == "tie_word_embeddings" else int)(node[key])
+                  for key in cls.__dataclass_fields__ if node.get(key) is not None}
         return cls(**values)
 
 
@@ -281,7 +283,8 @@ def _write_model(directory: Path, spec: TinyModel, warmup: Any) -> str:
     config = Qwen3Config(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=None, eos_token_id=im_end, pad_token_id=pad,
     )
     with torch.random.fork_rng():  # leave the caller's random state alone

@@ -49,7 +49,31 @@ def check_paths(config: Any) -> list[str]:
                 f"actor_rollout_ref.model.path: {model_path} holds no config.json (an unfinished download, or the "
                 f"wrong folder). {download}"
             )
+        else:
+            problems += _model_problems(config, model_dir)
     return problems
+
+
+def _model_problems(config: Any, model_dir: Path) -> list[str]:
+    """What the model's own config rules out for this run: a Top-K mode or troll fused with the LM head under FSDP2
+    needs the head tied to the embedding (else the engine refuses it at the first step, after Ray and the model
+    have started)."""
+    from verl_dppo.plugin.topk_mode import is_topk_mode, untied_head_fsdp2_problem
+
+    arr = config.actor_rollout_ref
+    mode = arr.actor.policy_loss.get("loss_mode")
+    if not (is_topk_mode(mode) and arr.model.get("use_fused_kernels", False) and arr.actor.get("strategy") == "fsdp2"):
+        return []
+    try:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(model_dir),
+                                                  trust_remote_code=bool(arr.model.get("trust_remote_code", False)))
+    except Exception:  # a config transformers cannot read here: the engine's own check stays
+        return []
+    if getattr(model_config, "tie_word_embeddings", True):
+        return []
+    return [f"{untied_head_fsdp2_problem(mode)} (the model at {model_dir} has tie_word_embeddings=false)"]
 
 
 def _missing_data_hint(path: str, key: str, config: Any) -> str:

@@ -19,7 +19,7 @@ import torch
 __all__ = [
     "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
-    "configured_fused_kernels_problem",
+    "configured_fused_kernels_problem", "untied_head_fsdp2_problem",
     "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem",
 ]
 
@@ -122,6 +122,17 @@ def fused_kernels_problem(mode: str, megatron: bool, backend: Optional[str], rem
         return (f"{mode} with use_fused_kernels reads the packed token stream: set "
                 "actor_rollout_ref.model.use_remove_padding=True")
     return None
+
+
+def untied_head_fsdp2_problem(mode: str) -> str:
+    """Fused kernels under FSDP2 with an untied LM head: the weight verl's fused forward reads is still sharded (the
+    engine refuses it at the first step; `verl-dppo run` before launch when the model's config.json says so)."""
+    return (
+        f"{mode} with use_fused_kernels: the LM head weight is still sharded where verl's fused forward reads it "
+        "(FSDP2 wraps an untied lm_head as its own unit, unsharded only inside lm_head's forward; verl's own fused "
+        "kernel fails there too): set actor_rollout_ref.actor.strategy=fsdp, use a model whose LM head is tied to "
+        "its embedding, or set actor_rollout_ref.model.use_fused_kernels=False"
+    )
 
 
 def configured_fused_kernels_problem(mode: str, arr: Any) -> Optional[str]:
