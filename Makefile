@@ -25,7 +25,7 @@ staleness: $(STAMP)
 	$(VENV)/bin/verl-dppo staleness --out out/staleness
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) bench/bench_loss.py --repeats 25
