@@ -45,7 +45,7 @@ def install() -> None:
     )
     from verl_dppo.patches._import_hook import when_imported
 
-    workers_utils_losses.install()
+    when_imported("verl.workers.utils.losses", lambda _module: workers_utils_losses.install())
     when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
     when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
     when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)

@@ -88,9 +88,11 @@ def _wrap(original: Callable) -> Callable:
 
 
 def is_installed() -> bool:
-    """True when `verl.workers.utils.losses.ppo_loss` (and every by-name import of it) is our wrapper."""
-    losses = sys.modules.get("verl.workers.utils.losses")
-    if losses is None or not getattr(losses.ppo_loss, _WRAPPED_MARK, False):
+    """True when `verl.workers.utils.losses.ppo_loss` (and every by-name import of it) is our wrapper, as a process
+    that imports verl's losses module (every training worker) finds it: the plugin wraps it at that import."""
+    import verl.workers.utils.losses as losses
+
+    if not getattr(losses.ppo_loss, _WRAPPED_MARK, False):
         return False
     return all(
         getattr(sys.modules[name], "ppo_loss", losses.ppo_loss) is losses.ppo_loss

@@ -238,6 +238,7 @@ def test_the_dry_run_carries_the_cpu_settings_and_builds_nothing(monkeypatch, tm
     assert config["transfer_queue"]["backend"]["SimpleStorage"]["num_data_storage_units"] == 1
     ray_init = config["ray_kwargs"]["ray_init"]
     assert ray_init["runtime_env"]["env_vars"]["VERL_PLATFORM"] == "cpu"
+    assert ray_init["runtime_env"]["env_vars"]["TQ_NUM_THREADS"] == "1"
     assert ray_init["num_cpus"] >= 2 + 2  # trainer + rollout worker, TransferQueue's controller + storage unit
     assert config["trainer"]["experiment_name"] == "cpu_tiny-dppo_topk_tv-separate_async"
     assert "the launch builds the model" in captured.err

@@ -1,5 +1,5 @@
-"""Loading: `import verl` alone registers the modes and installs the hook, in a fresh process and in a Ray
-worker; load failures are loud; `verl-dppo doctor` reports and exits accordingly."""
+"""Loading: `import verl` alone registers the modes (when verl imports its registry) and installs the hook (when verl
+imports its losses module), in a fresh process and in a Ray worker; load failures are loud; `verl-dppo doctor` reports and exits accordingly."""
 
 import os
 import subprocess
@@ -27,6 +27,26 @@ def test_import_verl_alone_registers_modes_and_installs_hook():
     )
     assert result.returncode == 0, result.stderr
     assert "verl_dppo.plugin.entry" in result.stdout
+
+
+def test_processes_that_never_train_do_not_import_verls_trainer_modules():
+    """The modes are registered when verl imports its registry, not at `import verl`: a process that only routes
+    rollouts (verl's load balancer) imports no trainer module; the registry, once imported, holds every mode; and a
+    process that imports the plugin's losses module first (it imports verl itself) ends with them registered too."""
+    result = python(
+        "import sys, verl.workers.rollout.router\n"
+        "assert 'verl.trainer.ppo.core_algos' not in sys.modules\n"
+        "assert 'verl.workers.utils.losses' not in sys.modules\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        f"assert all(m in POLICY_LOSS_REGISTRY for m in {MODES!r}), list(POLICY_LOSS_REGISTRY)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    result = python(
+        "import verl_dppo.plugin.losses\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        f"assert all(getattr(POLICY_LOSS_REGISTRY.get(m), '__verl_dppo__', False) for m in {MODES!r})\n"
+    )
+    assert result.returncode == 0 and "failed" not in result.stderr, result.stderr
 
 
 def test_by_name_importers_of_ppo_loss_get_the_wrapper():

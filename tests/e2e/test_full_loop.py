@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -88,8 +89,11 @@ class Cluster:
         code = ("import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
                 "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
                 % (CLUSTER_CPUS, self.ray_dir))
+        # No idle worker processes prestarted for each job that connects (Ray's default: two per driver, each
+        # importing Ray for nothing: every actor of a run gets a process of its own).
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, start_new_session=True, cwd=str(root), env=self.env())
+                                        text=True, start_new_session=True, cwd=str(root),
+                                        env=self.env(RAY_prestart_worker_first_driver="0"))
         self.address = self.process.stdout.readline().strip()
         if not self.address:
             raise RuntimeError("the local Ray cluster did not start")
@@ -278,31 +282,22 @@ def chains() -> list[list[Run]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
+    """Every run, in lanes pulling chains from one queue as they are composed: the composition (Hydra, the models'
+    build: about 20 s, the warm-started model most of it) overlaps the first runs instead of delaying them."""
     root = tmp_path_factory.mktemp("full_loop")
-    # The cpu_tiny model and data are built here, once for every run (not in the user's ~/dppo).
-    saved_root = os.environ.get("DPPO_ROOT")
-    os.environ["DPPO_ROOT"] = str(root / "dppo_root")
     only = os.environ.get("DPPO_FULL_LOOP_ONLY")  # comma-separated run names, for a quick look at a few of them
     plan = [[r for r in chain if not only or r.name in only.split(",")] for chain in chains()]
     plan = [chain for chain in plan if chain]
-    try:
-        for chain in plan:  # Hydra's composition is not thread-safe: every config is composed here, first
-            for run in chain:
-                compose(run, root)  # resolved: the runs read their paths from the YAML, not from DPPO_ROOT
-    finally:
-        if saved_root is None:
-            os.environ.pop("DPPO_ROOT")
-        else:
-            os.environ["DPPO_ROOT"] = saved_root
     done: dict[str, Run] = {}
     lock = threading.Lock()
-    lanes = [plan[i::PARALLEL] for i in range(PARALLEL)]
+    ready: queue.Queue = queue.Queue()
+    failed = threading.Event()  # a composition failed: the lanes start nothing more
 
     def run_lane(index: int) -> None:
         cluster = Cluster(root / f"lane{index}")
         try:
-            for chain in lanes[index]:
-                for run in chain:
+            while (chain := ready.get()) is not None:
+                for run in chain if not failed.is_set() else ():
                     execute(run, cluster.address)
                     with lock:
                         done[run.name] = run
@@ -311,8 +306,30 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             cluster.stop()
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        list(pool.map(run_lane, range(PARALLEL)))
+    lanes = min(PARALLEL, len(plan))
+    with ThreadPoolExecutor(max_workers=lanes) as pool:
+        futures = [pool.submit(run_lane, index) for index in range(lanes)]
+        # The cpu_tiny model and data are built here, once for every run (not in the user's ~/dppo). Hydra's
+        # composition is not thread-safe: this thread composes every config, the lanes only launch them.
+        saved_root = os.environ.get("DPPO_ROOT")
+        os.environ["DPPO_ROOT"] = str(root / "dppo_root")
+        try:
+            for chain in plan:
+                for run in chain:
+                    compose(run, root)  # resolved: the runs read their paths from the YAML, not from DPPO_ROOT
+                ready.put(chain)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            if saved_root is None:
+                os.environ.pop("DPPO_ROOT")
+            else:
+                os.environ["DPPO_ROOT"] = saved_root
+            for _ in range(lanes):
+                ready.put(None)
+        for future in futures:
+            future.result()
     total = time.perf_counter() - start
     print(f"full loop: all runs {total:.0f} s", file=sys.stderr)
     (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
@@ -345,6 +362,8 @@ def test_every_loss_mode_trains_through_main_ppo(runs, mode):
     for record in run.records:
         assert any(k.startswith(prefix) for k in record["data"]), _fail(run, f"no {prefix}* at step {record['step']}")
     assert f"verl-dppo {mode} in effect" in run.log, _fail(run, "the worker's 'in effect' line is missing")
+    # The run's TQ_NUM_THREADS=1 (cpu_tiny): TransferQueue's per-call warning on a machine of fewer than 8 cores.
+    assert "should not exceed total physical CPU cores" not in run.log, _fail(run, "TransferQueue's thread warnings")
     assert all(r["data"]["response_length/mean"] > 0 for r in run.records)
 
 

@@ -87,8 +87,8 @@ def is_cpu_run(config: Any) -> bool:
 
 
 def select_platform(config: Any, here: bool = False) -> None:
-    """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run (the runtime_env of
-    `ray.init`, which the dry run's YAML carries too); `here`: in this driver as well (and so in the local Ray
+    """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run, and one TransferQueue
+    thread per call (the runtime_env of `ray.init`, which the dry run's YAML carries too); `here`: in this driver as well (and so in the local Ray
     processes it starts), which must happen before verl's first `get_platform()` caches the platform it detects."""
     if not is_cpu_run(config):
         return
@@ -102,6 +102,10 @@ def select_platform(config: Any, here: bool = False) -> None:
             runtime_env.env_vars = {}
         with open_dict(runtime_env.env_vars):
             runtime_env.env_vars.setdefault("VERL_PLATFORM", PLATFORM_NAME)
+            # verl's TransferQueue gives each put and get TQ_NUM_THREADS torch threads (default 8), cut to the
+            # physical cores with a warning at every call where there are fewer (some 40 lines a step on a laptop).
+            # A CPU run's worker processes already share the cores, and its batches are small: one thread.
+            runtime_env.env_vars.setdefault("TQ_NUM_THREADS", "1")
     if here:
         select_cpu_platform()
 

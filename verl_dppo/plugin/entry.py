@@ -34,21 +34,32 @@ def register_backends() -> None:
     when_imported("verl.utils.tracking", patch_file_logger)
 
 
-def load() -> list[str]:
-    """Register the loss modes, the backends and install the patches (`verl_dppo.patches`); returns the registered
-    mode names."""
+def load() -> None:
+    """Register the loss modes, the backends and install the patches (`verl_dppo.patches`).
+
+    The loss modes go into verl's registry the moment verl imports it (`verl.trainer.ppo.core_algos`), not at
+    `import verl`: nothing can look a mode up before that, and the processes of a run that never train (the rollout
+    router, the reward workers, the rollout server) are spared importing verl's trainer modules (about 1.5 s each on
+    a small CPU)."""
     check_verl_version()
     from verl_dppo.patches import install
-    from verl_dppo.plugin.losses import register_all
+    from verl_dppo.patches._import_hook import when_imported
 
-    modes = register_all()
+    when_imported("verl.trainer.ppo.core_algos", _register_losses)
     install()
     register_backends()
-    return modes
+
+
+def _register_losses(_core_algos) -> None:
+    try:
+        import verl_dppo.plugin.losses  # noqa: F401  (registers the modes at its import)
+    except Exception:
+        logger.exception("verl-dppo failed to load: its loss modes are NOT registered in this process")
+        raise
 
 
 try:
-    REGISTERED_MODES = load()
+    load()
 except Exception:
     logger.exception("verl-dppo failed to load: its loss modes are NOT registered in this process")
     raise

@@ -371,3 +371,9 @@ def register_all() -> list[str]:
         register_policy_loss(mode.name)(loss_fn)
         DPPO_MODES.add(mode.name)
     return [mode.name for mode in LOSS_MODES]
+
+
+# At import, as verl's own losses register with a decorator: the plugin imports this module the moment verl imports its
+# registry (`verl_dppo.plugin.entry`). When this module is what imports verl (a process importing it first), the
+# plugin meets it half-initialised and the registration happens here, once the module is whole.
+register_all()
