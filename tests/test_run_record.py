@@ -82,14 +82,15 @@ def first_run(tmp_path, monkeypatch, capsys):
 def run_warnings(capsys, argv):
     assert cli.main(["run", "sanity_1p5b", *argv, "--dry-run"]) == 0
     return [line for line in capsys.readouterr().err.splitlines() if "would resume" in line or "would overwrite"
-            in line or " and overwrite" in line]
+            in line or " and continue" in line]
 
 
 def test_the_readme_comparison_warns_on_one_shared_name_and_not_with_its_own(first_run, capsys):
     (line,) = run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV])
     assert line.startswith("verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv, loss_mode dppo_tv)")
     assert "would resume step 50 of sanity_1p5b --method dppo_binary_tv (loss_mode dppo_binary_tv)" in line
-    assert f"and overwrite its {log_path(first_run)}" in line and "trainer.experiment_name=" in line
+    # the resumed run keeps the log's lines up to its checkpoint (patches/file_logger.py) and writes after them
+    assert f"and continue its {log_path(first_run)} after step 50:" in line and "trainer.experiment_name=" in line
     # the README's second run, with a name of its own: nothing to resume, nothing overwritten
     assert run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV,
                                  "trainer.experiment_name=sanity_1p5b-verl_dppo_tv"]) == []

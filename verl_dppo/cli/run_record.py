@@ -99,8 +99,8 @@ def _who(record: Optional[dict]) -> str:
 
 
 def clash_warning(config: Any) -> Optional[str]:
-    """One line when this launch would resume (resume_mode=auto) or overwrite (the JSONL log) a run of another
-    setup, method or loss mode, naming it and what to change; None otherwise, a same-run resume included."""
+    """One line when this launch would resume (resume_mode=auto) a run of another setup, method or loss mode, or write
+    into its JSONL log (continue it after the resumed step, or overwrite it when nothing is resumed), naming it and what to change; None otherwise, a same-run resume included."""
     me = identity(config)
     clauses, others = [], []
     folder = checkpoint_dir(config)
@@ -115,7 +115,9 @@ def clash_warning(config: Any) -> Optional[str]:
         record = _read(_log_record(log))
         if record is None or any(record.get(key) != me[key] for key in IDENTITY):
             owner = "its" if clauses and record == others[0] else f"the log of {_who(record)},"
-            clauses.append(f"overwrite {owner} {log}")
+            # the plugin's FileLogger: a resumed run keeps the lines up to its checkpoint, a fresh one starts anew
+            clauses.append(f"continue {owner} {log} after step {step}" if step is not None
+                           else f"overwrite {owner} {log}")
     if not clauses:
         return None
     return (f"this launch ({me['setup']} --method {me['method']}, loss_mode {me['loss_mode']}) would "
