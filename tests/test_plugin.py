@@ -1,5 +1,6 @@
 """Loading: `import verl` alone registers the modes (when verl imports its registry) and installs the hook (when verl
-imports its losses module), in a fresh process and in a Ray worker; load failures are loud; `verl-dppo doctor` reports and exits accordingly."""
+imports its losses module), in a fresh process and in a Ray worker; load failures are loud; `verl-dppo doctor`
+reports and exits accordingly."""
 
 import os
 import subprocess

@@ -88,8 +88,9 @@ def is_cpu_run(config: Any) -> bool:
 
 def select_platform(config: Any, here: bool = False) -> None:
     """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run, and one TransferQueue
-    thread per call (the runtime_env of `ray.init`, which the dry run's YAML carries too); `here`: in this driver as well (and so in the local Ray
-    processes it starts), which must happen before verl's first `get_platform()` caches the platform it detects."""
+    thread per call (the runtime_env of `ray.init`, which the dry run's YAML carries too); `here`: in this driver as
+    well (and so in the local Ray processes it starts), which must happen before verl's first `get_platform()` caches
+    the platform it detects."""
     if not is_cpu_run(config):
         return
     from omegaconf import open_dict

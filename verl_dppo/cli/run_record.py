@@ -100,7 +100,8 @@ def _who(record: Optional[dict]) -> str:
 
 def clash_warning(config: Any) -> Optional[str]:
     """One line when this launch would resume (resume_mode=auto) a run of another setup, method or loss mode, or write
-    into its JSONL log (continue it after the resumed step, or overwrite it when nothing is resumed), naming it and what to change; None otherwise, a same-run resume included."""
+    into its JSONL log (continue it after the resumed step, or overwrite it when nothing is resumed), naming it and
+    what to change; None otherwise, a same-run resume included."""
     me = identity(config)
     clauses, others = [], []
     folder = checkpoint_dir(config)

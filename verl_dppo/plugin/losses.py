@@ -373,7 +373,7 @@ def register_all() -> list[str]:
     return [mode.name for mode in LOSS_MODES]
 
 
-# At import, as verl's own losses register with a decorator: the plugin imports this module the moment verl imports its
-# registry (`verl_dppo.plugin.entry`). When this module is what imports verl (a process importing it first), the
-# plugin meets it half-initialised and the registration happens here, once the module is whole.
+# Registered at import, as verl's own losses are (by decorator). The plugin imports this module when verl imports its
+# registry (`verl_dppo.plugin.entry`); in a process that imports this module first, which imports verl and so the
+# plugin, the plugin finds it half-initialised, and the modes are registered here once the module is whole.
 register_all()
