@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 from typing import Any, Optional
 
 __all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "RolloutTopKError", "rollout_topk", "warn_truncated_sampling",
            "capture_outputs_of", "generate_capturing", "REQUEST_K"]
 
-logger = logging.getLogger("verl_dppo")
-
-
 # The names and K's hand-over are defined once, in the plugin (the hf rollout uses them too).
+from verl_dppo.plugin.log_once import warn_once  # noqa: E402
 from verl_dppo.plugin.rollout_fields import CUSTOM_KEY, EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk  # noqa: E402
 
 
@@ -34,8 +31,6 @@ REQUEST_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("verl_
 
 _CAPTURE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("verl_dppo_capture", default=None)
 
-
-_warned: set[str] = set()
 
 
 def capture_outputs_of(engine: Any, name: str) -> None:
@@ -61,9 +56,9 @@ def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str])
     top_p = sampling_params.get("top_p", 1.0)
     top_k = sampling_params.get("top_k", -1)
     truncated = (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0)
-    if truncated and logprobs_mode == "processed_logprobs" and "truncated" not in _warned:
-        _warned.add("truncated")
-        logger.warning(
+    if truncated and logprobs_mode == "processed_logprobs":
+        warn_once(
+            "truncated",
             "verl-dppo Top-K: top_p=%s / top_k=%s with rollout.logprobs_mode=processed_logprobs: the engine renormalises "
             "mu over the truncated support, so mu's top-K (and its 'other' mass) differ from the full policy the actor "
             "scores; use top_p=1.0, top_k=-1 for Top-K DPPO",

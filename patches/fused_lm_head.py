@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
+from verl_dppo.plugin.log_once import warn_once
 
 __all__ = ["patch_torch_functional", "patch_fsdp_engine"]
 
@@ -42,17 +42,13 @@ class _Step:
 
 
 _STEP: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("verl_dppo_fused_step", default=None)
-_ANNOUNCED: set = set()
-logger = logging.getLogger("verl_dppo")
 
 
 def _announce(config: Any) -> None:
     """Once per process and mode, the line a user looks for to know the fused pass runs (as "in effect")."""
     mode = policy_loss_get(config, "loss_mode")
-    if mode not in _ANNOUNCED:
-        _ANNOUNCED.add(mode)
-        logger.warning("verl-dppo %s: statistics fused with the LM head (use_fused_kernels, torch backend): the "
-                       "[tokens, vocabulary] logits are never formed", mode)
+    warn_once(("fused", mode), "verl-dppo %s: statistics fused with the LM head (use_fused_kernels, torch backend): "
+              "the [tokens, vocabulary] logits are never formed", mode)
 
 
 def _topk_config(loss_function: Any, micro_batch: Any) -> Any:

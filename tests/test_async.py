@@ -40,6 +40,7 @@ from verl_dppo.patches.sglang_async_server import extract_sglang_topk
 from verl_dppo.patches.vllm_async_server import extract_vllm_topk
 from verl_dppo.patches.agent_loop import trajectory
 from verl_dppo.plugin import run_config
+from verl_dppo.plugin import log_once
 from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
 SETUP = "sanity_1p5b"  # data.train_batch_size 64 = verl's default parameter_sync_step 4 x ppo_mini_batch_size 16
@@ -249,7 +250,7 @@ def test_bypass_without_rollout_log_probs_is_refused_for_every_loss_mode(trainer
 
 def test_a_threshold_that_differs_from_verls_is_warned_naming_the_key(monkeypatch):
     """The actor counts samples older than what verl keeps only with verl's own threshold (the recipes copy it)."""
-    monkeypatch.setattr(run_config, "_logged", set())
+    monkeypatch.setattr(log_once, "_SEEN", set())
     config = composed("dppo_binary_tv", "separate_async")
     config.trainer.v1.sampler.max_off_policy_threshold = 4  # the recipes' copy follows verl's value
     assert config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold == 4
@@ -263,7 +264,7 @@ def test_a_threshold_that_differs_from_verls_is_warned_naming_the_key(monkeypatc
 
 def test_recompute_anchor_under_async_warns_once_naming_the_setting(caplog, monkeypatch):
     """Part 2: the decoupled anchor is the recomputed policy, not the versions that sampled the response."""
-    monkeypatch.setattr(run_config, "_logged", set())
+    monkeypatch.setattr(log_once, "_SEEN", set())
     config = composed("dppo_binary_kl_decoupled", "colocate_async")
     assert config.actor_rollout_ref.actor.policy_loss.anchor == "recompute"
     with caplog.at_level(logging.WARNING, logger="verl_dppo"):

@@ -12,6 +12,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.utils.losses import ppo_loss
 
 from verl_dppo import DPPOLossConfig
+from verl_dppo.plugin import log_once
 
 lg = math.log
 
@@ -193,7 +194,7 @@ def test_decoupled_anchor_without_rollout_log_probs_warns_once(caplog):
     warnings = check_run_config(_run_config(bypass=False, calculate=False))
     assert len(warnings) == 1 and "actor_rollout_ref.rollout.calculate_log_probs=True" in warnings[0]
     # The worker's side: a batch without rollout_log_probs, through verl's ppo_loss.
-    losses._warned.discard("no_rollout_log_probs")
+    log_once._SEEN.discard("no_rollout_log_probs")
     pi, old = torch.full((2, 3), -1.0), torch.full((2, 3), -1.1)
     with caplog.at_level("WARNING", logger="verl_dppo"):
         for _ in range(3):

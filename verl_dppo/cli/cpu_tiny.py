@@ -74,8 +74,8 @@ class TinyModel:
 
     @classmethod
     def from_config(cls, node: Any) -> "TinyModel":
-        values = {key: (bool if key == "tie_word_embeddings" else int)(node[key])
-                  for key in cls.__dataclass_fields__ if node.get(key) is not None}
+        values = {key: type(field.default)(node[key])  # every field's default gives its type (int, bool)
+                  for key, field in cls.__dataclass_fields__.items() if node.get(key) is not None}
         return cls(**values)
 
 

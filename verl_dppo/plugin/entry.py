@@ -51,11 +51,8 @@ def load() -> None:
 
 
 def _register_losses(_core_algos) -> None:
-    try:
-        import verl_dppo.plugin.losses  # noqa: F401  (registers the modes at its import)
-    except Exception:
-        logger.exception("verl-dppo failed to load: its loss modes are NOT registered in this process")
-        raise
+    """A failure here fails verl's import of its registry, logged at ERROR by the import hook."""
+    import verl_dppo.plugin.losses  # noqa: F401  (registers the modes at its import)
 
 
 try:

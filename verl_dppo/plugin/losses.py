@@ -14,7 +14,6 @@ sampled token, handed over by the anchoring hook; without it (a direct registry 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -27,6 +26,7 @@ from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.metrics import ratio_of
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
 from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
+from verl_dppo.plugin.log_once import warn_once
 from verl_dppo.plugin import troll_mode
 from verl_dppo.math.divergence import (
     MAX_LOG_RATIO,
@@ -40,7 +40,6 @@ from verl_dppo.math.trust_region import trust_region_blocked
 
 __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
 
-logger = logging.getLogger("verl_dppo")
 
 # The paper's "bad update" (Sec. 5.3): A < 0 and mu(a_t) - pi(a_t) > 0.5.
 BAD_UPDATE_DROP = 0.5
@@ -71,16 +70,6 @@ LOSS_MODES = (
     LossMode("troll", None, True, "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K", troll=True),
 )
 
-_logged_options: set[tuple[str, str]] = set()
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
-
-
 def _check_shapes(**tensors: Optional[torch.Tensor]) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
     if len(set(shapes.values())) > 1:
@@ -102,10 +91,8 @@ def dppo_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     options = resolve_options(config, mode.uses_divergence_thresholds)
     troll_options = troll_mode.troll_options(config) if mode.troll else None
-    log_key = (mode.name, (troll_options or options).describe())
-    if log_key not in _logged_options:
-        _logged_options.add(log_key)
-        logger.warning("verl-dppo %s in effect: %s", mode.name, log_key[1])
+    described = (troll_options or options).describe()
+    warn_once(("in effect", mode.name, described), "verl-dppo %s in effect: %s", mode.name, described)
 
     extras = current_extras()
     rollout_log_prob = extras.rollout_log_probs if extras is not None else None
@@ -119,7 +106,7 @@ def dppo_policy_loss(
         entropy=entropy,
     )
     if rollout_is_weights is not None:
-        _warn_once(
+        warn_once(
             "is_weights",
             f"{mode.name} weights every token by pi/mu itself; verl's rollout-correction IS weights "
             "(algorithm.rollout_correction.rollout_is) are ignored so the correction is not applied twice.",
@@ -135,7 +122,7 @@ def dppo_policy_loss(
             "(or use anchor='rollout')."
         )
     if extras is not None and rollout_log_prob is None:
-        _warn_once(
+        warn_once(
             "no_rollout_log_probs",
             f"{mode.name}: the training batch carries no rollout_log_probs, so old_log_probs stand in for mu. With "
             "algorithm.rollout_correction.bypass_mode=False those are the recomputed policy: the ratio and the trust "
@@ -270,7 +257,7 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, to
             "and algorithm.adv_estimator."
         )
     if dropped:
-        _warn_once(
+        warn_once(
             "dropped",
             f"{mode_name}: some response tokens have a NaN/inf rollout or anchor log-prob (e.g. probability 0 "
             "under the rollout engine); they are left out of the update (actor/dppo/dropped_frac).",
@@ -331,7 +318,7 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
     if lags is not None:
         parts.update(staleness_parts(values[15:], threshold))
         if threshold is not None and parts[OVER_THRESHOLD][0] > 0:
-            _warn_once("over_threshold", f"some samples are {threshold}+ policy versions older than the trainer "
+            warn_once("over_threshold", f"some samples are {threshold}+ policy versions older than the trainer "
                        f"(policy_loss.max_off_policy_threshold={threshold}): older than verl's replay buffer keeps; "
                        f"counted in {OVER_THRESHOLD}.")
     metrics = {name: ratio_of(*part) for name, part in parts.items()}

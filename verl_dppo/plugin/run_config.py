@@ -14,18 +14,17 @@ rollout's per-token log-probs, the anchor) is checked for the DPPO modes.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
+
+from verl_dppo.plugin.log_once import warn_once
 
 __all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config"]
 
-logger = logging.getLogger("verl_dppo")
 
 ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
 """verl 0.9.1's asynchronous v1 trainers (`get_trainer_cls`); both resume aborted responses across weight updates
 (`FullyAsyncLLMServerClient`)."""
 
-_logged: set[str] = set()
 """Warnings already logged in this process: the check runs once per server manager (separate_async builds two)."""
 
 
@@ -111,9 +110,7 @@ def _check_separate_async(config: Any) -> list[str]:
 
 def _log_once(warnings: list[str]) -> None:
     for warning in warnings:
-        if warning not in _logged:
-            _logged.add(warning)
-            logger.warning(warning)
+        warn_once(warning, "%s", warning)
 
 
 def check_run_config(config: Any) -> list[str]:
