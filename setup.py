@@ -26,19 +26,18 @@ setup(
         "omegaconf>=2.3",
         "matplotlib",
         "tqdm",
+        # What verl 0.9.1's trainer, workers and agent loop import at run time but its own package does not require
+        # (`verl-dppo run` fails in a Ray worker without them; `verl-dppo doctor` checks each: TRAINER_MODULES).
+        "ray>=2.41",
+        "cachetools",
+        "fastapi",
+        "uvicorn",
+        "pyzmq",
+        "msgspec",
+        "TransferQueue>=0.1.10",
     ],
     extras_require={
-        # verl's "verl-core" pieces that its worker, agent-loop and trainer modules import (CPU-installable).
-        "test": [
-            "pytest>=8",
-            "ray>=2.41",
-            "cachetools",
-            "fastapi",
-            "uvicorn",
-            "pyzmq",
-            "msgspec",
-            "TransferQueue>=0.1.10",
-        ],
+        "test": ["pytest>=8"],
     },
     entry_points={
         "verl.plugins": ["dppo = verl_dppo.plugin.entry"],

@@ -27,6 +27,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
 from verl_dppo.plugin.log_once import warn_once
@@ -62,6 +64,37 @@ def _topk_config(loss_function: Any, micro_batch: Any) -> Any:
         return None  # verl's own distillation: its hook, not ours
     config = loss_function.keywords.get("config")
     return config if config is not None and is_topk_mode(policy_loss_get(config, "loss_mode")) else None
+
+
+def _hooked_output(output: Any) -> Any:
+    """A tensor of the model's own output that carries FSDP's pre-backward hook (log pi(labels), else the
+    entropy), or None."""
+    for name in ("log_probs", "entropy"):
+        value = getattr(output, name, None)
+        if value is not None and getattr(value, "requires_grad", False):
+            return value
+    return None
+
+
+class _ThroughModelOutput(torch.autograd.Function):
+    """value -> value, with a zero gradient to `anchor`, a tensor of the model's output.
+
+    Why: FSDP unshards the root module's parameters (the tied LM head among them) for the backward in a hook on the
+    model's output tensors: FSDP2 under verl's reshard_after_forward=True, which torch applies to the root too, freed
+    them after the forward; FSDP1's root queues its post-backward callback in that hook. TROLL's loss reaches the
+    fused pass only through the terms kept beside the model's output (its gradient never flows through verl's
+    log_prob), so the hook never fired and the fused backward read freed storage. The zero gradient costs one
+    [1, nnz] tensor; the values and gradients of `value` are unchanged."""
+
+    @staticmethod
+    def forward(ctx, value, anchor):
+        ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.anchor_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def patch_torch_functional(module: Any) -> None:
@@ -116,11 +149,12 @@ def patch_fsdp_engine(module: Any) -> None:
                     "the Top-K statistics were not computed: the model's fused forward did not call verl's "
                     "FusedLinearForPPO (set actor_rollout_ref.model.fused_kernel_options.impl_backend=torch)"
                 )
-            import torch
-
             # As verl stores the logits hook's outputs (prepare_model_outputs, remove-padding branch).
             cu_seqlens = micro_batch["input_ids"].offsets()
+            anchor = _hooked_output(output)
             for key, value in step.outputs.items():
+                if anchor is not None and value.requires_grad:
+                    value = _ThroughModelOutput.apply(value, anchor)
                 value = self._gather_and_unpad_packed(value.squeeze(0), output_args["pad_size"])
                 model_output[key] = torch.nested.nested_tensor_from_jagged(value, cu_seqlens)
             return model_output

@@ -315,3 +315,48 @@ def test_guard_reports_a_ray_connection_error_in_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(launch, "cmd_recipes", no_cluster)
     assert_one_line_error(capsys, ["recipes"], "Could not find any running Ray instance", "ray start --head")
+
+
+@pytest.mark.parametrize("steps", ["-5", "0"])
+def test_a_run_of_no_step_is_refused_at_once(tmp_path, capsys, monkeypatch, steps):
+    """Issue 24.5: `trainer.total_training_steps<=0` started Ray, trained nothing, exited 0 and left an empty log and a
+    run record. Refused in one line, before Ray and before anything is written."""
+    from verl_dppo.cli import launch
+
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    monkeypatch.setattr(launch, "_launch", lambda *a: pytest.fail("launched"))
+    assert_one_line_error(capsys, ["run", "cpu_tiny", "--method", "dppo_binary_tv",
+                          f"trainer.total_training_steps={steps}"],
+                          f"trainer.total_training_steps={steps}: a run trains at least one step")
+    assert list(tmp_path.iterdir()) == []  # no model, data, record or log written
+
+
+@pytest.mark.parametrize("flag, values", [("--method", ("dppo_binary_tv", "pg_is")),
+                                          ("--trainer-mode", ("sync", "separate_async"))])
+def test_an_option_given_twice_is_refused(capsys, flag, values):
+    """Issue 24.5: the last `--method` won silently."""
+    argv = ["run", "cpu_tiny", "--method", "dppo_binary_tv", "--dry-run"]
+    argv += [flag, values[1]] if flag == "--method" else [flag, values[0], flag, values[1]]
+    seconds = assert_one_line_error(capsys, argv, f"{flag} given twice ({values[0]} and {values[1]})")
+    assert seconds < 1
+
+
+def test_doctor_names_what_verls_trainer_imports_and_is_missing(capsys, monkeypatch):
+    """Issue 24.4: `pip install verl==0.9.1 && pip install .` lacked TransferQueue, so `verl-dppo run` failed in a Ray
+    worker after 41 s. The plugin requires what verl's trainer imports; doctor names what is missing (exit 1)."""
+    import importlib.util
+    import re
+    from importlib.metadata import requires
+
+    from verl_dppo.cli import doctor
+    from verl_dppo.cli.install_probe import TRAINER_MODULES
+
+    required = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0].lower() for r in requires("verl-dppo")
+                if "extra ==" not in r}
+    assert {p.lower() for p in TRAINER_MODULES.values()} <= required
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else real(name, *a))
+    monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": "0.11.0", "sglang": None})
+    assert main(["doctor", "--no-ray"]) == 1
+    out = capsys.readouterr().out
+    assert "  - verl's trainer imports TransferQueue, not installed here" in out and "NOT READY." in out

@@ -87,8 +87,10 @@ def run_warnings(capsys, argv):
 
 def test_the_readme_comparison_warns_on_one_shared_name_and_not_with_its_own(first_run, capsys):
     (line,) = run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV])
-    assert line.startswith("verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv, loss_mode dppo_tv)")
-    assert "would resume step 50 of sanity_1p5b --method dppo_binary_tv (loss_mode dppo_binary_tv)" in line
+    assert line.startswith("verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode sync, "
+                           "loss_mode dppo_tv)")
+    assert ("would resume step 50 of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "
+            "dppo_binary_tv)") in line
     # the resumed run keeps the log's lines up to its checkpoint (patches/file_logger.py) and writes after them
     assert f"and continue its {log_path(first_run)} after step 50:" in line and "trainer.experiment_name=" in line
     # the README's second run, with a name of its own: nothing to resume, nothing overwritten
@@ -106,7 +108,8 @@ def test_another_method_under_the_same_name_and_a_run_of_unknown_method(first_ru
                                         "trainer.resume_mode=disable"])
     warning = clash_warning(fresh)
     assert "resume" not in warning.split("would", 1)[1].split(":", 1)[0]
-    assert "would overwrite the log of sanity_1p5b --method dppo_binary_tv (loss_mode dppo_binary_tv), " in warning
+    assert ("would overwrite the log of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "
+            "dppo_binary_tv), ") in warning
     # checkpoints a plain main_ppo launch wrote carry no record: said so, not guessed
     os.remove(os.path.join(str(first_run.trainer.default_local_dir), CHECKPOINT_RECORD))
     assert "resume step 50 of a run whose method is not recorded" in clash_warning(composed())
@@ -119,3 +122,82 @@ def test_a_log_root_from_the_shell_is_where_the_log_is_looked_for(tmp_path, monk
     config = composed()
     assert log_path(config) == str(tmp_path / "elsewhere" / "verl-dppo" / "sanity_1p5b-dppo_binary_tv.jsonl")
     assert log_path(OmegaConf.merge(config, {"trainer": {"logger": ["console"]}})) is None
+
+
+def _steps(path):
+    import json
+
+    return [(r["step"], "val" if all(k.startswith("val-") for k in r["data"]) else "train")
+            for r in map(json.loads, open(path).read().splitlines())]
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_resumed_log_keeps_every_record_once(tmp_path, monkeypatch, validate):
+    """Issue 24.2: verl's FileLogger as the plugin patches it, a run killed after step 3 (its checkpoint at step 2) and
+    resumed: with `val_before_train` verl logs a validation at the checkpoint's step 2 before training step 3 again.
+    Every training step is in the log once, step 2's included; the lines the killed run wrote after its checkpoint
+    are replaced, not duplicated; a validation at the resumed step replaces one the killed run logged there."""
+    import verl_dppo.plugin  # noqa: F401  (the import hook that patches verl.utils.tracking)
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "run.jsonl"))
+    first = FileLogger("p", "e")
+    if validate:
+        first.log({"val-core/acc": 0.1}, 0)
+    for step in (1, 2, 3):
+        first.log({"critic/score/mean": step / 10}, step)
+    first.fp.write(b'{"step": 4, "da')  # a line cut short by the kill
+    first.finish()
+    resumed = FileLogger("p", "e")
+    if validate:
+        resumed.log({"val-core/acc": 0.2}, 2)
+    for step in (3, 4):
+        resumed.log({"critic/score/mean": step}, step)
+    resumed.finish()
+    train = [step for step, kind in _steps(tmp_path / "run.jsonl") if kind == "train"]
+    assert train == [1, 2, 3, 4]
+    assert [step for step, kind in _steps(tmp_path / "run.jsonl") if kind == "val"] == ([0, 2] if validate else [])
+    # a resume of the resumed run at the same checkpoint: its validation at step 2 replaces the earlier one
+    if validate:
+        again = FileLogger("p", "e")
+        again.log({"val-core/acc": 0.3}, 2)
+        again.finish()
+        assert _steps(tmp_path / "run.jsonl") == [(0, "val"), (1, "train"), (2, "train"), (2, "val")]
+    # a fresh run under the same name starts an empty log, with or without its validation at step 0
+    fresh = FileLogger("p", "e")
+    fresh.log({"val-core/acc": 0.5} if validate else {"critic/score/mean": 1.0}, 0 if validate else 1)
+    fresh.finish()
+    assert len(_steps(tmp_path / "run.jsonl")) == 1
+
+
+def test_every_setup_names_its_trainer_modes_apart():
+    """Issue 24.3: a sync and an async run of one recipe get their own experiment name (checkpoints and log)."""
+    from verl_dppo.cli.compose import list_recipes
+
+    setups = [info.name for info in list_recipes()["setup"]]
+    assert "sanity_1p5b" in setups and "cpu_tiny" in setups
+    for setup in setups:
+        modes = ("sync", "separate_async", "colocate_async") if setup == "sanity_1p5b" else ("sync", "separate_async")
+        names = {mode: str(compose_recipe(setup, "dppo_binary_tv", trainer_mode=mode).trainer.experiment_name)
+                 for mode in modes}
+        assert len(set(names.values())) == len(modes), (setup, names)
+
+
+def test_an_async_launch_under_a_sync_runs_name_is_warned(first_run):
+    """The clash warning compares the trainer mode too: an async launch told to use the sync run's name would resume
+    its checkpoint and continue its log. A record written before the mode was recorded counts as sync."""
+    import json
+
+    name = str(first_run.trainer.experiment_name)
+    async_run = compose_recipe("sanity_1p5b", "dppo_binary_tv", [f"trainer.experiment_name={name}"],
+                               trainer_mode="separate_async")
+    pin_file_logger(async_run)
+    warning = clash_warning(async_run)
+    assert warning.startswith("this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode separate_async,")
+    assert "would resume step 50 of sanity_1p5b --method dppo_binary_tv --trainer-mode sync" in warning
+    assert clash_warning(composed()) is None  # the sync run itself resumes its own, silently
+    record = os.path.join(str(first_run.trainer.default_local_dir), CHECKPOINT_RECORD)
+    old = {k: v for k, v in json.load(open(record)).items() if k != "trainer_mode"}
+    json.dump(old, open(record, "w"))
+    assert "would resume" not in (clash_warning(composed()) or "")
+    assert "would resume step 50" in clash_warning(async_run)

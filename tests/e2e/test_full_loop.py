@@ -54,11 +54,16 @@ FUSED_MODE = "dppo_topk_tv"
 """Its run trains with verl's fused kernels (use_fused_kernels=True, torch backend): the Top-K statistics come from
 the plugin's pass fused with the LM head (issue 20), and its weight-sync check then holds the fused log-probs to the
 rollout's."""
+FUSED_TROLL = "sync-troll-fused"
+"""troll with use_fused_kernels, a run of its own beside the unfused troll run: its loss reaches the fused pass only
+through TROLL's terms, never through the model's output (issue 24.1: FSDP2 had freed the tied LM head)."""
 FUSED = ("actor_rollout_ref.model.use_fused_kernels=True", "dppo.tiny_model.tie_word_embeddings=true",
          "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-random-tied")
 """FSDP2 (the CPU's engine) reads an untied LM head's weight still sharded in the fused forward (refused, by verl's
 kernel too): the fused run's random-init model ties its head to the embedding, as Qwen3 up to 4B does."""
 STEPS = 2
+VALIDATION_FILE = "${dppo.tiny_data.dir}/validation.parquet"
+"""cpu_tiny's problems with other prompts (validation_file): the resume runs validate on them."""
 RESUME_METHOD = "dppo_binary_tv"
 PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
 """Lanes of runs side by side, each on a local Ray cluster of its own, its runs one after another: verl's
@@ -143,10 +148,10 @@ class Run:
     folder: Optional[Path] = None
 
     def metrics(self, step: int) -> dict:
-        return next(r["data"] for r in self.records if r["step"] == step)
+        return next(r["data"] for r in self.records if r["step"] == step and not validation_only(r))
 
     def values(self, key: str) -> list[float]:
-        return [r["data"][key] for r in sorted(self.records, key=lambda r: r["step"])]
+        return [r["data"][key] for r in sorted(self.records, key=lambda r: r["step"]) if not validation_only(r)]
 
 
 _COMPOSED: dict = {}
@@ -197,11 +202,25 @@ def compose(run: Run, root: Path) -> Path:
         env.OMP_NUM_THREADS = "1"
     build_assets(config)
     OmegaConf.resolve(config)
+    if "validation.parquet" in str(config.data.val_files):
+        validation_file(str(config.data.train_files), str(config.data.val_files))
     path = run.folder / f"{run.name}.yaml"
     path.write_text(resolved_yaml(config))
     run.command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(path.parent),
                    "--config-name", path.stem, f"hydra.run.dir={run.folder / 'hydra'}", "hydra.output_subdir=null"]
     return path
+
+
+def validation_file(train: str, path: str) -> None:
+    """The training problems, each prompt with a sentence added: answers unchanged, no prompt shared."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(train).to_pylist()
+    for row in rows:
+        row["prompt"] = [dict(m, content=m["content"] + " Check your answer.") if m["role"] == "user" else m
+                         for m in row["prompt"]]
+    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def read_records(run: Run) -> list[dict]:
@@ -262,6 +281,8 @@ def chains() -> list[list[Run]]:
                   overrides=(f"actor_rollout_ref.actor.ppo_mini_batch_size={2 if mode == ROWS_MODE else 4}",
                              *(FUSED if mode == FUSED_MODE else ())))]
              for mode in MODES]
+    if "troll" in MODES:
+        modes.append([Run(FUSED_TROLL, driver.method_for_mode("troll"), overrides=FUSED)])
     # Every weight push must find a response half generated. The rollout is kept the slower side with a backlog: two
     # sequences at a time (max_num_seqs=2: a batch of 8 responses of 192 tokens, no early end, takes about 2.2 s
     # idle, the trainer's step about 1 s) and two warm-up batches (verl's num_warmup_batches; the default 1), so at
@@ -274,9 +295,14 @@ def chains() -> list[list[Run]]:
                      overrides=("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True",
                                 "actor_rollout_ref.rollout.max_num_seqs=2",
                                 "trainer.v1.separate_async.num_warmup_batches=2"))]]
-    resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=("trainer.save_freq=2",)),
+    # With the recipes' val_before_train (cpu_tiny's is off): the restart logs a validation at the checkpoint's step.
+    # Its prompts are not the training prompts (validation_file): the hf rollout seeds a request from the prompt and
+    # how often it was seen at that weight version, so validating on the training prompts would change what step 3
+    # samples after a resume, and the uninterrupted run's step 3 would no longer be the reference.
+    resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}")
+    resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=resumed),
                Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed", via_cli=True,
-                   overrides=("trainer.save_freq=2",))]]
+                   overrides=resumed)]]
     return separate + resume + modes
 
 
@@ -341,9 +367,14 @@ def _fail(run: Run, what: str) -> str:
     return f"{run.name}: {what} (rc={run.rc}, {run.seconds:.0f} s); log tail:\n{tail}"
 
 
+def validation_only(record: dict) -> bool:
+    return all(key.startswith("val-") for key in record["data"])
+
+
 def finished(run: Run, steps: int) -> None:
     assert run.rc == 0, _fail(run, "main_ppo failed")
-    assert [r["step"] for r in run.records] == list(range(1, steps + 1)), _fail(run, "JSONL steps")
+    training = [r["step"] for r in run.records if not validation_only(r)]
+    assert training == list(range(1, steps + 1)), _fail(run, f"JSONL steps {training}")
 
 
 # ----------------------------------------------------------------------------------------------------- the tests
@@ -401,6 +432,19 @@ def test_fused_topk_trains_through_main_ppo(runs):
     assert f"verl-dppo {FUSED_MODE}: statistics fused with the LM head" in run.log, _fail(run, "no fused pass")
 
 
+def test_fused_troll_trains_through_main_ppo(runs):
+    """troll with use_fused_kernels=True in main_ppo (FSDP2, tied LM head): the fused pass ran, the run finished
+    with TROLL's metrics at every step, every number finite, and the policy moved (a gradient reached the head)."""
+    run = runs[FUSED_TROLL]
+    finished(run, run.steps)
+    assert "verl-dppo troll: statistics fused with the LM head" in run.log, _fail(run, "no fused pass")
+    for record in run.records:
+        assert any(k.startswith("actor/troll/") for k in record["data"]), _fail(run, "no actor/troll/*")
+        bad = {k: v for k, v in record["data"].items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, _fail(run, f"step {record['step']}: non-finite {bad}")
+    assert min(run.values("actor/grad_norm")) > 0, _fail(run, "no update")
+
+
 def test_separate_async_topk_is_stale_and_resumes_aborted_responses(runs):
     """separate_async, dppo_topk_tv, weights through the plugin's ray_store checkpoint engine: some samples are a
     version or more old (actor/dppo/lag_mean > 0 at some step); some response was cut by a weight push and resumed
@@ -429,7 +473,10 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     assert "ActorDiedError" in killed.log or "RayActorError" in killed.log, _fail(killed, "no actor-death error")
     assert max(r["step"] for r in killed.records) == 2, _fail(killed, "steps logged by the killed run")
     finished(reference, 3)
-    finished(restarted, 3)  # the JSONL file of the killed run and the restart: steps 1, 2 (before), 3 (after)
+    # The JSONL file of the killed run and the restart: training steps 1, 2 (before), 3 (after), each once (issue
+    # 24.2: the restart's validation at step 2 had dropped step 2's training record); validations at steps 0 and 2.
+    finished(restarted, 3)
+    assert [r["step"] for r in restarted.records if validation_only(r)] == [0, 2], _fail(restarted, "validations")
     assert f"verl-dppo: launching cpu_tiny + {RESUME_METHOD}" in restarted.log, _fail(restarted, "not through the CLI")
     assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
         restarted, "did not resume from the step-2 checkpoint")

@@ -195,8 +195,10 @@ def scenario_fused(runner: Runner) -> dict:
         return worker
 
     modes = [m for m in FUSED_MODES if m in driver.plugin_loss_modes()]
-    overrides = {m: delta_overrides(COMPARE_DELTA[m.removeprefix("dppo_topk_")]) if m.startswith("dppo_topk_")
-                 else () for m in modes}
+    # The recipes' calculate_entropy=False: no gradient then reaches the model's own output through the entropy,
+    # which is how a real fused troll run crashed while this scenario (entropy on) passed (issue 24.1).
+    overrides = {m: (delta_overrides(COMPARE_DELTA[m.removeprefix("dppo_topk_")]) if m.startswith("dppo_topk_")
+                     else ()) + ("actor_rollout_ref.actor.calculate_entropy=False",) for m in modes}
     results = {mode: {"unfused": runner.run(mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode])} for mode in modes}
     driver.build_worker = build_fused
     try:

@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. A user's mistake (UsageError, a file that cannot be read or written, a Ray cluster that
     does not answer) is one line on stderr and exit 2; only a bug in verl-dppo itself shows a traceback."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as error:  # an option's own check (argparse's errors print the usage and exit 2 themselves)
+        return _error(str(error))
     try:
         return int(args.handler(args) or 0)
     except UsageError as error:

@@ -209,6 +209,7 @@ def validate_recipe(config: Any) -> None:
     if missing:
         raise RecipeError("set these mandatory values: " + ", ".join(f"{key}=..." for key in missing))
 
+    check_length(config)
     loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
     if not _loss_registered(loss_mode):
         import difflib
@@ -276,6 +277,17 @@ def validate_recipe(config: Any) -> None:
         )
     _check_anchor(config)
     _check_topk_rollout(config)
+
+
+def check_length(config: Any) -> None:
+    """A run that would train nothing: verl starts Ray, trains no step and exits 0 with an empty log."""
+    steps = config.trainer.get("total_training_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise RecipeError(f"trainer.total_training_steps={steps}: a run trains at least one step; set a positive "
+                          "number, or null to train trainer.total_epochs over the data")
+    epochs = config.trainer.get("total_epochs")
+    if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise RecipeError(f"trainer.total_epochs={epochs}: a run trains at least one epoch; set a positive number")
 
 
 def _raised_by_plugin(error: BaseException) -> bool:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from verl_dppo.cli.install_probe import ROLLOUT_ENGINES, engines_here, expected_modes, plugin_state, version_of
+from verl_dppo.cli.install_probe import (
+    ROLLOUT_ENGINES,
+    engines_here,
+    expected_modes,
+    missing_trainer_modules,
+    plugin_state,
+    version_of,
+)
 from verl_dppo.cli.ray_probe import RayUnreachable, check_address, run_probe
 
 _PACKAGES = ("verl", "torch", "ray", "transformers", *ROLLOUT_ENGINES, "verl-dppo")
@@ -35,6 +42,12 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, time
     verl_version = version_of("verl")
     if verl_version not in SUPPORTED_VERL_VERSIONS:
         problems.append(f"verl {verl_version} is outside the supported range {SUPPORTED_VERL_RANGE}")
+    missing = missing_trainer_modules()
+    if missing:
+        no_trainer = (f"verl's trainer imports {', '.join(missing)}, not installed here: `verl-dppo run` would fail "
+                      f"in a Ray worker (pip install {' '.join(missing)}, or reinstall verl-dppo, which requires them)")
+        (warnings if plugin_only else problems).append(no_trainer + ("; --plugin-only: not counted as a problem"
+                                                                     if plugin_only else ""))
     engines = [engine for engine, found in engines_here().items() if found]
     if not engines:
         missing_engine = ("no rollout engine: neither vLLM nor SGLang is importable here. Every recipe, and any verl "

@@ -27,6 +27,17 @@ def engines_here() -> dict[str, Optional[str]]:
             for engine in ROLLOUT_ENGINES}
 
 
+TRAINER_MODULES = {"transfer_queue": "TransferQueue", "ray": "ray", "fastapi": "fastapi", "uvicorn": "uvicorn",
+                   "zmq": "pyzmq", "msgspec": "msgspec", "cachetools": "cachetools"}
+"""Module -> package: what verl 0.9.1's trainer, workers and agent loop import at run time without requiring it
+(setup.py's install_requires brings each)."""
+
+
+def missing_trainer_modules() -> list[str]:
+    """The packages of TRAINER_MODULES whose module is not importable here (found without importing them)."""
+    return [package for module, package in TRAINER_MODULES.items() if importlib.util.find_spec(module) is None]
+
+
 def expected_modes() -> list[str]:
     """The loss modes the plugin registers, read from its own table (`LOSS_MODES`), not a list kept here."""
     from verl_dppo.plugin.losses import LOSS_MODES

@@ -34,6 +34,16 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._inside = False
 
 
+class _Once(argparse.Action):
+    """An option given at most once: `--method a --method b` is refused (argparse would keep the last silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            raise UsageError(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): give it "
+                             "once")
+        setattr(namespace, self.dest, values)
+
+
 def _print_error(message: str) -> int:
     print(f"verl-dppo: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -66,6 +76,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from verl_dppo.cli.compose import (
         check_launch_site,
+        check_length,
         check_paths,
         check_supported,
         compose_recipe,
@@ -87,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             check_address(ray_address, "RAY_ADDRESS")
         with stdout_to_stderr():
             config = compose_recipe(args.setup, args.method, args.overrides, args.config_dir, args.trainer_mode)
+            check_length(config)  # before anything slow: a run of no step is refused at once
             select_platform(config)  # trainer.device=cpu: the CPU platform in the run's Ray processes
             check_engine(config)
             if not ray_address:
@@ -105,6 +117,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     clash = clash_warning(config)  # same experiment name, another method: verl would resume it / overwrite its log
     if clash:
         print(f"verl-dppo: warning: {clash}", file=sys.stderr)
+    wide = _tv_threshold_warning(config)
+    if wide:
+        print(f"verl-dppo: warning: {wide}", file=sys.stderr)
 
     if args.dry_run:
         # A dry run needs no GPU and no engine: what would stop the launch is reported, the YAML still printed.
@@ -126,6 +141,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problems:
         return _print_error("the run cannot start:\n  - " + "\n  - ".join(problems))
     return _launch(config, ray_address)
+
+
+def _tv_threshold_warning(config):
+    """The loss's own warning (a TV threshold above 1), said before the launch with the values the actor will use."""
+    from verl_dppo.plugin.config import resolve_options, tv_threshold_warning
+
+    actor = config.actor_rollout_ref.actor
+    options = resolve_options(actor, True)
+    return tv_threshold_warning(str(actor.policy_loss.loss_mode), options.delta_low, options.delta_high)
 
 
 def _launch(config, ray_address) -> int:
@@ -184,10 +208,11 @@ def add_command(commands) -> None:
     )
     run.__class__ = _IntermixedParser
     run.add_argument("setup", help="a setup from `verl-dppo recipes` (model, data, lengths, parallelism)")
-    run.add_argument("--method", required=True, help="a method from `verl-dppo recipes` (loss mode and options)")
+    run.add_argument("--method", required=True, action=_Once, help="a method from `verl-dppo recipes` (loss mode and options)")
     run.add_argument(
         "--trainer-mode",
         default=None,
+        action=_Once,
         metavar="MODE",
         help="verl's v1 trainer: sync (default), colocate_async (rollouts a batch ahead, on the same GPUs) or "
         "separate_async (rollout on GPUs of its own, partial rollouts, samples up to "

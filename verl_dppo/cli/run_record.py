@@ -19,14 +19,22 @@ from typing import Any, Optional
 from verl_dppo.cli.run_logs import ROOT_VARIABLE
 
 CHECKPOINT_RECORD = "verl_dppo_run.json"
-IDENTITY = ("setup", "method", "loss_mode")
-"""What makes two launches the same run: a rerun with the same three resumes it, as verl's resume_mode=auto
-intends; a different loss mode under the same recipe method (the README's verl-`dppo_tv` comparison) is not."""
+IDENTITY = ("setup", "method", "loss_mode", "trainer_mode")
+"""What makes two launches the same run: a rerun with the same four resumes it, as verl's resume_mode=auto
+intends; a different loss mode under the same recipe method (the README's verl-`dppo_tv` comparison) is not, nor
+the same recipe under another trainer mode (a sync checkpoint resumed by an async trainer)."""
+RECORDED_BEFORE = {"trainer_mode": "sync"}
+"""Records written before a key was recorded: what those launches ran (every launch was sync then)."""
 
 
 def identity(config: Any) -> dict[str, str]:
     return {"setup": str(config.dppo.setup), "method": str(config.dppo.method),
-            "loss_mode": str(config.actor_rollout_ref.actor.policy_loss.loss_mode)}
+            "loss_mode": str(config.actor_rollout_ref.actor.policy_loss.loss_mode),
+            "trainer_mode": str(config.dppo.get("trainer_mode", "sync"))}
+
+
+def _same_run(record: Optional[dict], me: dict[str, str]) -> bool:
+    return record is not None and all(record.get(key, RECORDED_BEFORE.get(key)) == me[key] for key in IDENTITY)
 
 
 def checkpoint_dir(config: Any) -> str:
@@ -95,31 +103,34 @@ def _resumable_step(folder: str) -> Optional[int]:
 def _who(record: Optional[dict]) -> str:
     if record is None:
         return "a run whose method is not recorded (not launched by `verl-dppo run`)"
-    return f"{record.get('setup')} --method {record.get('method')} (loss_mode {record.get('loss_mode')})"
+    mode = record.get("trainer_mode", RECORDED_BEFORE["trainer_mode"])
+    return (f"{record.get('setup')} --method {record.get('method')} --trainer-mode {mode} "
+            f"(loss_mode {record.get('loss_mode')})")
 
 
 def clash_warning(config: Any) -> Optional[str]:
-    """One line when this launch would resume (resume_mode=auto) a run of another setup, method or loss mode, or write
-    into its JSONL log (continue it after the resumed step, or overwrite it when nothing is resumed), naming it and
-    what to change; None otherwise, a same-run resume included."""
+    """One line when this launch would resume (resume_mode=auto) a run of another setup, method, loss mode or trainer
+    mode, or write into its JSONL log (continue it after the resumed step, or overwrite it when nothing is resumed),
+    naming it and what to change; None otherwise, a same-run resume included."""
     me = identity(config)
     clauses, others = [], []
     folder = checkpoint_dir(config)
     step = _resumable_step(folder) if str(config.trainer.get("resume_mode", "auto")) == "auto" else None
     if step is not None:
         record = _read(os.path.join(folder, CHECKPOINT_RECORD))
-        if record is None or any(record.get(key) != me[key] for key in IDENTITY):
+        if not _same_run(record, me):
             clauses.append(f"resume step {step} of {_who(record)} from {folder}")
             others.append(record)
     log = log_path(config)
     if log and os.path.isfile(log) and os.path.getsize(log) > 0:
         record = _read(_log_record(log))
-        if record is None or any(record.get(key) != me[key] for key in IDENTITY):
+        if not _same_run(record, me):
             owner = "its" if clauses and record == others[0] else f"the log of {_who(record)},"
             # the plugin's FileLogger: a resumed run keeps the lines up to its checkpoint, a fresh one starts anew
             clauses.append(f"continue {owner} {log} after step {step}" if step is not None
                            else f"overwrite {owner} {log}")
     if not clauses:
         return None
-    return (f"this launch ({me['setup']} --method {me['method']}, loss_mode {me['loss_mode']}) would "
+    return (f"this launch ({me['setup']} --method {me['method']} --trainer-mode {me['trainer_mode']}, loss_mode "
+            f"{me['loss_mode']}) would "
             f"{' and '.join(clauses)}: give it its own trainer.experiment_name=NAME")

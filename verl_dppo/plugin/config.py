@@ -220,3 +220,17 @@ def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOp
     if not 0.0 <= options.relax_below <= 1.0:
         raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {options.relax_below!r}")
     return options
+
+
+def tv_threshold_warning(loss_mode: str, delta_low: float, delta_high: float) -> Optional[str]:
+    """One line when a TV mode's threshold exceeds 1: the total variation never does, so that side has no trust
+    region at all (the same as 1.0, which Sec. 5.3's minimal negative mask sets on purpose). None otherwise."""
+    if not str(loss_mode).endswith("_tv"):
+        return None
+    above = [f"{name}={value:g}" for name, value in (("delta_low", delta_low), ("delta_high", delta_high)) if value > 1]
+    if not above:
+        return None
+    return (f"{loss_mode}: {' and '.join(above)} exceeds 1, the largest total variation: that side masks nothing "
+            "(no trust region; 1.0 says so on purpose). TV thresholds are fractions such as 0.15, not KL values or "
+            "percentages")
+

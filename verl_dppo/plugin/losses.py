@@ -21,7 +21,7 @@ import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from verl_dppo.plugin.config import resolve_options
+from verl_dppo.plugin.config import resolve_options, tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.metrics import ratio_of
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
@@ -93,6 +93,10 @@ def dppo_policy_loss(
     troll_options = troll_mode.troll_options(config) if mode.troll else None
     described = (troll_options or options).describe()
     warn_once(("in effect", mode.name, described), "verl-dppo %s in effect: %s", mode.name, described)
+    wide = (tv_threshold_warning(mode.name, options.delta_low, options.delta_high)
+            if mode.uses_divergence_thresholds else None)
+    if wide:
+        warn_once(("wide", mode.name, described), "verl-dppo %s", wide)
 
     extras = current_extras()
     rollout_log_prob = extras.rollout_log_probs if extras is not None else None
