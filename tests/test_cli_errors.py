@@ -360,3 +360,20 @@ def test_doctor_names_what_verls_trainer_imports_and_is_missing(capsys, monkeypa
     assert main(["doctor", "--no-ray"]) == 1
     out = capsys.readouterr().out
     assert "  - verl's trainer imports TransferQueue, not installed here" in out and "NOT READY." in out
+
+
+def test_a_tv_threshold_above_one_is_warned_in_one_line(root, capsys):
+    """Issue 24 (smaller): TV <= 1, so delta_high=5 for a TV mode is no trust region at all; said in one line at
+    launch (and by the loss in the worker, `tv_threshold_warning`). 1.0 (Sec. 5.3's minimal mask) and KL modes
+    are silent."""
+    from verl_dppo.plugin.config import tv_threshold_warning
+
+    assert main([*DRY, "actor_rollout_ref.actor.policy_loss.delta_high=5"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "exceeds 1" in line]
+    assert lines == ["verl-dppo: warning: dppo_binary_tv: delta_high=5 exceeds 1, the largest total variation: that "
+                     "side masks nothing (no trust region; 1.0 says so on purpose). TV thresholds are fractions such "
+                     "as 0.15, not KL values or percentages"]
+    assert main([*DRY[:3], "minimal_mask_0.5", "--dry-run"]) == 0
+    assert "exceeds 1" not in capsys.readouterr().err
+    assert tv_threshold_warning("dppo_binary_kl", 5.0, 5.0) is None
+    assert "delta_low=2" in tv_threshold_warning("dppo_topk_tv", 2.0, 0.2)

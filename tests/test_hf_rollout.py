@@ -10,6 +10,8 @@ server cannot honour, or a prompt longer than the context, is one clear error.
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 
 import numpy as np
@@ -112,9 +114,12 @@ def test_requests_sent_together_are_one_batch_and_logprobs_are_of_the_sampling_d
     assert differs > 1e-3  # the check above could tell the truncated distribution from the full one
 
 
-def test_topk_rows_are_the_untruncated_tempered_topk_one_per_token(server):
+def test_topk_rows_are_the_untruncated_tempered_topk_one_per_token(server, caplog, monkeypatch):
     """extra_fields carries [T, K] ids (int64) and log-probs (float32), rank order, one row per generated token, from
     log_softmax(logits / temperature) over the whole vocabulary, before top-k/top-p truncation."""
+    from verl_dppo.plugin import log_once
+
+    monkeypatch.setattr(log_once, "_SEEN", set())
     params = dict(temperature=0.7, top_k=3, top_p=0.5, max_tokens=10, logprobs=True, ignore_eos=True)
     out = asyncio.run(server.generate(PROMPTS[0], dict(params), "topk"))
     ids, lps = out.extra_fields[EXTRA_IDS], out.extra_fields[EXTRA_LOGPROBS]
@@ -126,6 +131,8 @@ def test_topk_rows_are_the_untruncated_tempered_topk_one_per_token(server):
     np.testing.assert_allclose(lps, top.values.numpy(), atol=1e-4)
     assert (np.diff(lps, axis=1) <= 0).all()
     assert (lps[:, 3:] > -np.inf).all()  # ranks beyond top_k=3 are still reported: the row is not truncated
+    # ... while the sampled log-prob is of the truncated one: said once, as the vLLM path says it (issue 24)
+    assert any("top_p=0.5 / top_k=3 with rollout.logprobs_mode=processed_logprobs" in m for m in caplog.messages)
     assert out.extra_fields["global_steps"] is None
 
 
@@ -263,6 +270,18 @@ def test_sample_next_on_peaked_bf16_rows():
     assert (logprobs.abs() < 1e-6).all()
     assert topk[0][:, :2].tolist() == [[5, 6]] * 3 and torch.isfinite(topk[1]).all()
     assert float(topk[1][0, 1]) == pytest.approx(-20.7, abs=0.1)
+
+
+def test_top_k_keeps_logits_tied_with_the_kth_as_vllm_does():
+    """vLLM's top-k is a threshold (logits below the k-th largest dropped): logits [3, 2, 2, 1, 0] with top_k=2
+    sample from {0.576, 0.212, 0.212}, not {0.731, 0.269}; the row's log-probs follow."""
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]]).repeat(4, 1)
+    tokens, logprobs, _ = sample_next(logits, torch.ones(4), torch.full((4,), 2), torch.ones(4),
+                                      torch.tensor([0.1, 0.6, 0.95, 0.999]), None)
+    kept = torch.softmax(torch.tensor([3.0, 2.0, 2.0]), dim=0)
+    assert tokens.tolist()[0] == 0 and set(tokens.tolist()[1:]) == {1, 2}
+    assert logprobs.tolist() == pytest.approx([math.log(kept[t]) for t in tokens.tolist()], abs=1e-6)
+    assert float(kept[0]) == pytest.approx(0.576, abs=1e-3) and float(kept[1]) == pytest.approx(0.212, abs=1e-3)
 
 
 def test_parse_defaults():

@@ -87,15 +87,16 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     """One token per row of `logits` [B, V] (fp32). Returns (tokens [B], log-probs [B] under the distribution
     sampled from, top-K ids [B, k] and log-probs [B, k] of the temperature-scaled log-softmax, or None).
 
-    Truncation in sorted space, as vLLM does it: ranks >= top_k dropped, then the tail whose preceding cumulative
-    probability already reaches top_p (the token that crosses top_p is kept; the top token always is).
+    Truncation in sorted space, as vLLM does it: logits below the top_k-th largest dropped (vLLM's threshold rule:
+    a tie with the top_k-th is kept), then the tail whose preceding cumulative probability already reaches top_p
+    (the token that crosses top_p is kept; the top token always is).
     """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     full_sorted = torch.log_softmax(sorted_logits, dim=-1)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    kth = sorted_logits.gather(1, (top_k.clamp(1, logits.shape[-1]) - 1)[:, None])
+    drop = (top_k[:, None] > 0) & (sorted_logits < kth)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
     drop[:, 0] = False

@@ -171,6 +171,10 @@ class HFRolloutServer:
         params.setdefault("ignore_eos", bool(self.config.get("ignore_eos", False)))  # as verl's vLLM server does
         settings = parse_sampling_params(params, max(1, default))
         k = rollout_topk(self.config)
+        if k is not None:  # sampled log-prob of the truncated distribution, rows of the full one: vLLM's warning
+            from verl_dppo.patches._server_common import warn_truncated_sampling
+
+            warn_truncated_sampling(params, "processed_logprobs")
         result = await self.engine.generate(prompt_ids, settings, request_id, topk=k)
         extra: dict[str, Any] = {"global_steps": self.global_steps}
         if k is not None and result.topk_ids is not None:
