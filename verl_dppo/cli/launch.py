@@ -174,6 +174,10 @@ def _launch(config, ray_address) -> int:
         + (f"the Ray cluster at RAY_ADDRESS={ray_address}" if ray_address else "a new local Ray instance"),
         file=sys.stderr,
     )
+    if not ray_address:  # the local Ray instance ends with this process, even a SIGKILLed one
+        from verl_dppo.cli import ray_reaper
+
+        ray_reaper.start()
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     except ConnectionError as error:  # the cluster went away between the check and ray.init
