@@ -2,6 +2,7 @@
 verl file-logger rows, valid PNGs, and the command line end to end (a few steps, two processes)."""
 
 import json
+import os
 import math
 import re
 
@@ -322,3 +323,30 @@ def test_one_figure_for_the_demos_time_everywhere(capsys):
     for text in (make_demo_line, docs, help_text):
         assert DEMO_MINUTES in text.lower()
         assert not re.search(r"\b\d+-\d+ minutes", text)  # a range is not one figure
+
+
+def _cpu_paths(_):
+    import os
+
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability(), os.environ.get("MKL_CBWR")
+
+
+def test_the_demo_pins_the_cpu_code_paths_its_numbers_depend_on(monkeypatch):
+    """Issue 24.6: a clean clone's seed-0 demo on another machine printed other numbers (held-out 0.61 at the start,
+    docs 0.73). The warm-up's end depends on the instruction set torch and MKL round with (here: ATen's default path
+    instead of AVX2 ends it at 280 supervised steps, not 250); the demo pins both, and its workers run pinned."""
+    import multiprocessing
+
+    from verl_dppo.cli.demo.runner import CPU_CODE_PATHS, pin_cpu_code_paths
+
+    for name in CPU_CODE_PATHS:
+        monkeypatch.delenv(name, raising=False)
+    pin_cpu_code_paths()
+    assert {name: os.environ[name] for name in CPU_CODE_PATHS} == CPU_CODE_PATHS
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # as run_jobs starts the methods' processes
+        assert pool.map(_cpu_paths, [0]) == [("AVX2", "AVX2,STRICT")]
+    monkeypatch.setenv("MKL_CBWR", "AUTO")  # a value set in the shell wins
+    pin_cpu_code_paths()
+    assert os.environ["MKL_CBWR"] == "AUTO"

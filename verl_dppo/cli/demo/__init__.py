@@ -13,7 +13,7 @@ staleness and staleness_figures: `verl-dppo staleness`, the same loop with a rol
 from __future__ import annotations
 
 
-DEMO_MINUTES = "about 9 minutes"
+DEMO_MINUTES = "about 5 minutes"
 """`make demo`'s wall time on 2 cores (measured, docs/demo.md); the README and docs/demo.md state the same."""
 
 

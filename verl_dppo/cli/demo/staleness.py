@@ -98,7 +98,9 @@ def run_study(settings, lags: list[int], out_dir: str, progress: bool = True, st
     from dataclasses import replace
 
     from verl_dppo.cli.demo.methods import METHODS, STUDY_METHODS, runnable_methods
-    from verl_dppo.cli.demo.runner import finish, run_jobs, warm_up, write_summary
+    from verl_dppo.cli.demo.runner import finish, pin_cpu_code_paths, run_jobs, warm_up, write_summary
+
+    pin_cpu_code_paths()
     from verl_dppo.cli.demo.staleness_figures import draw_study
 
     stream = stream if stream is not None else sys.stdout
