@@ -18,8 +18,13 @@ __all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "RolloutTopKError", "rol
            "capture_outputs_of", "generate_capturing", "REQUEST_K"]
 
 # The names and K's hand-over are defined once, in the plugin (the hf rollout uses them too).
-from verl_dppo.plugin.log_once import warn_once  # noqa: E402
-from verl_dppo.plugin.rollout_fields import CUSTOM_KEY, EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk  # noqa: E402
+from verl_dppo.plugin.rollout_fields import (  # noqa: E402
+    CUSTOM_KEY,
+    EXTRA_IDS,
+    EXTRA_LOGPROBS,
+    rollout_topk,
+    warn_truncated_sampling,
+)
 
 
 class RolloutTopKError(ValueError):
@@ -50,21 +55,6 @@ def capture_outputs_of(engine: Any, name: str) -> None:
 
     capturing.__verl_dppo_capture__ = True
     setattr(engine, name, capturing)
-
-
-def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:
-    top_p = sampling_params.get("top_p", 1.0)
-    top_k = sampling_params.get("top_k", -1)
-    truncated = (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0)
-    if truncated and logprobs_mode == "processed_logprobs":
-        warn_once(
-            "truncated",
-            "verl-dppo Top-K: top_p=%s / top_k=%s with rollout.logprobs_mode=processed_logprobs: the engine renormalises "
-            "mu over the truncated support, so mu's top-K (and its 'other' mass) differ from the full policy the actor "
-            "scores; use top_p=1.0, top_k=-1 for Top-K DPPO",
-            top_p,
-            top_k,
-        )
 
 
 async def generate_capturing(original_generate, k: int, *args, **kwargs):

@@ -38,8 +38,9 @@ def _names(pids) -> list[str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
 def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_trains(tmp_path):
-    env = dict(os.environ, DPPO_ROOT=str(tmp_path / "root"), RAY_ADDRESS="", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS")
+    # a user's shell: no RAY_ADDRESS (run starts the local instance), no VERL_* left by other tests of this process
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_") and k != "RAY_ADDRESS"}
+    env.update(DPPO_ROOT=str(tmp_path / "root"), PYTHONUNBUFFERED="1")
     log = open(tmp_path / "killed.log", "w")
     launcher = subprocess.Popen(_command(3), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     noted: dict[int, int] = {}
@@ -69,8 +70,8 @@ def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_trains(tmp_
 
     result = subprocess.run(_command(1), capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    logs = list((tmp_path / "root" / "logs").rglob("*.jsonl"))
-    assert [json.loads(line)["step"] for line in logs[0].read_text().splitlines()] == [1]
+    log = tmp_path / "root" / "logs" / "verl-dppo" / "cpu_tiny-dppo_binary_tv-sync.jsonl"
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1], result.stderr[-3000:]
 
 
 def descendants_alive(pid: int, started: int) -> bool:

@@ -133,3 +133,22 @@ def test_doctor_exits_non_zero_when_the_plugin_does_not_load():
 def test_cli_help(argv):
     result = subprocess.run([os.path.join(BIN, "verl-dppo"), *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage: verl-dppo" in result.stdout
+
+
+def test_each_loss_family_is_one_module_and_the_shared_loss_never_asks_which():
+    """Issue 26: the registered modes are the `FAMILY.modes` of the `verl_dppo/plugin/*_mode.py` modules, each mode
+    served by its family's object; the function verl calls for every mode names none of them."""
+    import inspect
+
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_dppo.plugin import binary_mode, losses, topk_mode, troll_mode
+
+    families = [binary_mode.FAMILY, topk_mode.FAMILY, troll_mode.FAMILY]
+    assert [m.name for m in losses.LOSS_MODES] == [m.name for f in families for m in f.modes]
+    assert all(m.family is f for f in families for m in f.modes)
+    assert {m.name for m in losses.LOSS_MODES} <= set(POLICY_LOSS_REGISTRY)
+    source = inspect.getsource(losses.dppo_policy_loss)
+    for word in ("topk", "troll", "binary", "grpo", "pg_is", "mode.name =="):
+        assert word not in source, word
+    assert len(source.splitlines()) <= 65

@@ -1,42 +1,39 @@
-"""The DPPO loss family, registered in verl's POLICY_LOSS_REGISTRY.
+"""The DPPO loss family, registered in verl's POLICY_LOSS_REGISTRY: the part every mode shares.
 
-Every mode is one row of `LOSS_MODES` over one shared function, `dppo_policy_loss`:
+Every mode runs one function, `dppo_policy_loss`:
 
     loss_t = -A_t * sg(min(r_t, C)) * M_t * log pi(a_t),   r_t = pi(a_t) / mu(a_t)        (Eq. 11)
     M_t    = Eq. (12) with the mode's divergence D_t, taken against the anchor             (trust_region.py)
 
-aggregated with verl's `agg_loss` and the run's `loss_agg_mode`. The `troll` row (TROLL, arXiv 2510.03817) swaps
-the per-token loss for its Eq. 5 on the logits hook's terms (`verl_dppo.plugin.troll_mode`) and masks nothing; the
-dropped-token rule, the aggregation and the diagnostics are the same. mu is the rollout engine's log-prob of the
-sampled token, handed over by the anchoring hook; without it (a direct registry call, or a batch without
-`rollout_log_probs`, as in bypass mode where old_log_probs ARE the rollout's), `old_log_prob` is mu.
+aggregated with verl's `agg_loss` and the run's `loss_agg_mode`. What a mode's family changes (its options, D_t, the
+terms from the engine's logits hook, the per-token loss, its own diagnostics) lives in its module,
+`verl_dppo/plugin/<family>_mode.py` (`verl_dppo.plugin.loss_family` gives the interface): `binary_mode` (the
+binary DPPO modes, GRPO's clip, PG-IS), `topk_mode` (Top-K DPPO), `troll_mode` (TROLL, arXiv 2510.03817: its Eq. 5
+in place of Eq. 11, nothing masked). Every such module is found here and its modes registered; a new family is one
+new module. mu is the rollout engine's log-prob of the sampled token, handed over by the anchoring hook; without it
+(a direct registry call, or a batch without `rollout_log_probs`, as in bypass mode where old_log_probs ARE the
+rollout's), `old_log_prob` is mu.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+import pkgutil
 from typing import Any, Callable, Optional
 
 import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from verl_dppo.plugin.config import resolve_options, tv_threshold_warning
+import verl_dppo.plugin
+from verl_dppo.math.divergence import MAX_LOG_RATIO, binary_kl_floored, floor_logprob
+from verl_dppo.math.trust_region import trust_region_blocked
+from verl_dppo.plugin.config import tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
+from verl_dppo.plugin.log_once import warn_once
+from verl_dppo.plugin.loss_family import LossMode, Tokens
 from verl_dppo.plugin.metrics import ratio_of
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
-from verl_dppo.plugin.topk_mode import check_anchor, divergence_from_extras
-from verl_dppo.plugin.log_once import warn_once
-from verl_dppo.plugin import troll_mode
-from verl_dppo.math.divergence import (
-    MAX_LOG_RATIO,
-    binary_kl,
-    binary_kl_floored,
-    binary_tv,
-    floor_logprob,
-    ratio_deviation,
-)
-from verl_dppo.math.trust_region import trust_region_blocked
 
 __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
 
@@ -45,30 +42,14 @@ __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "regis
 BAD_UPDATE_DROP = 0.5
 
 
-
-@dataclass(frozen=True)
-class LossMode:
-    name: str
-    divergence: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
-    """D(anchor || pi) from the two log-probs of the sampled token; None = no trust region."""
-    uses_divergence_thresholds: bool
-    """False: thresholds always come from actor.clip_ratio_low/high (PPO's eps), never from delta_low/high."""
-    paper: str
-    topk: bool = False
-    """True: D is the Top-K statistic (Eq. 15/16) the actor's logits hook computed (verl_dppo.patches.fsdp_logits_hook)."""
-    troll: bool = False
-    """True: the loss is TROLL's Eq. 5 on the hook's projected log p(a_t) and regression KL, instead of Eq. (11)."""
+def _families() -> list:
+    """Every `verl_dppo/plugin/*_mode.py` module's FAMILY, in name order."""
+    names = sorted(m.name for m in pkgutil.iter_modules(verl_dppo.plugin.__path__) if m.name.endswith("_mode"))
+    return [importlib.import_module(f"verl_dppo.plugin.{name}").FAMILY for name in names]
 
 
-LOSS_MODES = (
-    LossMode("dppo_binary_tv", binary_tv, True, "DPPO-Binary-TV: Eq. (12) with D = Eq. (13)"),
-    LossMode("dppo_binary_kl", binary_kl, True, "DPPO-Binary-KL: Eq. (12) with D = Eq. (14)"),
-    LossMode("grpo_clip", ratio_deviation, False, "GRPO / Clip-Higher: ratio clip, Eq. (9); Relax: Sec. 6"),
-    LossMode("pg_is", None, True, "PG-IS; with a finite ratio_cap, PG-TIS (= CISPO)"),
-    LossMode("dppo_topk_tv", None, True, "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", topk=True),
-    LossMode("dppo_topk_kl", None, True, "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", topk=True),
-    LossMode("troll", None, True, "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K", troll=True),
-)
+LOSS_MODES = tuple(mode for family in _families() for mode in family.modes)
+
 
 def _check_shapes(**tensors: Optional[torch.Tensor]) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
@@ -89,35 +70,74 @@ def dppo_policy_loss(
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    options = resolve_options(config, mode.uses_divergence_thresholds)
-    troll_options = troll_mode.troll_options(config) if mode.troll else None
-    described = (troll_options or options).describe()
+    family = mode.family
+    options, family_options, described = family.options(mode, config)
     warn_once(("in effect", mode.name, described), "verl-dppo %s in effect: %s", mode.name, described)
-    wide = (tv_threshold_warning(mode.name, options.delta_low, options.delta_high)
-            if mode.uses_divergence_thresholds else None)
+    wide = tv_threshold_warning(mode.name, options.delta_low, options.delta_high)
     if wide:
         warn_once(("wide", mode.name, described), "verl-dppo %s", wide)
-
     extras = current_extras()
-    rollout_log_prob = extras.rollout_log_probs if extras is not None else None
-    entropy = extras.entropy if extras is not None else None
-    _check_shapes(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        rollout_log_probs=rollout_log_prob,
-        entropy=entropy,
+    rollout_log_prob = _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask,
+                                       rollout_is_weights)
+    # mu: the policy that generated the data. Without the hook, old_log_prob is mu (bypass mode / direct call).
+    mu_log_prob = rollout_log_prob if rollout_log_prob is not None else old_log_prob
+    anchored_on_mu = options.anchor == "rollout"
+    response = response_mask.bool()
+    pi, mu, adv = log_prob.detach().float(), mu_log_prob.detach().float(), advantages.detach().float()
+    anchor = mu if anchored_on_mu else old_log_prob.detach().float()
+    hook, unusable = family.hook_terms(mode, extras, options, response)
+    # One scalar transfer picks the path: the sum of every input is finite iff all of them are. The common,
+    # all-finite case then needs no masking of its inputs at all. The hook's marker is NaN at unusable tokens.
+    probe = pi.sum() + mu.sum() + adv.sum() + (0.0 if anchored_on_mu else anchor.sum())
+    if unusable is not None:
+        probe = probe + unusable.sum()
+    sanitized = not bool(torch.isfinite(probe))
+    valid = response
+    if sanitized:
+        pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv,
+                                                               anchored_on_mu, unusable)
+    tokens = _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
+                      anchored_on_mu, hook, unusable)
+    blocked = trust_region_blocked(adv, tokens.log_ratio_to_anchor, family.divergence(tokens), options.delta_low,
+                                   options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
+                                   relax_side=options.relax_side)
+    global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
+    loss = agg_loss(loss_mat=family.loss_matrix(tokens, blocked), loss_mask=response, loss_agg_mode=loss_agg_mode,
+                    **global_batch_info)
+    metrics, ratio_parts = _diagnostics(
+        valid=valid, n_response=response.sum(), blocked=blocked & valid, adv=adv,
+        truncated=(tokens.ratio >= options.ratio_cap) & family.truncates, mu_prob=tokens.mu_prob, drop=tokens.drop,
+        mismatch_tv=tokens.mismatch_tv, mismatch_kl=tokens.mismatch_kl,
+        log_ratio_to_anchor=tokens.log_ratio_to_anchor, entropy=extras.entropy if extras is not None else None,
+        lags=extras.lags if extras is not None else None, threshold=options.max_off_policy_threshold,
     )
+    own = family.metrics(tokens)
+    ratio_parts.update(own)
+    metrics.update({name: ratio_of(*part) for name, part in own.items()})
+    if extras is not None:
+        # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
+        # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
+        extras.ratio_parts = ratio_parts
+    if ratio_parts["actor/dppo/dropped_frac"][1] == 0:
+        # Empty responses: verl's local normalisers would divide 0 by 0. Nothing to learn from: a zero loss that
+        # still reaches the parameters, so backward() works.
+        loss = family.zero_loss(tokens)
+    return loss, metrics
+
+
+def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
+    """The shapes, the settings the mode's family refuses, and the anchor's inputs; returns the rollout log-probs
+    (mu) the hook handed over, or None."""
+    rollout_log_prob = extras.rollout_log_probs if extras is not None else None
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+                  rollout_log_probs=rollout_log_prob, entropy=extras.entropy if extras is not None else None)
     if rollout_is_weights is not None:
         warn_once(
             "is_weights",
             f"{mode.name} weights every token by pi/mu itself; verl's rollout-correction IS weights "
             "(algorithm.rollout_correction.rollout_is) are ignored so the correction is not applied twice.",
         )
-
-    if mode.topk or mode.troll:
-        check_anchor(mode.name, options.anchor)
+    mode.family.check(mode, options)
     if options.anchor == "recompute" and rollout_log_prob is None:
         raise ValueError(
             f"{mode.name} with policy_loss.anchor='recompute' needs both the rollout log-probs (mu) and the "
@@ -133,119 +153,39 @@ def dppo_policy_loss(
             "region are then anchored on it (the paper's unstable decoupled variant, Sec. 5.2), not on the rollout "
             "policy: set actor_rollout_ref.rollout.calculate_log_probs=True.",
         )
-    # mu: the policy that generated the data. Without the hook, old_log_prob is mu (bypass mode / direct call).
-    mu_log_prob = rollout_log_prob if rollout_log_prob is not None else old_log_prob
-    anchored_on_mu = options.anchor == "rollout"
+    return rollout_log_prob
 
-    response = response_mask.bool()
-    pi = log_prob.detach().float()
-    mu = mu_log_prob.detach().float()
-    anchor = mu if anchored_on_mu else old_log_prob.detach().float()
-    adv = advantages.detach().float()
-    # One scalar transfer picks the path: the sum of every input is finite iff all of them are. The common,
-    # all-finite case then needs no masking of its inputs at all.
-    # Top-K modes: D from the logits hook, NaN where the rollout's top-K statistics of a token are unusable.
-    topk_d = divergence_from_extras(mode.name, extras, options.anchor, response) if mode.topk else None
-    terms = None
-    if mode.troll:  # no D; NaN in its place marks the tokens the hook left out (unusable rollout statistics)
-        terms = troll_mode.troll_from_extras(mode.name, extras, options.anchor, response)
-        topk_d = torch.where(terms["valid"].bool() | ~response, 0.0, float("nan"))
-    probe = pi.sum() + mu.sum() + adv.sum() + (0.0 if anchored_on_mu else anchor.sum())
-    if topk_d is not None:
-        probe = probe + topk_d.sum()
-    sanitized = not bool(torch.isfinite(probe))
-    if sanitized:
-        pi, mu, anchor, adv, topk_d, valid = _drop_nonfinite(
-            mode.name, response, pi, mu, anchor, adv, anchored_on_mu, topk_d
-        )
-    else:
-        valid = response
 
+def _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
+             anchored_on_mu, hook, unusable) -> Tokens:
+    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads."""
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
-    weight = ratio.clamp(max=options.ratio_cap)
     mu_floored, pi_floored = floor_logprob(mu), floor_logprob(pi)
     mu_prob, pi_prob = torch.exp(mu_floored), torch.exp(pi_floored)
     drop = mu_prob - pi_prob  # mu(a_t) - pi(a_t)
-    mismatch_tv = drop.abs()  # Eq. (13) against mu
-    mismatch_kl = binary_kl_floored(mu_floored, pi_floored, mu_prob)  # Eq. (14) against mu
-
-    log_ratio_to_anchor = log_ratio if anchored_on_mu else pi - anchor
-    if mode.topk:
-        divergence = topk_d
-    elif mode.divergence is None:  # PG-IS, and TROLL (its trust region is the projection)
-        divergence = None
-    elif anchored_on_mu:  # the mismatch statistics above are already D against the anchor
-        divergence = {binary_tv: mismatch_tv, binary_kl: mismatch_kl}.get(mode.divergence)
-        if divergence is None:
-            divergence = (ratio - 1.0).abs()  # ratio_deviation, from the ratio at hand
-    else:
-        divergence = mode.divergence(anchor, pi)
-    blocked = trust_region_blocked(
-        adv,
-        log_ratio_to_anchor,
-        divergence,
-        options.delta_low,
-        options.delta_high,
-        rollout_prob=mu_prob,
-        relax_below=options.relax_below,
-        relax_side=options.relax_side,
+    return Tokens(
+        mode=mode, options=options, family_options=family_options, log_prob=log_prob, pi=pi, mu=mu, anchor=anchor,
+        adv=adv, response=response, valid=valid, sanitized=sanitized, anchored_on_mu=anchored_on_mu, ratio=ratio,
+        weight=ratio.clamp(max=options.ratio_cap),
+        log_ratio_to_anchor=log_ratio if anchored_on_mu else pi - anchor, mu_prob=mu_prob, drop=drop,
+        mismatch_tv=drop.abs(),  # Eq. (13) against mu
+        mismatch_kl=binary_kl_floored(mu_floored, pi_floored, mu_prob),  # Eq. (14) against mu
+        hook=hook, unusable=unusable,
     )
-    if terms is not None:  # TROLL's Eq. 5; no ratio cap (truncated stays False)
-        loss_mat = troll_mode.troll_loss_matrix(terms, adv, valid, troll_options.alpha)
-    else:
-        coefficient = (adv * weight).mul_((~blocked).float()).neg_()  # -M_t * min(r_t, C) * A_t
-        log_pi = log_prob.float()
-        if sanitized:  # a dropped token contributes nothing, not even a NaN gradient
-            log_pi = log_pi.masked_fill(~valid, 0.0)
-        loss_mat = coefficient * log_pi
-    global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
-    loss = agg_loss(loss_mat=loss_mat, loss_mask=response, loss_agg_mode=loss_agg_mode, **global_batch_info)
-
-    metrics, ratio_parts = _diagnostics(
-        valid=valid,
-        n_response=response.sum(),
-        blocked=blocked & valid,
-        adv=adv,
-        truncated=(ratio >= options.ratio_cap) & (terms is None),
-        mu_prob=mu_prob,
-        drop=drop,
-        mismatch_tv=mismatch_tv,
-        mismatch_kl=mismatch_kl,
-        log_ratio_to_anchor=log_ratio_to_anchor,
-        entropy=entropy,
-        lags=extras.lags if extras is not None else None,
-        threshold=options.max_off_policy_threshold,
-    )
-    if terms is not None:
-        troll_parts = troll_mode.troll_ratio_parts(terms, valid)
-        ratio_parts.update(troll_parts)
-        metrics.update({name: ratio_of(*part) for name, part in troll_parts.items()})
-    if extras is not None:
-        # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
-        # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
-        extras.ratio_parts = ratio_parts
-    if ratio_parts["actor/dppo/dropped_frac"][1] == 0:
-        # Empty responses: verl's local normalisers would divide 0 by 0. Nothing to learn from: a zero loss that
-        # still reaches the parameters, so backward() works.
-        if mode.troll:
-            loss = troll_mode.zero_loss(terms, log_prob)
-        else:
-            loss = log_prob.float().masked_fill(~response, 0.0).sum() * 0.0
-    return loss, metrics
 
 
-def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, topk_d=None):
+def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, unusable=None):
     """The rare path: some input is NaN/inf. Errors for the current policy and the advantages (on response
     tokens); a token whose mu or anchor log-prob is NaN/inf (e.g. -inf: probability 0 under the engine), or whose
-    rollout top-K statistics are (Top-K modes: the hook reports D = NaN), has no finite ratio or divergence: it is
-    dropped from the update and counted in actor/dppo/dropped_frac. Values outside the response are zeroed,
-    whatever they are."""
+    rollout statistics are unusable (the hook's marker is NaN there: Top-K's D, TROLL's terms), has no finite ratio
+    or divergence: it is dropped from the update and counted in actor/dppo/dropped_frac. Values outside the response
+    are zeroed, whatever they are."""
     valid = response & torch.isfinite(mu)
     if not anchored_on_mu:
         valid &= torch.isfinite(anchor)
-    if topk_d is not None:
-        valid &= ~torch.isnan(topk_d)
+    if unusable is not None:
+        valid &= ~torch.isnan(unusable)
     bad_pi, bad_adv, dropped = torch.stack(
         [(response & ~torch.isfinite(pi)).sum(), (response & ~torch.isfinite(adv)).sum(), (response & ~valid).sum()]
     ).tolist()
@@ -269,9 +209,9 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, to
     outside = ~valid
     pi, mu, adv = pi.masked_fill(outside, 0.0), mu.masked_fill(outside, 0.0), adv.masked_fill(outside, 0.0)
     anchor = mu if anchored_on_mu else anchor.masked_fill(outside, 0.0)
-    if topk_d is not None:
-        topk_d = topk_d.masked_fill(outside, 0.0)
-    return pi, mu, anchor, adv, topk_d, valid
+    if unusable is not None:
+        unusable = unusable.masked_fill(outside, 0.0)
+    return pi, mu, anchor, adv, unusable, valid
 
 
 def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,

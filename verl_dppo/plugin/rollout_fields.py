@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "rollout_topk"]
+from verl_dppo.plugin.log_once import warn_once
+
+__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "rollout_topk", "warn_truncated_sampling"]
 
 CUSTOM_KEY = "dppo_topk"
 """Key in actor_rollout_ref.rollout.custom that carries K to the servers (written by the driver-side patch)."""
@@ -28,3 +30,20 @@ def rollout_topk(rollout_config: Any) -> Optional[int]:
         return None
     value = custom.get(CUSTOM_KEY, None)
     return int(value) if value is not None else None
+
+
+def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:
+    """Once per process: truncated sampling with processed log-probs makes the sampled log-prob (and the engine's rows,
+    where it reports them truncated) those of the truncated distribution, not of the policy the actor scores."""
+    top_p = sampling_params.get("top_p", 1.0)
+    top_k = sampling_params.get("top_k", -1)
+    truncated = (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0)
+    if truncated and logprobs_mode == "processed_logprobs":
+        warn_once(
+            "truncated",
+            "verl-dppo Top-K: top_p=%s / top_k=%s with rollout.logprobs_mode=processed_logprobs: the engine renormalises "
+            "mu over the truncated support, so mu's top-K (and its 'other' mass) differ from the full policy the actor "
+            "scores; use top_p=1.0, top_k=-1 for Top-K DPPO",
+            top_p,
+            top_k,
+        )

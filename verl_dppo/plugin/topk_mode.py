@@ -1,4 +1,9 @@
-"""The Top-K modes' settings and their loss side: which statistic is D, the batch fields, what cannot run.
+"""The Top-K family: its modes' settings and loss side (which statistic is D, the batch fields, what cannot run).
+
+    dppo_topk_tv   Eq. (12) with D = the TV between mu and pi on A'_t = mu's top-K U {a_t} U "other"   (Eq. 15)
+    dppo_topk_kl   the same with the KL                                                                 (Eq. 16)
+
+The loss is Eq. (11) (`LossFamily.loss_matrix`); D comes from the engine's logits hook (`FAMILY.hook_terms`).
 
 "Top-K mode" here means every mode that reads the rollout's top-K inside the engine's logits hook: the dppo_topk_*
 modes and `troll` (whose loss side is `verl_dppo.plugin.troll_mode`). They share the batch fields, K's hand-over
@@ -16,11 +21,13 @@ from typing import Any, Optional
 
 import torch
 
+from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
+
 __all__ = [
     "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
     "configured_fused_kernels_problem", "untied_head_fsdp2_problem",
-    "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem",
+    "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem", "FAMILY",
 ]
 
 
@@ -186,3 +193,21 @@ def unsupported_settings(config: Any) -> list[str]:
     if megatron and engine.get("dynamic_context_parallel", False):
         problems.append(dynamic_cp_problem(mode))
     return problems
+
+
+class TopKFamily(LossFamily):
+    def check(self, mode: LossMode, options: Any) -> None:
+        check_anchor(mode.name, options.anchor)
+
+    def hook_terms(self, mode: LossMode, extras: Any, options: Any, response: torch.Tensor):
+        # D itself is the marker: NaN where the token's rollout statistics are unusable (dropped)
+        return None, divergence_from_extras(mode.name, extras, options.anchor, response)
+
+    def divergence(self, tokens: Tokens) -> Optional[torch.Tensor]:
+        return tokens.unusable
+
+
+FAMILY = TopKFamily((
+    LossMode("dppo_topk_tv", "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)"),
+    LossMode("dppo_topk_kl", "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)"),
+))

@@ -14,7 +14,7 @@ gradient: the hook returns log p(a_t) and KL(pi' || sg(p)) per token still attac
 diagnostics; the `ppo_loss` wrapper pads them into `BatchExtras.troll`. The loss's gradient flows only through those
 two tensors, never through verl's own log_prob (whose flash-attn cross entropy would write its gradient into the
 logits in place, under TROLL's saved tensors). Aggregation, the dropped-token rule and the shared diagnostics are
-`verl_dppo.plugin.losses.dppo_policy_loss`'s, with nothing masked.
+`verl_dppo.plugin.losses.dppo_policy_loss`'s (`FAMILY` says what differs), with nothing masked and no ratio cap.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch
 
 from verl_dppo.math.troll import capped_ratio
 from verl_dppo.plugin.config import check_troll_options
+from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
 from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk, policy_loss_get
 
 __all__ = ["OUTPUT_KEYS", "DIFFERENTIABLE", "TrollOptions", "troll_options", "troll_from_extras", "troll_loss_matrix",
-           "troll_ratio_parts", "zero_loss"]
+           "troll_ratio_parts", "zero_loss", "FAMILY"]
 
 
 OUTPUT_KEYS = {
@@ -137,3 +138,34 @@ def zero_loss(terms: Optional[dict[str, torch.Tensor]], log_prob: torch.Tensor) 
         if value is not None and value.requires_grad:
             return value.float().sum() * 0.0
     return log_prob.float().sum() * 0.0
+
+
+class TrollFamily(LossFamily):
+    truncates = False  # Eq. 5 has no ratio cap of its own beyond exp(MAX_LOG_RATIO)
+
+    def options(self, mode: LossMode, config: Any):
+        options, _, _ = super().options(mode, config)
+        troll = troll_options(config)
+        return options, troll, troll.describe()
+
+    def check(self, mode: LossMode, options: Any) -> None:
+        check_anchor(mode.name, options.anchor)
+
+    def hook_terms(self, mode: LossMode, extras: Any, options: Any, response: torch.Tensor):
+        # no D; NaN marks the tokens the hook left out (unusable rollout statistics)
+        terms = troll_from_extras(mode.name, extras, options.anchor, response)
+        return terms, torch.where(terms["valid"].bool() | ~response, 0.0, float("nan"))
+
+    def loss_matrix(self, tokens: Tokens, blocked: torch.Tensor) -> torch.Tensor:
+        return troll_loss_matrix(tokens.hook, tokens.adv, tokens.valid, tokens.family_options.alpha)
+
+    def metrics(self, tokens: Tokens) -> dict[str, tuple[float, float]]:
+        return troll_ratio_parts(tokens.hook, tokens.valid)
+
+    def zero_loss(self, tokens: Tokens) -> torch.Tensor:
+        return zero_loss(tokens.hook, tokens.log_prob)
+
+
+FAMILY = TrollFamily((
+    LossMode("troll", "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K"),
+))

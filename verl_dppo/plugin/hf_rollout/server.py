@@ -154,7 +154,7 @@ class HFRolloutServer:
                        **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
-        from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk
+        from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk, warn_truncated_sampling
 
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise HFRolloutError("the hf rollout generates from text only: image/video/audio inputs need "
@@ -172,8 +172,6 @@ class HFRolloutServer:
         settings = parse_sampling_params(params, max(1, default))
         k = rollout_topk(self.config)
         if k is not None:  # sampled log-prob of the truncated distribution, rows of the full one: vLLM's warning
-            from verl_dppo.patches._server_common import warn_truncated_sampling
-
             warn_truncated_sampling(params, "processed_logprobs")
         result = await self.engine.generate(prompt_ids, settings, request_id, topk=k)
         extra: dict[str, Any] = {"global_steps": self.global_steps}
