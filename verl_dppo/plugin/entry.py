@@ -15,12 +15,13 @@ logger = logging.getLogger("verl_dppo")
 
 def register_backends() -> None:
     """The `hf` rollout in verl's two rollout registries, the `ray_store` checkpoint engine, the CPU platform
-    (`VERL_PLATFORM=cpu`) and its patches, the JSONL log kept across a resume; each registry is filled when verl
+    (`VERL_PLATFORM=cpu`) and its patches (vLLM's CPU build among them), the JSONL log kept across a resume; each registry is filled when verl
     first imports it (nothing heavy now)."""
     from verl_dppo.patches._import_hook import when_imported
     from verl_dppo.patches.cpu_distributed import patch_distributed
     from verl_dppo.patches.cpu_resources import patch_resource_check
     from verl_dppo.patches.file_logger import patch_file_logger
+    from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this plugin) right now, the module is still partial here and finishes the registration itself.
     import verl_dppo.plugin.cpu_platform  # noqa: F401
@@ -32,6 +33,9 @@ def register_backends() -> None:
     when_imported("verl.utils.distributed", patch_distributed)
     when_imported("verl.single_controller.ray.base", patch_resource_check)
     when_imported("verl.utils.tracking", patch_file_logger)
+    # vLLM's CPU build as the `vllm` rollout on the CPU platform (each patch a pass-through elsewhere)
+    when_imported("ray.runtime_context", patch_accelerator_ids)
+    when_imported("vllm.model_executor.layers.utils", patch_cpu_gemm_dispatch)
 
 
 def load() -> None:
