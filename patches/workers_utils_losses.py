@@ -22,6 +22,8 @@ import functools
 import sys
 from typing import Any, Callable
 
+import torch
+
 from verl_dppo.plugin.extras import DPPO_MODES, BatchExtras, bind_extras
 
 __all__ = ["install", "is_installed"]
@@ -58,6 +60,12 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
             padded = no_padding_2_padding(value, data)
             troll[term] = padded if term in troll_mode.DIFFERENTIABLE else padded.detach()
     extras.troll = troll or None
+    from verl_dppo.plugin.topk_mode import TOPK_LOGPROBS
+
+    if TOPK_LOGPROBS in data.keys() and data[TOPK_LOGPROBS].is_nested:
+        rows = data[TOPK_LOGPROBS]
+        mass = rows.values().float().exp().sum(-1).split(rows.offsets().diff().tolist())
+        extras.topk_mass = torch.nn.utils.rnn.pad_sequence(mass, batch_first=True)  # padded like old_log_probs
     from verl_dppo.plugin.staleness import sample_lags
 
     extras.lags = sample_lags(data)

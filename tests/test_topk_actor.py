@@ -159,6 +159,21 @@ def test_loss_through_verl_ppo_loss_uses_topk_divergence_as_D(model, mode):
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["dppo_topk_tv", "troll"])
+def test_the_rows_mass_is_in_the_log(model, mode):
+    """actor/dppo/rollout_topk_mass_mean (troll: actor/troll/): the mean over response tokens of sum_k mu(v_k) of
+    the rows the rollout sent, through verl's ppo_loss, so that a log shows the rows came through (issue 25)."""
+    data, mu_logp = micro_batch([3, 4, 2], [6, 5, 7], seed=2)
+    loss_fn, model_output = run_engine(model, data, actor_config(mode, topk=K))
+    _, metrics = loss_fn(model_output=model_output, data=data, dp_group=None)
+    prefix = "actor/troll/" if mode == "troll" else "actor/dppo/"
+    metric = metrics[f"{prefix}rollout_topk_mass_mean"]
+    got = metric.values[0] if hasattr(metric, "values") else metric
+    expected = torch.cat([m.exp().topk(K, dim=-1).values.sum(-1) for m in mu_logp]).mean().item()
+    assert 0.0 < expected < 0.99  # a spread mu: the rows hold part of the mass, and that part is what is logged
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
 def test_registered_by_import_verl():
     assert {"dppo_topk_tv", "dppo_topk_kl"} <= set(POLICY_LOSS_REGISTRY)
 

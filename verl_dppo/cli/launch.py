@@ -174,10 +174,14 @@ def _launch(config, ray_address) -> int:
         + (f"the Ray cluster at RAY_ADDRESS={ray_address}" if ray_address else "a new local Ray instance"),
         file=sys.stderr,
     )
-    if not ray_address:  # the local Ray instance ends with this process, even a SIGKILLed one
+    from verl_dppo.cli.cpu_tiny import is_cpu_run
+
+    if not ray_address or is_cpu_run(config):
         from verl_dppo.cli import ray_reaper
 
-        ray_reaper.start()
+        # The local Ray instance ends with this process, even a SIGKILLed one; the shared-memory segments a CPU run's
+        # vLLM leaves on this node are unlinked after it (on a cluster of the user's: the segments only).
+        ray_reaper.start(kill=not ray_address)
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     except ConnectionError as error:  # the cluster went away between the check and ray.init

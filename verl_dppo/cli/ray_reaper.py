@@ -9,7 +9,14 @@ launcher lives, the watchdog notes its descendants (pid and start time, from /pr
 pipe closes (the launcher exited, however), it sends SIGTERM to every noted process still alive, waits `GRACE_S`,
 then SIGKILLs what is left. After a normal exit Ray has shut down already and there is nothing to end.
 
-Linux only (/proc); elsewhere `start()` does nothing. Not used with RAY_ADDRESS (a cluster the user runs).
+Shared memory: vLLM's CPU build (shm_broadcast, shm_object_storage) and verl's weight buckets create POSIX segments
+(/dev/shm/psm_*, hundreds of MB) that their creator unlinks at a clean close, which a Ray actor killed at the job's
+end never reaches. After the launcher exits, the watchdog also waits (up to `SHM_WAIT_S`) until no live process maps
+a segment that appeared while the launcher ran, and unlinks those; a segment some process still maps (another run's)
+is left alone.
+
+Linux only (/proc); elsewhere `start()` does nothing. With RAY_ADDRESS (a cluster the user runs) no process is ended
+(`kill=False`): only the segments on this node are swept.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["start", "descendants"]
+__all__ = ["start", "descendants", "segments", "mapped_segments", "sweep_segments"]
 
 POLL_S = 0.5
 GRACE_S = 5.0
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "psm_"  # Python's multiprocessing.shared_memory names
+SHM_WAIT_S = 60.0
 _WRITE_ENDS: list[int] = []
 
 
@@ -69,16 +79,77 @@ def _signal(processes: dict[int, int], number: int) -> None:
             pass
 
 
-def watch(launcher: int, pipe_fd: int) -> None:
+def segments() -> set[str]:
+    """The names of the shared-memory segments of Python's naming in /dev/shm."""
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def mapped_segments() -> set[str]:
+    """The /dev/shm segment names some live process maps (or holds open)."""
+    found: set[str] = set()
+    marker = SHM_DIR + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as handle:
+                text = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            at = line.find(marker)
+            if at >= 0:
+                found.add(line[at + len(marker):].split()[0])
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(marker):
+                    found.add(target[len(marker):].split()[0])
+        except OSError:
+            continue
+    return found
+
+
+def sweep_segments(before: set[str], wait_s: float = SHM_WAIT_S) -> list[str]:
+    """Unlink the segments that are not in `before` once no live process maps them, waiting up to `wait_s` for the
+    processes of a run to end; returns the names unlinked."""
+    deadline = time.monotonic() + wait_s
+    removed: list[str] = []
+    while True:
+        new = segments() - before - set(removed)
+        unmapped = new - mapped_segments()
+        for name in sorted(unmapped):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+        if not (new - unmapped) or time.monotonic() >= deadline:
+            return removed
+        time.sleep(1.0)
+
+
+def watch(launcher: int, pipe_fd: int, kill: bool = True) -> None:
     """The watchdog's loop (in its own process): note the launcher's descendants until the pipe closes, then end
-    those still alive."""
+    those still alive (`kill`) and sweep the shared-memory segments the run left."""
+    before = segments()
     noted: dict[int, int] = {}
     while True:
         readable, _, _ = select.select([pipe_fd], [], [], POLL_S)
         if readable and not os.read(pipe_fd, 4096):
             break
-        noted.update(descendants(launcher))
-        noted = _alive(noted)
+        if kill:
+            noted.update(descendants(launcher))
+            noted = _alive(noted)
+    if kill:
+        _end(launcher, noted)
+    sweep_segments(before)
+
+
+def _end(launcher: int, noted: dict[int, int]) -> None:
     noted.update(descendants(launcher))  # a launcher that exited normally may still have children
     noted.pop(os.getpid(), None)  # the watchdog is one of them
     left = _alive(noted)
@@ -92,14 +163,15 @@ def watch(launcher: int, pipe_fd: int) -> None:
     _signal(left, signal.SIGKILL)
 
 
-def start() -> Optional[subprocess.Popen]:
-    """Spawn the watchdog for this process (call it before `ray.init` starts a local instance); None off Linux."""
+def start(kill: bool = True) -> Optional[subprocess.Popen]:
+    """Spawn the watchdog for this process (call it before `ray.init` starts a local instance; `kill=False` for a
+    run on a cluster it did not start: segments only); None off Linux."""
     if not sys.platform.startswith("linux") or not os.path.isdir("/proc/self"):
         return None
     read_end, write_end = os.pipe()  # both non-inheritable (PEP 446): only the watchdog gets the read end, below
     watchdog = subprocess.Popen(
         [sys.executable, "-c", "import sys; from verl_dppo.cli.ray_reaper import watch; "
-         f"watch({os.getpid()}, sys.stdin.fileno())"],
+         f"watch({os.getpid()}, sys.stdin.fileno(), kill={bool(kill)})"],
         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     os.close(read_end)

@@ -34,6 +34,9 @@ class BatchExtras:
     troll: Optional[dict[str, torch.Tensor]] = None
     """troll mode: TROLL's per-token terms from the same hook, keyed as `troll_mode.OUTPUT_KEYS` (log_p, regression_kl,
     log_mu, valid, projected, eta, kl_before, kl_after, support_size); log_p and regression_kl keep their gradient."""
+    topk_mass: Optional[torch.Tensor] = None
+    """The probability mass of the rollout's top-K row per token, sum_k mu(v_k) (the rows as the rollout engine sent
+    them), when the micro-batch carries them: actor/*/rollout_topk_mass_mean shows in the log that they came."""
     lags: Optional[torch.Tensor] = None
     """Per-sample lag [batch] (trainer version - oldest version that sampled the response; NaN: unknown), when the
     batch carries version information (`verl_dppo.plugin.staleness`)."""

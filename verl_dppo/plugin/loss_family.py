@@ -69,6 +69,8 @@ class LossFamily:
 
     truncates = True
     """Whether the ratio cap C applies (counted in actor/pg_clipfrac_lower)."""
+    metric_prefix = "actor/dppo/"
+    """Where the family's own diagnostics go in verl's log."""
 
     def __init__(self, modes: tuple[LossMode, ...]):
         self.modes = tuple(LossMode(m.name, m.paper, self, m.divergence, m.uses_divergence_thresholds) for m in modes)

@@ -112,6 +112,10 @@ def dppo_policy_loss(
         lags=extras.lags if extras is not None else None, threshold=options.max_off_policy_threshold,
     )
     own = family.metrics(tokens)
+    if extras is not None and extras.topk_mass is not None and extras.topk_mass.shape == valid.shape:
+        # The rollout's top-K rows, as the engine sent them: their mean mass shows in the log that they came through
+        mass = torch.stack([torch.where(valid, extras.topk_mass.float(), 0.0).sum(), valid.sum().float()]).tolist()
+        own[f"{family.metric_prefix}rollout_topk_mass_mean"] = (mass[0], mass[1])
     ratio_parts.update(own)
     metrics.update({name: ratio_of(*part) for name, part in own.items()})
     if extras is not None:

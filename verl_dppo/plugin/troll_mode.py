@@ -142,6 +142,7 @@ def zero_loss(terms: Optional[dict[str, torch.Tensor]], log_prob: torch.Tensor) 
 
 class TrollFamily(LossFamily):
     truncates = False  # Eq. 5 has no ratio cap of its own beyond exp(MAX_LOG_RATIO)
+    metric_prefix = "actor/troll/"
 
     def options(self, mode: LossMode, config: Any):
         options, _, _ = super().options(mode, config)
