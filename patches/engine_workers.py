@@ -77,9 +77,12 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     if megatron and getattr(engine_config, "dynamic_context_parallel", False):
         raise ValueError(dynamic_cp_problem(mode))
     if megatron:
-        from verl_dppo.patches.megatron_logits_hook import check_context_parallel_layout
+        from verl_dppo.patches.megatron_logits_hook import LAYOUT_KEY, check_context_parallel_layout, megatron_layout
 
         check_context_parallel_layout(mode, engine_config, getattr(worker, "engine", None))
+        # the split arguments the engine's forward gives the input ids, and the model's own vocabulary
+        tu.assign_non_tensor(data, **{LAYOUT_KEY: megatron_layout(getattr(worker, "engine", None),
+                                                                  getattr(worker, "model_config", None))})
     missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
     if missing:
         raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
+from verl_dppo.plugin.rollout_fields import truncated_sampling_problem
 from verl_dppo.patches.agent_loop import record_turn
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
@@ -27,6 +28,9 @@ __all__ = ["sync_rollout_config", "patch_llm_server"]
 
 
 VLLM_DEFAULT_MAX_LOGPROBS = 20
+VLLM_NO_CAP = -1
+"""vLLM's `max_logprobs=-1`: no cap (vllm config/model.py `max_logprobs`, sampling_params.py `_validate_logprobs`
+reads it as the vocabulary size): any K passes."""
 
 TOPK_ROLLOUTS = ("vllm", "sglang", "hf")
 """Rollout backends that report mu's top-K per generated token (vLLM, SGLang through the patches; hf natively)."""
@@ -63,6 +67,9 @@ def sync_rollout_config(config: Any) -> Optional[int]:
             f"{mode} needs log-probs from the rollout, got rollout.logprobs_mode={logprobs_mode}: set "
             "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"
         )
+    truncated = truncated_sampling_problem(mode, rollout)
+    if truncated is not None:
+        raise ValueError(truncated)
     with open_dict(rollout):
         custom = dict(rollout.get("custom", None) or {})
         if custom.get(CUSTOM_KEY, k) != k:
@@ -81,7 +88,7 @@ def sync_rollout_config(config: Any) -> Optional[int]:
             if current is None:
                 if k > VLLM_DEFAULT_MAX_LOGPROBS:
                     rollout.engine_kwargs.vllm.max_logprobs = k
-            elif int(current) < k:
+            elif int(current) != VLLM_NO_CAP and int(current) < k:
                 raise ValueError(
                     f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={current} < policy_loss.topk={k}: "
                     f"raise it to at least {k} (or leave it unset: the plugin sets it)"

@@ -28,7 +28,7 @@ from verl_dppo.patches.topk_fields import packed_rollout_fields, unusable_rows
 from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
 from verl_dppo.math.topk import vocab_parallel_topk_divergence
 
-__all__ = ["megatron_logits_processor", "check_context_parallel_layout"]
+__all__ = ["LAYOUT_KEY", "megatron_layout", "megatron_logits_processor", "check_context_parallel_layout"]
 
 
 def check_context_parallel_layout(mode: str, engine_config: Any, engine: Any) -> None:
@@ -44,17 +44,49 @@ def check_context_parallel_layout(mode: str, engine_config: Any, engine: Any) ->
         )
 
 
+LAYOUT_KEY = "dppo_megatron_layout"
+"""Non-tensor key of the training batch (set by `engine_workers.prepare_train_batch` from the engine): the split
+arguments verl's `gptmodel_forward_model_engine` passes to `preprocess_*_engine` for the input ids
+(models/mcore/model_forward.py:289, 303-309, 409-413): `use_fp8_padding` (the model's fp8 in e4m3 / hybrid) and
+`cp_layout`; and `vocab_size`, the model's own vocabulary (Megatron pads its LM head beyond it)."""
+
+
+def megatron_layout(engine: Any, model_config: Any) -> dict:
+    """What `LAYOUT_KEY` holds, read from verl's Megatron engine and model config as its forward reads them."""
+    tf_config = getattr(engine, "tf_config", None)
+    fp8 = getattr(tf_config, "fp8", None)
+    variant = getattr(tf_config, "experimental_attention_variant", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    vocab = getattr(hf_config, "vocab_size", None)
+    return {
+        "use_fp8_padding": fp8 in ("e4m3", "hybrid"),
+        # verl's MegatronEngine._get_context_parallel_layout
+        "cp_layout": "contiguous" if variant == "dsv4_hybrid" else "zigzag",
+        "vocab_size": int(vocab) if vocab else None,
+    }
+
+
+def _layout(data: Any) -> dict:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data, key=LAYOUT_KEY, default=None) or {}
+
+
 def _split_like_input_ids(values: torch.Tensor, data: Any, data_format: str) -> torch.Tensor:
-    """Packed [nnz, ...] -> the local (bsz | 1, seqlen / cp, ...) block that the engine's split gives input_ids."""
+    """Packed [nnz, ...] -> the local (bsz | 1, seqlen / cp, ...) block that the engine's split gives input_ids,
+    with the engine's own FP8 padding and context-parallel layout."""
     from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
     from verl.utils import tensordict_utils as tu
 
+    layout = _layout(data)
+    fp8 = bool(layout.get("use_fp8_padding", False))
     nested = torch.nested.nested_tensor_from_jagged(values, data["input_ids"].offsets())
     if data_format == "thd":
-        return preprocess_thd_engine(nested, pre_process=True)[0]
+        return preprocess_thd_engine(nested, pre_process=True, use_fp8_padding=fp8,
+                                     cp_layout=layout.get("cp_layout", "zigzag"))[0]
     if data_format == "bshd":
         forced = tu.get_non_tensor_data(data, key="forced_max_seqlen", default=None)
-        return preprocess_bshd_engine(nested, pre_process=True, forced_max_seqlen=forced)[0]
+        return preprocess_bshd_engine(nested, pre_process=True, use_fp8_padding=fp8, forced_max_seqlen=forced)[0]
     raise ValueError(f"unknown Megatron data_format {data_format!r} (verl 0.9.1 uses 'thd' or 'bshd')")
 
 
@@ -75,8 +107,8 @@ def megatron_logits_processor(
     if tuple(mask.shape) != tuple(logits.shape[:2]):
         raise ValueError(
             f"{loss_mode}: Megatron's logits are {tuple(logits.shape[:2])} tokens but the rollout's fields split to "
-            f"{tuple(mask.shape)}: the engine pads differently (FP8 padding or pad_to_length); disable "
-            "actor_rollout_ref.actor.megatron.pad_to_length and FP8 training for Top-K"
+            f"{tuple(mask.shape)}: the engine pads differently (pad_to_length); disable "
+            "actor_rollout_ref.actor.megatron.pad_to_length for Top-K"
         )
 
     # Rows in the logits' memory order, so that flattening them is a view (Megatron's logits may be [s, b, v]
@@ -100,6 +132,7 @@ def megatron_logits_processor(
         sampled_ids=slot_ids[:, k],
         rollout_sampled_logprobs=slot_logprobs[:, k],
         mask=rows(mask),
+        valid_vocab=_layout(data).get("vocab_size"),
     )
     unusable = rows(unusable)
     tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)

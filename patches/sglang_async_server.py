@@ -30,7 +30,7 @@ from verl_dppo.patches._server_common import (
     warn_truncated_sampling,
 )
 
-__all__ = ["extract_sglang_topk", "patch_sglang_server"]
+__all__ = ["check_original_logprob", "extract_sglang_topk", "patch_sglang_server"]
 
 
 def extract_sglang_topk(output_top_logprobs: Sequence[Sequence[Any]], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +56,26 @@ def extract_sglang_topk(output_top_logprobs: Sequence[Sequence[Any]], k: int) ->
     return ids, logprobs.astype(np.float32)
 
 
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def check_original_logprob(sampling_params: dict) -> None:
+    """SGLang reports log-probs of the distribution it sampled from (after temperature) unless
+    SGLANG_RETURN_ORIGINAL_LOGPROB is set, when they are of the logits before temperature: at a temperature other than
+    1 the rows (and the sampled log-prob) would then not be mu's. Refused for the Top-K modes and troll."""
+    import os
+
+    flag = os.environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    temperature = float(sampling_params.get("temperature", 1.0) if sampling_params.get("temperature") is not None
+                        else 1.0)
+    if flag and abs(temperature - 1.0) > 1e-6:
+        raise RolloutTopKError(
+            f"{ORIGINAL_LOGPROB_ENV} is set in the SGLang server's environment and the rollout samples at temperature "
+            f"{temperature:g}: SGLang then reports log-probs before temperature, not of the distribution it sampled "
+            f"from (mu), so mu's top-K rows would be wrong. Unset {ORIGINAL_LOGPROB_ENV}, or sample at temperature 1"
+        )
+
+
 def patch_sglang_server(module: Any) -> None:
     """SGLangHttpServer.generate: top_logprobs_num=K on the request, the generation's top-K in extra_fields."""
     original_request = module.GenerateReqInput
@@ -72,8 +92,12 @@ def patch_sglang_server(module: Any) -> None:
     def make(original_generate):
         async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
             k = rollout_topk(self.config)
-            if k is None or kwargs.get("bootstrap_room") is not None:  # PD prefill half: no generated tokens
+            # Prefill/decode disaggregation: a prefill server generates no token (its top-level call fans out to a
+            # decode peer, whose own patched `generate` returns the rows; its prefill leg only fills the KV cache).
+            # The decode leg carries a bootstrap_room too (verl async_sglang_server.py:572,582) and must return rows.
+            if k is None or getattr(self, "_disaggregation_role", None) == "prefill":
                 return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+            check_original_logprob(sampling_params)
             warn_truncated_sampling(sampling_params, None)
             capture_outputs_of(self.tokenizer_manager, "generate_request")
             result, output = await generate_capturing(

@@ -2,8 +2,8 @@
 
 Which verl method: `vLLMHttpServer.generate` forces `sampling_params["logprobs"] = 0` (the sampled token only),
 builds vLLM's `SamplingParams` and returns a `TokenOutput` with the sampled tokens' log-probs.
-What the wrapper does, for the Top-K modes only: `logprobs=K` (and `flat_logprobs=True` where vLLM offers it) on
-the request through the module's `SamplingParams`, the engine's final output captured per request, and mu's top-K
+What the wrapper does, for the Top-K modes only: `logprobs=K` (and `flat_logprobs=True` where vLLM offers it, and
+`detokenize=False` unless the request has stop strings) on the request through the module's `SamplingParams`, the engine's final output captured per request, and mu's top-K
 extracted, vectorised, into `extra_fields` (`_server_common`). vLLM's `max_logprobs` is raised on the driver
 (`llm_server.sync_rollout_config`).
 Why no extension point: verl 0.9.1 pins `logprobs=0` and has no per-request "extra sampling outputs" option.
@@ -101,8 +101,13 @@ def patch_vllm_server(module: Any) -> None:
         k = REQUEST_K.get()
         if k is not None:
             kwargs["logprobs"] = k  # verl forces 0 (sampled token only); K returns the top-K plus the sampled token
-            if "flat_logprobs" in getattr(original_sampling_params, "__struct_fields__", ()):
+            fields = getattr(original_sampling_params, "__struct_fields__", ())
+            if "flat_logprobs" in fields:
                 kwargs.setdefault("flat_logprobs", True)  # newer vLLM: flat lists, read as arrays (no objects)
+            if "detokenize" in fields and not kwargs.get("stop"):
+                # verl reads token ids only; vLLM would decode each of the K + 1 ids of every position (one
+                # tokenizer.decode per id, in AsyncLLM's single output loop). Stop strings need the text: kept then.
+                kwargs.setdefault("detokenize", False)
         return original_sampling_params(*args, **kwargs)
 
     def make(original_generate):

@@ -377,3 +377,22 @@ def test_a_tv_threshold_above_one_is_warned_in_one_line(root, capsys):
     assert "exceeds 1" not in capsys.readouterr().err
     assert tv_threshold_warning("dppo_binary_kl", 5.0, 5.0) is None
     assert "delta_low=2" in tv_threshold_warning("dppo_topk_tv", 2.0, 0.2)
+
+
+def test_doctor_says_what_this_environment_can_train(capsys, monkeypatch):
+    """Issue 25 (and 27.5): doctor names CPU training with the hf rollout, vLLM's CPU build as the vllm rollout where
+    installed (what is missing where not), and GPU engines; --plugin-only no longer says "no training" where cpu_tiny
+    trains."""
+    from verl_dppo.cli import doctor, vllm_cpu
+
+    assert main(["doctor", "--no-ray", "--plugin-only"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU, hf rollout (cpu_tiny): yes" in out and "no training from this environment" not in out
+    if vllm_cpu.cpu_build_version() and not vllm_cpu.needs_alias():
+        assert "CPU, vllm rollout: yes: vllm-cpu 0.27.1" in out
+    monkeypatch.setattr(vllm_cpu, "cpu_build_version", lambda: None)
+    monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": None, "sglang": None})
+    assert main(["doctor", "--no-ray", "--plugin-only"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU, vllm rollout: no: vLLM's CPU build (vllm-cpu) is not installed" in out
+    assert "GPU: no: no GPU build of vLLM or SGLang here" in out

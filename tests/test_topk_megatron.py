@@ -185,7 +185,21 @@ def _hook_rank(rank: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
-def _check_hook(tp_rank, tp_size, data_format, where):
+def _layout_rank(rank: int, init_file: str) -> None:
+    _init(rank, init_file)
+    _stub_megatron(rank, TP, dist.group.WORLD)
+    for data_format in ("thd", "bshd"):
+        _check_hook(rank, TP, data_format, f"FP8 padding {data_format} rank {rank}", fp8=True)
+        # 4 padded columns: rank 1's slice ends in them; 2 * VOCAB / 2 + ...: a slice of padding only is covered by
+        # the math test below
+        _check_hook(rank, TP, data_format, f"padded vocab {data_format} rank {rank}", pad_vocab=4)
+    dist.destroy_process_group()
+
+
+def _check_hook(tp_rank, tp_size, data_format, where, fp8=False, pad_vocab=0):
+    """`fp8`: the engine splits with FP8 padding (the model's fp8 in e4m3 / hybrid); `pad_vocab`: the LM head has
+    this many padded columns past the model's vocabulary (Megatron's padding to a multiple of TP), with large logits
+    that would dominate pi's normaliser if counted. Both reach the hook as the engine worker sets them (LAYOUT_KEY)."""
     import verl.workers.utils.losses as verl_losses
     from verl.models.mcore.util import (
         postprocess_bshd_engine,
@@ -200,12 +214,23 @@ def _check_hook(tp_rank, tp_size, data_format, where):
 
     prompt_lens, response_lens = [3, 4, 2], [5, 1, 6]  # odd lengths: TP=2 pads every sequence
     data, full_logits, mu_logp = _micro_batch(prompt_lens, response_lens, seed=11)
+    if fp8 or pad_vocab:
+        from verl.utils import tensordict_utils as tu
+
+        from verl_dppo.patches.megatron_logits_hook import LAYOUT_KEY
+
+        tu.assign_non_tensor(data, **{LAYOUT_KEY: {"use_fp8_padding": fp8, "cp_layout": "zigzag",
+                                                   "vocab_size": VOCAB}})
+    head = full_logits
+    if pad_vocab:
+        head = _nested(torch.cat([row, torch.full((row.shape[0], pad_vocab), 8.0)], dim=1)
+                       for row in full_logits.unbind())
     # The logits as Megatron's model returns them: the input ids' layout (verl's own split), this rank's vocabulary.
     if data_format == "thd":
-        logits, packed_seq_params, _ = preprocess_thd_engine(full_logits, pre_process=True)
+        logits, packed_seq_params, _ = preprocess_thd_engine(head, pre_process=True, use_fp8_padding=fp8)
     else:
-        logits, attention_mask, _ = preprocess_bshd_engine(full_logits, pre_process=True)
-    local = VOCAB // tp_size
+        logits, attention_mask, _ = preprocess_bshd_engine(head, pre_process=True, use_fp8_padding=fp8)
+    local = (VOCAB + pad_vocab) // tp_size
     logits = logits[..., tp_rank * local : (tp_rank + 1) * local].contiguous()
     if data_format == "bshd":  # Megatron's [s, b, v] output seen as (b, s, v): rows are read in memory order
         logits = logits.transpose(0, 1).contiguous().transpose(0, 1)
@@ -252,6 +277,33 @@ def _check_hook(tp_rank, tp_size, data_format, where):
 
 def test_megatron_logits_hook_matches_reference_thd_and_bshd_tp1_and_tp2():
     _spawn(_hook_rank)
+
+
+def test_megatron_hook_splits_with_the_engines_fp8_padding_and_keeps_padded_vocabulary_out():
+    """Issue 25.5: verl splits the input ids with FP8 padding when the model trains in FP8 (and with its CP
+    layout); the hook splits the rollout's fields the same way (it failed its shape check before). Megatron's LM head
+    is padded past the model's vocabulary; those columns stay out of pi's normaliser (the rollout's distribution has
+    none): D equals the reference over the real vocabulary."""
+    _spawn(_layout_rank)
+
+
+def _padding_only_rank(rank: int, init_file: str) -> None:
+    from verl_dppo.math.topk import topk_divergence, vocab_parallel_topk_divergence
+
+    _init(rank, init_file)
+    logits, ids, lps, sampled, sampled_lp, mask = _random_rows(5, 12, torch.float64)
+    # rank 0 holds the whole real vocabulary, rank 1 only padding (a padded head twice the vocabulary)
+    shard = logits if rank == 0 else torch.full_like(logits, 50.0)
+    tv, kl = vocab_parallel_topk_divergence(shard, rank * VOCAB, 2 * VOCAB, dist.group.WORLD, ids, lps, sampled,
+                                            sampled_lp, mask, valid_vocab=VOCAB)
+    want_tv, want_kl = topk_divergence(logits, ids, lps, sampled, sampled_lp, mask)
+    torch.testing.assert_close(tv, want_tv, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(kl, want_kl, rtol=1e-6, atol=1e-9)
+    dist.destroy_process_group()
+
+
+def test_a_slice_of_padding_only_counts_nothing():
+    _spawn(_padding_only_rank)
 
 
 def test_train_batch_turns_the_hook_on_for_the_megatron_engine_and_names_its_settings():

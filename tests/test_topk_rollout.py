@@ -78,6 +78,25 @@ def test_k_reaches_the_rollout_config_from_policy_loss_topk():
     assert sync_rollout_config(config) == 32  # idempotent
 
 
+def test_vllm_max_logprobs_minus_one_is_no_cap():
+    """vLLM reads max_logprobs=-1 as no cap (config/model.py; sampling_params.py takes the vocabulary size): kept."""
+    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv",
+                             "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=-1"])
+    assert sync_rollout_config(config) == 32
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == -1
+
+
+def test_truncated_sampling_is_refused_by_the_launcher_check_too():
+    from verl_dppo.plugin.topk_mode import unsupported_settings
+
+    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=troll", "actor_rollout_ref.rollout.top_p=0.95"])
+    assert any("top_p=0.95" in problem for problem in unsupported_settings(config))
+    # raw log-probs are of the full distribution: not this problem
+    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=troll", "actor_rollout_ref.rollout.top_p=0.95",
+                             "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"])
+    assert not any("top_p" in problem for problem in unsupported_settings(config))
+
+
 def test_other_modes_leave_the_config_alone():
     config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv"])
     assert sync_rollout_config(config) is None
@@ -94,6 +113,9 @@ def test_other_modes_leave_the_config_alone():
         ("actor_rollout_ref.rollout.name=trtllm", "rollout.name=vllm, sglang or hf"),
         ("trainer.use_v1=False", "trainer.use_v1=True"),
         ("+actor_rollout_ref.rollout.custom.dppo_topk=8", "set only policy_loss.topk"),
+        # processed log-probs of a truncated distribution are not mu's (issue 25.5)
+        ("actor_rollout_ref.rollout.top_p=0.9", r"top_p=0.9, top_k=-1 and rollout.logprobs_mode=processed_logprobs"),
+        ("actor_rollout_ref.rollout.top_k=50", r"top_k=50 and rollout.logprobs_mode=processed_logprobs"),
     ],
 )
 def test_rollout_settings_that_cannot_work_are_refused(override, message):

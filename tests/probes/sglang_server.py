@@ -3,7 +3,9 @@ the plugin's Top-K patch installed by the import hook; print what the server ret
 
 The tokenizer manager answers like SGLang's non-streaming `generate_request`: meta_info with
 `output_token_logprobs` [(logprob, id, text)] and, when `top_logprobs_num` was asked, `output_top_logprobs`
-(per token, the top entries most likely first). Usage: python sglang_server.py K  (K = 0: no Top-K).
+(per token, the top entries most likely first). Usage: python sglang_server.py K [ROLE]  (K = 0: no Top-K; ROLE:
+the server's prefill/decode disaggregation role, "prefill" or "decode", called as verl calls that leg: with a
+bootstrap room).
 """
 
 import asyncio
@@ -54,7 +56,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.rollout.sglang_rollout import async_sglang_server as server_module  # noqa: E402
 
 
-def main(k: int) -> None:
+def main(k: int, role: str = "") -> None:
     server = object.__new__(server_module.SGLangHttpServer)
     server.config = OmegaConf.create({
         "max_model_len": 64, "response_length": 8, "prompt_length": 8, "enable_rollout_routing_replay": False,
@@ -63,8 +65,10 @@ def main(k: int) -> None:
     server.model_config = types.SimpleNamespace(processor=None, lora_rank=0, lora={})
     server.tokenizer_manager = TokenizerManager()
     server.replica_rank, server.global_steps = 0, 1
-    server._disaggregation_role, server._pd_decode_peers = None, None
-    result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": 1.0}, "req-0"))
+    server._disaggregation_role, server._pd_decode_peers = role or None, None
+    legs = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345} if role else {}
+    temperature = float(os.environ.get("PROBE_TEMPERATURE", "1.0"))
+    result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": temperature}, "req-0", **legs))
     extra = result.extra_fields
     request = server.tokenizer_manager.request
     print(json.dumps({
@@ -78,4 +82,4 @@ def main(k: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), *sys.argv[2:])

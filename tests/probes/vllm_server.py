@@ -21,6 +21,9 @@ stubs.install("vllm")
 
 
 class SamplingParams:
+    # vLLM's SamplingParams is a msgspec Struct: the patch reads which options the installed vLLM has from here
+    __struct_fields__ = ("max_tokens", "logprobs", "prompt_logprobs", "flat_logprobs", "detokenize", "stop")
+
     def __init__(self, max_tokens=None, logprobs=None, prompt_logprobs=None, **kwargs):
         self.max_tokens, self.logprobs, self.prompt_logprobs, self.extra = max_tokens, logprobs, prompt_logprobs, kwargs
 
@@ -48,6 +51,7 @@ class Engine:
     async def generate(self, prompt, sampling_params, request_id, **kwargs):
         k = sampling_params.logprobs
         self.seen_logprobs = k
+        self.seen_detokenize = sampling_params.extra.get("detokenize")
         positions = []
         for top, sampled in zip(VOCAB_TOP, SAMPLED):
             entries = {sampled: Logprob(-3.0 if sampled not in top else -0.5 - top.index(sampled), 99)}
@@ -65,7 +69,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.rollout.vllm_rollout import vllm_async_server as server_module  # noqa: E402
 
 
-def main(k: int) -> None:
+def main(k: int, stop: str = "") -> None:
     server = object.__new__(server_module.vLLMHttpServer)
     custom = {"dppo_topk": k} if k else {}
     server.config = OmegaConf.create({
@@ -77,11 +81,13 @@ def main(k: int) -> None:
     server.replica_rank, server.global_steps, server._admitting = 0, 1, 0
     server._submission_paused, server._rejecting = False, False
     server._disaggregation_role, server._pd_decode_peers = None, None
-    result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": 1.0}, "req-0"))
+    params = {"logprobs": True, "temperature": 1.0, **({"stop": [stop]} if stop else {})}
+    result = asyncio.run(server.generate([1, 2, 3], params, "req-0"))
     extra = result.extra_fields
     print(json.dumps({
         "patched": bool(getattr(server_module.vLLMHttpServer.generate, "__verl_dppo_patched__", False)),
         "engine_logprobs": server.engine.seen_logprobs,
+        "detokenize": server.engine.seen_detokenize,
         "token_ids": list(result.token_ids),
         "log_probs": result.log_probs,
         "topk_ids": extra["dppo_topk_ids"].tolist() if "dppo_topk_ids" in extra else None,
@@ -90,4 +96,4 @@ def main(k: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), *sys.argv[2:])

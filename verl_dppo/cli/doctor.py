@@ -91,6 +91,8 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, time
     else:
         print("  ray worker: skipped (--no-ray)", file=out)
 
+    for line in capabilities(engines_here(), missing):
+        print(line, file=out)
     for warning in warnings:
         print(f"WARNING: {warning}", file=out)
     if problems:
@@ -106,9 +108,50 @@ def run(with_ray: bool = True, ray_address: Optional[str] = None, out=None, time
     if engines:
         print(f"READY: verl-dppo loads with `import verl` {where}; rollout engine: {', '.join(engines)}.", file=out)
     else:
-        print(f"OK (--plugin-only): verl-dppo loads with `import verl` {where}; no rollout engine here, so no "
-              "training from this environment.", file=out)
+        print(f"OK (--plugin-only): verl-dppo loads with `import verl` {where}; no vLLM or SGLang here: CPU "
+              "training with the hf rollout only (see above).", file=out)
     return 0
+
+
+def capabilities(engines: dict, missing_modules: list[str]) -> list[str]:
+    """What this environment can train with, each line a yes or a no with what is missing: on CPU
+    (trainer.device=cpu: the plugin's hf rollout; vLLM's CPU build as the vllm rollout) and on GPUs (the engines)."""
+    from verl_dppo.cli.vllm_cpu import CPU_DISTRIBUTION, cpu_build_version, needs_alias
+
+    lines = ["  what this environment can train:"]
+    if missing_modules:
+        lines.append(f"    CPU, hf rollout (cpu_tiny): no: verl's trainer needs {', '.join(missing_modules)}")
+    else:
+        lines.append("    CPU, hf rollout (cpu_tiny): yes")
+    cpu_vllm = cpu_build_version()
+    if cpu_vllm is None:
+        lines.append(f"    CPU, vllm rollout: no: vLLM's CPU build ({CPU_DISTRIBUTION}) is not installed (`make venv` "
+                     "installs it)")
+    elif needs_alias():
+        lines.append(f"    CPU, vllm rollout: no: {CPU_DISTRIBUTION} {cpu_vllm} is installed but verl cannot see it: run "
+                     "`python -m verl_dppo.cli.vllm_cpu`")
+    else:
+        lines.append(f"    CPU, vllm rollout: yes: {CPU_DISTRIBUTION} {cpu_vllm} (a community CPU build of vLLM; verl "
+                     "pins vllm 0.24.0)")
+    gpu_engines = [f"{engine} {found}" for engine, found in engines.items()
+                   if found and not (engine == "vllm" and cpu_vllm is not None)]
+    gpus = _cuda_devices()
+    if not gpu_engines:
+        lines.append("    GPU: no: no GPU build of vLLM or SGLang here (pip install verl[vllm] or verl[sglang])")
+    elif not gpus:
+        lines.append(f"    GPU: {', '.join(gpu_engines)} installed, but no CUDA device is visible here")
+    else:
+        lines.append(f"    GPU: yes: {', '.join(gpu_engines)}, {gpus} CUDA device(s)")
+    return lines
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
 
 
 def add_command(commands) -> None:

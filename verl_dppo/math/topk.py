@@ -185,8 +185,8 @@ def _vocab_parallel_pi_logprobs_at(
 
     n, local_vocab = slot_ids.shape[0], shard.shape[1]
     work_dtype = torch.promote_types(shard.dtype, torch.float32)
-    row_max = torch.empty(n, dtype=work_dtype, device=shard.device)
-    for start, end, block in _row_blocks(shard, rows, chunk_bytes):
+    row_max = torch.full((n,), -math.inf, dtype=work_dtype, device=shard.device)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes) if local_vocab else ():  # a slice of padding only
         row_max[start:end] = block.amax(dim=-1)
         del block  # as in _pi_logprobs_at
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -198,7 +198,7 @@ def _vocab_parallel_pi_logprobs_at(
     # Column 0: this rank's share of sum exp(logits - max) outside A'_t; columns 1..: the logits at the ids this
     # rank owns, else 0.
     partial = torch.zeros(n, 1 + slot_ids.shape[1], dtype=work_dtype, device=shard.device)
-    for start, end, block in _row_blocks(shard, rows, chunk_bytes, writable=True):
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes, writable=True) if local_vocab else ():
         at_ids = block.gather(1, local_ids[start:end])
         partial[start:end, 1:] = torch.where(owned[start:end], at_ids, torch.zeros_like(at_ids))
         partial[start:end, 0] = _sum_exp_outside(block, row_max[start:end], local_ids[start:end], owned[start:end])
@@ -363,6 +363,7 @@ def vocab_parallel_topk_divergence(
     mask: Optional[torch.Tensor] = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     mass_tolerance: float = MASS_TOLERANCE,
+    valid_vocab: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_divergence` for vocabulary-parallel logits: every rank of `group` calls it with the same rows and
     its own slice of the vocabulary; all get the same two float32 [N] tensors (no gradient).
@@ -380,6 +381,9 @@ def vocab_parallel_topk_divergence(
             validated and get D = 0.
         chunk_bytes: float32 working set per row chunk; bounds the extra memory.
         mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
+        valid_vocab: the model's own vocabulary size when `vocab_size` is padded beyond it (Megatron pads the LM
+            head to a multiple of its tensor-parallel size): the padded columns stay out of pi's normaliser (the
+            rollout engine's distribution has none), and an id at or above it is refused.
 
     Raises:
         TopKInputError: ids outside [0, V), a row repeating an id, or mu's kept mass above 1 + mass_tolerance.
@@ -390,6 +394,10 @@ def vocab_parallel_topk_divergence(
         raise TopKInputError(
             f"vocabulary slice [{vocab_start}, {vocab_start + logits_shard.shape[1]}) lies outside [0, {vocab_size})"
         )
+    if valid_vocab is not None and 0 < valid_vocab < vocab_size:
+        # this slice's columns of the model's vocabulary (none on a slice of padding only): a view, never written
+        logits_shard = logits_shard[:, : max(0, min(logits_shard.shape[1], valid_vocab - vocab_start))]
+        vocab_size = valid_vocab
     return _topk_divergence(
         logits_shard,
         vocab_size,

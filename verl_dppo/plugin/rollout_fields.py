@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "rollout_topk", "warn_truncated_sampling"]
+__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "rollout_topk", "truncated_sampling_problem",
+           "warn_truncated_sampling"]
 
 CUSTOM_KEY = "dppo_topk"
 """Key in actor_rollout_ref.rollout.custom that carries K to the servers (written by the driver-side patch)."""
@@ -32,13 +33,32 @@ def rollout_topk(rollout_config: Any) -> Optional[int]:
     return int(value) if value is not None else None
 
 
+def _truncated(top_p: Any, top_k: Any) -> bool:
+    return (top_p is not None and float(top_p) < 1.0) or (top_k is not None and int(top_k) > 0)
+
+
+def truncated_sampling_problem(mode: str, rollout: Any) -> Optional[str]:
+    """The rollout config (actor_rollout_ref.rollout) samples from a truncated distribution (top_p < 1 or top_k > 0)
+    and reports processed log-probs (verl's default `logprobs_mode`): vLLM's processed log-probs, and so mu's top-K
+    rows, are then of the truncated, renormalised distribution (vllm sampling after temperature and top-k/top-p),
+    not of the policy the actor scores. A Top-K mode or troll cannot use them; None when the settings are fine.
+    (Validation's `val_kwargs` are not trained on: a request-time warning covers them.)"""
+    top_p, top_k = rollout.get("top_p", 1.0), rollout.get("top_k", -1)
+    logprobs_mode = rollout.get("logprobs_mode", "processed_logprobs") or "processed_logprobs"
+    if not _truncated(top_p, top_k) or logprobs_mode != "processed_logprobs":
+        return None
+    return (f"{mode} compares pi with mu's top-K rows, but the rollout samples with top_p={top_p}, top_k={top_k} and "
+            "rollout.logprobs_mode=processed_logprobs: the engine's log-probs (the rows and the sampled token's) are "
+            "then of the truncated, renormalised distribution, not of the policy the actor scores. Set "
+            "actor_rollout_ref.rollout.top_p=1.0 and actor_rollout_ref.rollout.top_k=-1")
+
+
 def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:
     """Once per process: truncated sampling with processed log-probs makes the sampled log-prob (and the engine's rows,
     where it reports them truncated) those of the truncated distribution, not of the policy the actor scores."""
     top_p = sampling_params.get("top_p", 1.0)
     top_k = sampling_params.get("top_k", -1)
-    truncated = (top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0)
-    if truncated and logprobs_mode == "processed_logprobs":
+    if _truncated(top_p, top_k) and logprobs_mode == "processed_logprobs":
         warn_once(
             "truncated",
             "verl-dppo Top-K: top_p=%s / top_k=%s with rollout.logprobs_mode=processed_logprobs: the engine renormalises "
