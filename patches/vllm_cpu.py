@@ -8,7 +8,7 @@ on a GPU the code paths are verl's and vLLM's own, untouched.
 | `patch_cpu_gemm_dispatch` | vllm model_executor/layers/linear.py:216-220 (`UnquantizedLinearMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), layers/utils.py:317-321 | the weights are kept (`remove_weight=False`): vLLM-CPU hands each linear weight to oneDNN and drops the Parameter, so verl's weight sync (vllm_rollout/utils.py:405 `model.load_weights`) would fail at linear.py's `weight_loader`; verl's `process_weights_after_loading` after every sync (utils.py:353) rebuilds the oneDNN handles from the new weights |
 
 The settings vLLM needs on CPU (eager mode, no sleep mode, a small weight bucket) are set by the launcher
-(`verl_dppo.cli.cpu_tiny.vllm_cpu_settings`), the rollout server's environment by the platform
+(`verl_dppo.cli.vllm_cpu.vllm_cpu_settings`), the rollout server's environment by the platform
 (`CPUPlatform.rollout_env_vars`): neither is a patch.
 
 Installed at plugin load (`verl_dppo.plugin.entry.register_backends`): the first where the CPU platform is selected,

