@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
-from verl_dppo.plugin.rollout_fields import truncated_sampling_problem
+from verl_dppo.plugin.rollout_fields import raw_logprobs_problem, truncated_sampling_problem
 from verl_dppo.patches.agent_loop import record_turn
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
@@ -67,9 +67,9 @@ def sync_rollout_config(config: Any) -> Optional[int]:
             f"{mode} needs log-probs from the rollout, got rollout.logprobs_mode={logprobs_mode}: set "
             "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"
         )
-    truncated = truncated_sampling_problem(mode, rollout)
-    if truncated is not None:
-        raise ValueError(truncated)
+    for problem in (truncated_sampling_problem(mode, rollout), raw_logprobs_problem(mode, rollout)):
+        if problem is not None:
+            raise ValueError(problem)
     with open_dict(rollout):
         custom = dict(rollout.get("custom", None) or {})
         if custom.get(CUSTOM_KEY, k) != k:

@@ -116,6 +116,9 @@ def test_other_modes_leave_the_config_alone():
         # processed log-probs of a truncated distribution are not mu's (issue 25.5)
         ("actor_rollout_ref.rollout.top_p=0.9", r"top_p=0.9, top_k=-1 and rollout.logprobs_mode=processed_logprobs"),
         ("actor_rollout_ref.rollout.top_k=50", r"top_k=50 and rollout.logprobs_mode=processed_logprobs"),
+        # vLLM's raw log-probs are before temperature: not mu's at T != 1
+        (("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.temperature=0.7"),
+         "raw_logprobs reports log-probs before temperature"),
     ],
 )
 def test_rollout_settings_that_cannot_work_are_refused(override, message):

@@ -192,11 +192,11 @@ def unsupported_settings(config: Any) -> list[str]:
         problems.append(pad_to_length_problem(mode, megatron))
     if megatron and engine.get("dynamic_context_parallel", False):
         problems.append(dynamic_cp_problem(mode))
-    from verl_dppo.plugin.rollout_fields import truncated_sampling_problem
+    from verl_dppo.plugin.rollout_fields import raw_logprobs_problem, truncated_sampling_problem
 
-    truncated = truncated_sampling_problem(mode, arr.rollout)
-    if truncated is not None:
-        problems.append(truncated)
+    for problem in (truncated_sampling_problem(mode, arr.rollout), raw_logprobs_problem(mode, arr.rollout)):
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 
