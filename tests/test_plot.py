@@ -259,6 +259,14 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
     assert len(collapse) == 1 and set(collapse[0].get_ydata()) == {COLLAPSE_FRACTION * 0.5}
     assert "20-step mean" in collapse[0].get_label()
     assert "seed 0, one run" in right.get_title()
+    from matplotlib.colors import to_hex
+
+    from verl_dppo.cli.colors import METHOD_COLORS
+
+    method_lines = {line.get_label(): to_hex(line.get_color()) for line in left.get_lines()
+                    if line.get_label() in ("pg_is", "grpo_clip", "dppo_binary_tv")}
+    assert method_lines == {"pg_is": METHOD_COLORS["pg_is"], "grpo_clip": METHOD_COLORS["grpo_clip_higher"],
+                            "dppo_binary_tv": METHOD_COLORS["dppo_binary_tv"]}  # the colours `plot` gives them
 
     renderer = blocked.canvas.get_renderer()
     assert all(axis.get_legend() is None for axis in blocked.axes)
@@ -269,3 +277,90 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
         assert not box.overlaps(axis.get_window_extent(renderer))
     monkeypatch.undo()
     plt.close("all")
+
+
+def write_family_log(path, loss_mode, steps=4):
+    """A `verl-dppo run` log of `loss_mode` with its run record beside it: a TROLL run logs the DPPO mask's metrics
+    too (at 0) and its projection's; a DPPO run the mask's."""
+    lines = []
+    for step in range(1, steps + 1):
+        data = {"critic/score/mean": 0.5, "actor/pg_clipfrac": 0.0, "actor/dppo/mismatch_tv_mean": 1e-3,
+                "actor/dppo/masked_frac_pos": 0.0, "actor/dppo/masked_frac_neg": 0.0,
+                "actor/dppo/bad_update_frac": 0.0, "actor/dppo/masked_rollout_prob_mean": 0.0}
+        if loss_mode == "troll":
+            data.update({"actor/troll/projected_frac": 0.01 * step, "actor/troll/kl_before_mean": 0.02,
+                         "actor/troll/kl_after_mean": 0.01, "actor/troll/eta_mean": 0.5})
+        elif loss_mode.startswith("dppo_"):
+            data["actor/dppo/masked_frac_pos"] = 0.02 * step
+        lines.append(json.dumps({"step": step, "data": data}))
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".run.json").write_text(json.dumps({"setup": "cpu_tiny", "method": loss_mode,
+                                                         "loss_mode": loss_mode, "trainer_mode": "sync"}))
+    return path
+
+
+def drawn_figure(monkeypatch, argv):
+    """Run `verl-dppo plot argv` and return the matplotlib figure it drew."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda figure=None: figures.append(figure))
+    assert main(["plot", *argv]) == 0
+    monkeypatch.undo()
+    (figure,) = figures
+    return figure
+
+
+def panels(figure):
+    """{panel title: [(line label, colour, line style), ...]} (the raw-value shadows of --smooth left out)."""
+    from matplotlib.colors import to_hex
+
+    return {axis.get_title(): [(line.get_label(), to_hex(line.get_color()), line.get_linestyle())
+                               for line in axis.get_lines() if not line.get_label().startswith("_")]
+            for axis in figure.axes if axis.get_title()}
+
+
+def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_steps(tmp_path, monkeypatch):
+    """Issue 27.4: `plot` on a TROLL run drew the DPPO mask's panels (flat at 0) and no actor/troll/* panel. The
+    default panels follow each run's loss mode (its run record): the projection's for TROLL, the mask's for DPPO,
+    each drawn for the runs of its family only; the common ones for every run, later lines dashed so that equal
+    values stay visible; one colour per method, the one the demo's figures use; integer ticks on 4 steps."""
+    import matplotlib.pyplot as plt
+
+    from verl_dppo.cli.colors import METHOD_COLORS
+
+    troll = write_family_log(tmp_path / "cpu_tiny-troll-sync.jsonl", "troll")
+    figure = drawn_figure(monkeypatch, [str(troll), "-o", str(tmp_path / "troll.png")])
+    drawn = panels(figure)
+    assert {"actor/troll/projected_frac", "actor/troll/kl_after_mean"} <= set(drawn)
+    assert not any(title.startswith("actor/dppo/masked") or title == "actor/pg_clipfrac" for title in drawn)
+    assert drawn["actor/troll/projected_frac"] == [("cpu_tiny-troll-sync", METHOD_COLORS["troll"], "-")]
+    for axis in figure.axes:
+        if axis.get_title():
+            ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), (axis.get_title(), ticks)
+    plt.close(figure)
+
+    dppo = write_family_log(tmp_path / "cpu_tiny-dppo_binary_tv-sync.jsonl", "dppo_binary_tv")
+    figure = drawn_figure(monkeypatch, [str(dppo), str(troll), "-o", str(tmp_path / "both.png")])
+    drawn = panels(figure)
+    assert [label for label, _, _ in drawn["actor/dppo/masked_frac_pos"]] == ["cpu_tiny-dppo_binary_tv-sync"]
+    assert [label for label, _, _ in drawn["actor/troll/projected_frac"]] == ["cpu_tiny-troll-sync"]
+    assert drawn["critic/score/mean"] == [("cpu_tiny-dppo_binary_tv-sync", METHOD_COLORS["dppo_binary_tv"], "-"),
+                                          ("cpu_tiny-troll-sync", METHOD_COLORS["troll"], "--")]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == ["cpu_tiny-dppo_binary_tv-sync",
+                                                                        "cpu_tiny-troll-sync"]
+    plt.close(figure)
+
+
+def test_demo_and_plot_colour_a_method_alike():
+    from verl_dppo.cli.colors import METHOD_COLORS, colors_for
+
+    assert colors_for(["dppo_binary_tv", "cpu_tiny-dppo_binary_tv-sync", "moe_base-troll-separate_async",
+                       "grpo_clip", "x/run", "y/run"]) == [
+        METHOD_COLORS["dppo_binary_tv"], METHOD_COLORS["dppo_binary_tv"], METHOD_COLORS["troll"],
+        METHOD_COLORS["grpo_clip_higher"], "#393b79", "#637939"]
+    assert len(set(METHOD_COLORS.values())) == len(METHOD_COLORS)

@@ -13,23 +13,25 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from verl_dppo.cli.errors import UsageError
 
-DEFAULT_METRICS = (
-    "critic/score/mean",
-    "val-core/*",
-    "response_length/mean",
-    "actor/pg_clipfrac",
-    "actor/dppo/mismatch_tv_mean",
-    "actor/dppo/masked_frac_pos",
-    "actor/dppo/masked_frac_neg",
-    "actor/dppo/bad_update_frac",
-    "actor/dppo/masked_rollout_prob_mean",
-    "training/rollout_probs_diff_mean",
-)
-"""Drawn when --metrics is not given (those present in at least one run; patterns use shell-style wildcards)."""
+COMMON_METRICS = ("critic/score/mean", "val-core/*", "response_length/mean", "actor/dppo/mismatch_tv_mean")
+FAMILY_METRICS = {
+    "clip": ("actor/pg_clipfrac",),
+    "dppo": ("actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/bad_update_frac",
+             "actor/dppo/masked_rollout_prob_mean"),
+    "troll": ("actor/troll/projected_frac", "actor/troll/kl_before_mean", "actor/troll/kl_after_mean",
+              "actor/troll/eta_mean"),
+}
+"""Panels of one loss family, drawn for its runs only: the ratio clip's fraction for the clipped and unclipped
+baselines, the mask's for DPPO, the projection's for TROLL (a TROLL run logs the DPPO mask's metrics too, at 0)."""
+DEFAULT_METRICS = (*COMMON_METRICS, *(m for family in FAMILY_METRICS.values() for m in family),
+                   "training/rollout_probs_diff_mean")
+"""Drawn when --metrics is not given (those present in at least one run of their family; patterns use shell-style
+wildcards)."""
+OWNER = {metric: family for family, metrics in FAMILY_METRICS.items() for metric in metrics}
 
 MAX_DEFAULT_PANELS = 12
 
@@ -45,6 +47,17 @@ class Run:
     series: dict[str, dict[int, float]] = field(default_factory=dict)
     """metric -> {step: value}; a later row for the same step overrides an earlier one, as in a resumed run."""
     warnings: list[str] = field(default_factory=list)
+    loss_mode: Optional[str] = None
+    """From the run record `verl-dppo run` writes beside the log, or the demo's row of that name."""
+
+    @property
+    def family(self) -> str:
+        """troll, dppo or clip (every other loss mode); without a known loss mode, read from what the run logged."""
+        mode = self.loss_mode
+        if mode is None:
+            return ("troll" if any(m.startswith("actor/troll/") for m in self.series)
+                    else "dppo" if "actor/dppo/masked_frac_pos" in self.series else "clip")
+        return "troll" if mode == "troll" else "dppo" if mode.startswith("dppo_") else "clip"
 
     def metrics(self) -> set[str]:
         return set(self.series)
@@ -68,7 +81,7 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
         raise PlotError(f"{path}: no such file")
     if os.path.isdir(path):
         raise PlotError(f"{path}: is a directory; pass the run's .jsonl file")
-    run = Run(path=path, label=label or os.path.splitext(os.path.basename(path))[0])
+    run = Run(path=path, label=label or os.path.splitext(os.path.basename(path))[0], loss_mode=_loss_mode(path))
     try:
         with open(path, "rb") as handle:
             lines = handle.read().decode("utf-8", errors="replace").splitlines()
@@ -113,6 +126,23 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     return run
 
 
+def _loss_mode(path: str) -> Optional[str]:
+    """The run's loss mode: its run record's (<log>.run.json, written by `verl-dppo run`), else that of the demo's
+    row named as the file (out/demo/<method>.jsonl), else None."""
+    try:
+        with open(os.path.splitext(path)[0] + ".run.json") as handle:
+            record = json.load(handle)
+        if isinstance(record, dict) and isinstance(record.get("loss_mode"), str):
+            return record["loss_mode"]
+    except (OSError, ValueError):
+        pass
+    from verl_dppo.cli.demo.methods import ALIASES, METHODS, STUDY_METHODS
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = ALIASES.get(stem, stem)
+    return next((m.loss_mode for m in (*METHODS, *STUDY_METHODS) if m.name == stem), None)
+
+
 def _label_runs(paths: Sequence[str]) -> list[str]:
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     labels = []
@@ -126,6 +156,8 @@ def _label_runs(paths: Sequence[str]) -> list[str]:
 def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> tuple[list[str], list[str]]:
     """Resolve metric names/patterns against the runs: (metrics to draw, warnings). Raises PlotError if none."""
     available = sorted(set().union(*(run.metrics() for run in runs)))
+    if not requested:  # a family's panel only where a run of that family logged it
+        available = [m for m in available if any(m in run.series for run in drawn_runs(runs, m))]
     patterns = list(requested) if requested else list(DEFAULT_METRICS)
     chosen, warnings, missing = [], [], []
     for pattern in patterns:
@@ -152,10 +184,16 @@ def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> t
         warnings.append(f"showing the first {MAX_DEFAULT_PANELS} of {len(chosen)} default metrics; use --metrics")
         chosen = chosen[:MAX_DEFAULT_PANELS]
     for name in chosen:
-        absent = [run.label for run in runs if name not in run.series]
+        absent = [run.label for run in (runs if requested else drawn_runs(runs, name)) if name not in run.series]
         if absent:
             warnings.append(f"{name}: not logged by {', '.join(absent)}")
     return chosen, warnings
+
+
+def drawn_runs(runs: Sequence[Run], metric: str) -> list[Run]:
+    """The runs a default panel draws: those of the metric's loss family (every run for a common metric)."""
+    owner = OWNER.get(metric)
+    return [run for run in runs if owner is None or run.family == owner]
 
 
 def _available_hint(available: Sequence[str]) -> str:
@@ -174,46 +212,54 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int = 1, title: Optional[str] = None,
-         dpi: int = 100) -> None:
-    """One panel per metric, one line per run; a metric logged at a few steps only is drawn with markers."""
+         dpi: int = 100, by_family: bool = False) -> None:
+    """One panel per metric, one line per run (each method in its colour, `colors.METHOD_COLORS`; later lines
+    dashed and thinner, so that equal ones stay visible); a metric logged at a few steps only is drawn with markers.
+    by_family: a loss family's panel draws that family's runs only (the default panels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from verl_dppo.cli.colors import colors_for, line_style
 
     columns = min(3, len(metrics))
     rows = math.ceil(len(metrics) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = colors_for([run.label for run in runs])
     for index, metric in enumerate(metrics):
         axis = axes[index // columns][index % columns]
+        shown = drawn_runs(runs, metric) if by_family else runs
         for run_index, run in enumerate(runs):
             points = run.series.get(metric)
-            if not points:
+            if not points or run not in shown:
                 continue
+            style = line_style(run_index)
             steps = sorted(points)
             values = [points[s] for s in steps]
             # Logged every N steps (validation): markers, and no smoothing across its few points.
             sparse = len(steps) <= max(1, run.n_steps() // 2)
-            color = colors[run_index % len(colors)]
+            color = colors[run_index]
             if sparse:
-                axis.plot(steps, values, "o-", color=color, label=run.label, markersize=3.5, linewidth=1.2)
+                axis.plot(steps, values, marker="o", color=color, label=run.label, markersize=3.5, **style)
             else:
                 if smooth > 1:
                     axis.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
-                axis.plot(steps, _smooth(values, smooth), color=color, label=run.label, linewidth=1.3)
+                axis.plot(steps, _smooth(values, smooth), color=color, label=run.label, **style)
         axis.set_title(metric, fontsize=9)
         axis.set_xlabel("step", fontsize=8)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no tick at 1.5
         axis.tick_params(labelsize=7)
         axis.grid(alpha=0.3)
     for index in range(len(metrics), rows * columns):
         axes[index // columns][index % columns].axis("off")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if not handles:
-        for axis in axes.flat:
-            handles, labels = axis.get_legend_handles_labels()
-            if handles:
-                break
+    legend: dict[str, Any] = {}  # every run once, in order, whichever panels draw it
+    for axis in axes.flat:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    order = [run.label for run in runs if run.label in legend]
+    handles, labels = [legend[label] for label in order], order
     figure.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5) or 1, fontsize=8, frameon=False)
     if title:
         figure.suptitle(title, fontsize=11)
@@ -290,7 +336,7 @@ def run(paths: Sequence[str], output: str, metrics: Optional[str] = None, smooth
             print(f"warning: {warning}", file=err)
         directory = os.path.dirname(os.path.abspath(output))
         os.makedirs(directory, exist_ok=True)
-        draw(runs, chosen, output, smooth=smooth, title=title)
+        draw(runs, chosen, output, smooth=smooth, title=title, by_family=not requested)
     except PlotError as error:
         print(f"verl-dppo plot: error: {error}", file=err)
         return 2

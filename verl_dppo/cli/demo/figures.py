@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from verl_dppo.cli.demo.rl import COLLAPSE_FRACTION
+from verl_dppo.cli.colors import colors_for
 from verl_dppo.cli.plot import load_run
 
 
@@ -47,7 +48,7 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
     several = len(seeds) > 1
     over_seeds = (f"mean of seeds {','.join(map(str, seeds))} (band: lowest to highest)" if several
                   else f"seed {seeds[0]}, one run (--seeds 0,1,2: mean and spread)")
-    colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip(runs, colors_for(list(runs))))  # each method in its colour in every figure (and in `plot`)
     paths = []
 
     def lines(axis, metric, smooth=10, log=False):

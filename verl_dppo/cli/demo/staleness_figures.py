@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from verl_dppo.cli.colors import colors_for
 from verl_dppo.cli.demo.rl import COLLAPSE_FRACTION
 
 PANELS = (
@@ -22,7 +23,7 @@ def draw_study(out_dir: str, results: list[dict], lags: list[int], dpi: int = 90
     import matplotlib.pyplot as plt
 
     methods = list(dict.fromkeys(r["method"] for r in results))
-    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    colors = dict(zip(methods, colors_for(methods)))  # each method in its colour in every figure (and in `plot`)
     by_run = {(r["method"], r["lag"]): r for r in results}
     first = results[0]
 
