@@ -7,7 +7,8 @@ What the wrappers do: `__init__` runs the run-level checks of the DPPO modes (`v
 anchor against bypass mode, how the rollout computes mu) and, for the Top-K modes, copies K =
 `policy_loss.topk` (or the mode's default) into `rollout.custom.dppo_topk` (troll too: it reads the same top-K) (raising vLLM's `max_logprobs` when K > 20) before any server is
 built; `generate` moves each reply's top-K rows out of `extra_fields` into the current trajectory
-(`agent_loop.record_turn`).
+(`agent_loop.record_turn`) and, for the hf rollout, hands the server the sample's batch index (verl's `priority`,
+which verl passes to vLLM only) as `verl_dppo_sample`: the hf rollout seeds the sample's draws from it.
 Why no extension point: verl 0.9.1 has no driver-side hook that sees the whole config before the servers start,
 and its agent loops do not carry per-token `extra_fields`.
 What would make it unnecessary: a plugin hook on the validated run config, and per-token `extra_fields` kept by the
@@ -22,6 +23,7 @@ from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
 from verl_dppo.plugin.rollout_fields import raw_logprobs_problem, truncated_sampling_problem
 from verl_dppo.patches.agent_loop import record_turn
+from verl_dppo.plugin.hf_rollout import NAME as HF_ROLLOUT, SAMPLE_KWARG
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
 __all__ = ["sync_rollout_config", "patch_llm_server"]
@@ -109,6 +111,9 @@ def patch_llm_server(module: Any) -> None:
 
     def make_generate(original_generate):
         async def generate(self, *args, **kwargs):
+            if kwargs.get("priority") is not None and self.config.actor_rollout_ref.rollout.name == HF_ROLLOUT:
+                # verl hands a sample's batch index (`priority`) to vLLM only: the hf rollout seeds from it.
+                kwargs[SAMPLE_KWARG] = int(kwargs["priority"])
             output = await original_generate(self, *args, **kwargs)
             record_turn(output)
             return output

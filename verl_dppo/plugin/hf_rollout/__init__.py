@@ -9,9 +9,14 @@ top-K rows), `server` (the Ray actor), `replica`, `adapter`.
 
 from __future__ import annotations
 
-__all__ = ["NAME", "register_replica", "register_adapter"]
+__all__ = ["NAME", "SAMPLE_KWARG", "register_replica", "register_adapter"]
 
 NAME = "hf"
+
+SAMPLE_KWARG = "verl_dppo_sample"
+"""The keyword the plugin's `LLMServerClient.generate` patch adds to an hf server's `generate`: the sample's index in
+verl's rollout batch (verl's `priority`, which verl hands on to vLLM only), from which the server seeds the sample's
+draws (`engine.HFGenerationEngine`)."""
 
 
 def _load_replica():

@@ -7,12 +7,17 @@ queue for the next batch; aborts stop a request at the next step and return its 
 
 Sampling follows vLLM with `logprobs_mode=processed_logprobs`: logits / temperature, then top-k, then top-p; the
 token is drawn from that truncated distribution and its log-prob is taken from it (the distribution it was actually
-sampled from). temperature 0 is greedy, with the log-prob of the untruncated log-softmax (as vLLM reports it).
+sampled from). The draw is vLLM's exponential race (argmax of p_i / E_i, one E_i ~ Exp(1) per vocabulary entry): a
+change of the logits in their last bits changes the token only where two scores tie, where the inverse CDF over
+sorted probabilities moved a boundary whenever two near-equal logits swapped ranks. temperature 0 is greedy, with the log-prob of the untruncated log-softmax (as vLLM reports it).
 The top-K row of a token (Top-K DPPO, TROLL) is the top-K of the temperature-scaled log-softmax before truncation.
 
-Reproducible: each request draws its uniforms from its own generator, seeded from the rollout seed, the weight
-version, the prompt and how many times that prompt was seen at that version (the n samples of a prompt differ);
-so a run restarted from a checkpoint samples what the uninterrupted run sampled, whatever the batch composition.
+Reproducible: each request draws its noise from its own generator, seeded from the rollout seed, the weight
+version, the sample's index in verl's rollout batch (verl's per-sample `priority`, handed on by the plugin's patch
+of `LLMServerClient.generate`), the prompt, and how many times that (index, prompt) was seen at that version; so a
+run restarted from a checkpoint samples what the uninterrupted run sampled, whatever the order the requests arrive
+in and whatever the batch composition. Without an index (a caller other than verl's agent loop), the n samples of
+a prompt are told apart by their order of arrival.
 """
 
 from __future__ import annotations
@@ -83,9 +88,11 @@ def parse_sampling_params(params: dict[str, Any], default_max_tokens: int) -> Sa
 
 
 def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                uniforms: torch.Tensor, k: Optional[int]):
-    """One token per row of `logits` [B, V] (fp32). Returns (tokens [B], log-probs [B] under the distribution
-    sampled from, top-K ids [B, k] and log-probs [B, k] of the temperature-scaled log-softmax, or None).
+                noise: torch.Tensor, k: Optional[int]):
+    """One token per row of `logits` [B, V] (fp32), drawn with `noise` [B, V] (Exp(1) draws, one per vocabulary id:
+    the token is the kept one with the largest p / noise, vLLM's sampler). Returns (tokens [B], log-probs [B] under
+    the distribution sampled from, top-K ids [B, k] and log-probs [B, k] of the temperature-scaled log-softmax, or
+    None).
 
     Truncation in sorted space, as vLLM does it: logits below the top_k-th largest dropped (vLLM's threshold rule:
     a tie with the top_k-th is kept), then the tail whose preceding cumulative probability already reaches top_p
@@ -101,13 +108,9 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
     drop[:, 0] = False
     truncated = torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    cdf = truncated.exp().cumsum(-1)
-    position = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp_max(logits.shape[-1] - 1)
-    while True:  # a rounding at the CDF's top may land on a dropped rank: step back to the last kept one
-        bad = drop.gather(1, position)
-        if not bool(bad.any()):
-            break
-        position = torch.where(bad, position - 1, position)
+    # Dropped ranks score -inf whatever their noise (a zero draw, clamped, cannot revive one).
+    race = truncated - noise.gather(1, order).clamp_min(torch.finfo(noise.dtype).tiny).log()
+    position = race.argmax(dim=-1, keepdim=True)
     position = torch.where(greedy[:, None], torch.zeros_like(position), position)
     sampled_logprob = torch.where(greedy[:, None], full_sorted.gather(1, position), truncated.gather(1, position))
     tokens = order.gather(1, position)[:, 0]
@@ -165,18 +168,22 @@ class HFGenerationEngine:
 
     # ------------------------------------------------------------------------------------------------ requests
 
-    def _request_seed(self, prompt_ids: list[int], settings: SamplingSettings) -> int:
+    def _request_seed(self, prompt_ids: list[int], settings: SamplingSettings, sample: Optional[int]) -> int:
         if settings.seed is not None:
             return settings.seed
-        key = (self.version, tuple(prompt_ids))
+        sample = -1 if sample is None else int(sample)
+        key = (self.version, sample, tuple(prompt_ids))
         occurrence = self._seen.get(key, 0)
         self._seen[key] = occurrence + 1
-        digest = hashlib.blake2b(np.asarray([self.seed, -1 if self.version is None else self.version, occurrence,
-                                             *prompt_ids], dtype=np.int64).tobytes(), digest_size=8).digest()
+        digest = hashlib.blake2b(np.asarray([self.seed, -1 if self.version is None else self.version, sample,
+                                             occurrence, *prompt_ids], dtype=np.int64).tobytes(),
+                                 digest_size=8).digest()
         return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
     async def generate(self, prompt_ids: list[int], settings: SamplingSettings, request_id: str,
-                       topk: Optional[int] = None) -> GenerationResult:
+                       topk: Optional[int] = None, sample: Optional[int] = None) -> GenerationResult:
+        """Queue one request; `sample` is its index in the caller's batch (verl's `priority`): with it, its draws
+        do not depend on the order in which the samples of one prompt arrive."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise HFRolloutError(
@@ -187,7 +194,7 @@ class HFGenerationEngine:
         if settings.max_tokens < 1:
             raise HFRolloutError(f"max_tokens={settings.max_tokens}: a request must allow at least one token")
         settings = SamplingSettings(**{**settings.__dict__, "max_tokens": min(settings.max_tokens, room)})
-        rng = torch.Generator().manual_seed(self._request_seed(prompt_ids, settings))
+        rng = torch.Generator().manual_seed(self._request_seed(prompt_ids, settings, sample))
         request = _Request(request_id, list(prompt_ids), settings, topk, rng, asyncio.get_running_loop().create_future())
         self._queue.append(request)
         self._ensure_scheduler()
@@ -308,8 +315,8 @@ class HFGenerationEngine:
         state = {"cache": None, "mask": mask, "positions": (mask.cumsum(-1) - 1).clamp_min(0), "ids": input_ids}
         steps = max(r.settings.max_tokens for r in live)
         for _ in range(steps):
-            uniforms = torch.stack([torch.rand((), generator=r.rng) for r in live]).to(device)
-            tokens, logprobs, topk = await asyncio.to_thread(self._step, state, temperature, top_k, top_p, uniforms, k)
+            tokens, logprobs, topk = await asyncio.to_thread(self._step, state, temperature, top_k, top_p,
+                                                             [r.rng for r in live], k)
             tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
             if topk is not None:
                 topk_ids, topk_lps = topk[0].cpu().numpy(), topk[1].float().cpu().numpy()
@@ -337,7 +344,7 @@ class HFGenerationEngine:
             self._finish(request)
 
     @torch.no_grad()
-    def _step(self, state: dict, temperature, top_k, top_p, uniforms, k: int):
+    def _step(self, state: dict, temperature, top_k, top_p, generators: list, k: int):
         from transformers import DynamicCache
 
         if state["cache"] is None:
@@ -345,4 +352,7 @@ class HFGenerationEngine:
         out = self.model(input_ids=state["ids"], attention_mask=state["mask"], position_ids=state["positions"],
                          past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
         state["cache"] = out.past_key_values
-        return sample_next(out.logits[:, -1, :].float(), temperature, top_k, top_p, uniforms, k or None)
+        logits = out.logits[:, -1, :].float()
+        # Each row's noise from its request's own generator (on the CPU: the same draws on any device).
+        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
+        return sample_next(logits, temperature, top_k, top_p, noise.to(logits.device), k or None)

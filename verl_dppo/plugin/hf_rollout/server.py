@@ -154,6 +154,7 @@ class HFRolloutServer:
                        **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
+        from verl_dppo.plugin.hf_rollout import SAMPLE_KWARG
         from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk, warn_truncated_sampling
 
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
@@ -173,7 +174,7 @@ class HFRolloutServer:
         k = rollout_topk(self.config)
         if k is not None:  # sampled log-prob of the truncated distribution, rows of the full one: vLLM's warning
             warn_truncated_sampling(params, "processed_logprobs")
-        result = await self.engine.generate(prompt_ids, settings, request_id, topk=k)
+        result = await self.engine.generate(prompt_ids, settings, request_id, topk=k, sample=kwargs.get(SAMPLE_KWARG))
         extra: dict[str, Any] = {"global_steps": self.global_steps}
         if k is not None and result.topk_ids is not None:
             extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = result.topk_ids, result.topk_logprobs
