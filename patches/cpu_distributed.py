@@ -1,4 +1,5 @@
-"""Patch of `verl.utils.distributed.initialize_global_process_group_ray` on the CPU platform: no duplicate backend.
+"""Patch of `verl.utils.distributed` on the CPU platform: `initialize_global_process_group_ray` without a duplicate
+backend, and `set_numa_affinity` skipped.
 
 Which verl function: `initialize_global_process_group_ray(timeout_second, backend)` builds the default backend
 string `cpu:gloo,<device>:<collective backend>`; on the CPU platform that is `cpu:gloo,cpu:gloo`, which torch
@@ -10,6 +11,10 @@ elsewhere it calls verl's function unchanged. It must replace the module attribu
 Why no extension point: the backend string is built inline from the device name.
 What would retire it: verl building the string from the set of distinct device types (`cpu:gloo` once), or asking
 the platform for the whole backend string.
+
+`set_numa_affinity()` (each training worker, `engine_workers.py:91`) pins the process to the NUMA node of its GPU
+through NVML; on the CPU platform there is no GPU, and it printed "Warning: Failed to set NUMA affinity: libnuma.so
+..." in every run. On the CPU platform it returns at once (the process keeps the CPUs Ray gave it); elsewhere verl's.
 """
 
 from __future__ import annotations
@@ -33,3 +38,15 @@ def patch_distributed(module: Any) -> None:
         return initialize_global_process_group_ray
 
     patch_once(module, "initialize_global_process_group_ray", make)
+
+    def make_numa(original):
+        def set_numa_affinity(*args, **kwargs):
+            from verl_dppo.plugin.cpu_platform import is_selected
+
+            if is_selected():
+                return None
+            return original(*args, **kwargs)
+
+        return set_numa_affinity
+
+    patch_once(module, "set_numa_affinity", make_numa)

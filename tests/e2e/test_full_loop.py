@@ -495,3 +495,27 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
         assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{key}: resumed {ours[key]} vs {value}"
         compared += 1
     assert compared > 20
+
+
+def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(runs):
+    """Issue 27.3: `verl-dppo run` printed about 1,080 lines for a cpu_tiny run (verl's config dump, five "engine is
+    not available" warnings from each of three processes, the CPU platform's override notice and NUMA warning in
+    each) and ended on a checkpoint save. Its config now goes to a file named in one line, and the last line says
+    how many steps were done and where the log, checkpoints, config and run record are, and how to draw the log."""
+    import yaml
+
+    restarted = runs["resume-restarted"]
+    finished(restarted, 3)
+    lines = [line for line in restarted.log.splitlines() if line.strip()]
+    log = restarted.folder / "logs" / "verl-dppo" / f"cpu_tiny-{RESUME_METHOD}-sync.jsonl"
+    last = lines[-1]
+    assert last.startswith(f"verl-dppo: done, 3 of 3 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
+                           f"{restarted.folder / 'checkpoints'}"), last
+    assert f"draw it: verl-dppo plot {log} -o" in last and "run record" in last
+    for noise in ("engine is not available", "Platform override from VERL_PLATFORM", "Failed to set NUMA affinity",
+                  "'actor_rollout_ref':", "[validate_config]"):
+        assert noise not in restarted.log, noise
+    config_file = log.with_suffix(".config.yaml")
+    assert f"verl's resolved config is in {config_file}" in restarted.log
+    assert yaml.safe_load(config_file.read_text())["trainer"]["total_training_steps"] == 3
+    assert len(lines) < 150, len(lines)

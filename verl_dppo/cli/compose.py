@@ -14,6 +14,7 @@ into a run: that the loss mode is registered.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -50,6 +51,23 @@ def stdout_to_stderr() -> Iterator[None]:
     """verl and Hydra print progress to stdout; a dry run's stdout must carry the YAML and nothing else."""
     with contextlib.redirect_stdout(sys.stderr):
         yield
+
+
+VERL_PASS_LINE = "[validate_config] All configuration checks passed"
+"""What verl's `validate_config` prints when it finds nothing wrong: left out of `run`'s output, where the launcher's
+own checks come after it (it read as the verdict on a run that the next line then refused)."""
+
+
+@contextlib.contextmanager
+def _without_pass_line() -> Iterator[None]:
+    """verl's output of the block on stderr (stdout carries a dry run's YAML), less VERL_PASS_LINE."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not line.startswith(VERL_PASS_LINE)]
+        sys.stderr.write("".join(kept))
 
 
 def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = (),
@@ -254,7 +272,7 @@ def validate_recipe(config: Any) -> None:
     results = {}
     for name, step in steps:
         try:
-            with stdout_to_stderr(), _quiet_warnings():
+            with _without_pass_line(), _quiet_warnings():
                 results[name] = step()
         except ModuleNotFoundError as error:
             raise RecipeError(

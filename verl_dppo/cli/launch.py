@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 
@@ -132,6 +133,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"{config.dppo.tiny_data.dir} unless already there", file=sys.stderr)
         sys.stdout.write(resolved_yaml(config))
         sys.stdout.flush()
+        stops = len(problems) + len(site)
+        print("verl-dppo: dry run: the config passed verl's checks (validate_config, the workers' config classes); "
+              + (f"{stops} problem(s) above would stop the launch from here" if stops
+                 else "nothing found that would stop the launch from here"), file=sys.stderr)
         return 0
     problems += site
     for line in built:
@@ -166,7 +171,10 @@ def _launch(config, ray_address) -> int:
     # Resolve on the driver: ${oc.env:DPPO_ROOT} and the paths checked above are the ones every Ray node uses.
     OmegaConf.resolve(config)
     auto_set_device(config)
-    for problem in write_records(config):  # what the next launch under this experiment name compares itself with
+    from verl_dppo.cli.console import quiet_launch, summary_line
+
+    # What the next launch under this experiment name compares itself with; verl's config dump into a file.
+    for problem in write_records(config) + quiet_launch(config):
         print(f"verl-dppo: warning: {problem}", file=sys.stderr)
     print(
         f"verl-dppo: launching {config.dppo.setup} + {config.dppo.method} ({config.trainer.nnodes} node(s) x "
@@ -187,6 +195,13 @@ def _launch(config, ray_address) -> int:
     except ConnectionError as error:  # the cluster went away between the check and ray.init
         lines = str(error).strip().splitlines() or [type(error).__name__]
         return _print_error(f"Ray: {lines[0]} (RAY_ADDRESS={ray_address or 'unset'}; check `ray status`)")
+    import ray
+
+    # The workers' last lines reach this console through Ray's log monitor, a moment after the run returns: let them
+    # arrive, then disconnect, so that the summary is the last line.
+    time.sleep(1.0)
+    ray.shutdown()
+    print(summary_line(config), file=sys.stderr)
     return 0
 
 

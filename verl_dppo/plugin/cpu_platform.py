@@ -14,6 +14,7 @@ platform are handled in `verl_dppo.patches.cpu_distributed` and `verl_dppo.patch
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from types import ModuleType
@@ -192,6 +193,20 @@ def register() -> None:
         PlatformRegistry.register(platform=PLATFORM_NAME)(CPUPlatform)
     if is_selected():
         os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+        _quiet_override_notice()
+
+
+def _quiet_override_notice() -> None:
+    """verl's platform manager logs the VERL_PLATFORM override at INFO in every process of a run (five lines a
+    cpu_tiny run): the CPU platform is what the launch chose, not news. Any other line of that logger stays."""
+    manager = logging.getLogger("verl.plugin.platform.platform_manager")
+    if not any(isinstance(f, _OverrideNotice) for f in manager.filters):
+        manager.addFilter(_OverrideNotice())
+
+
+class _OverrideNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "Platform override from VERL_PLATFORM: %s" and record.args == (PLATFORM_NAME,))
 
 
 def is_selected() -> bool:
@@ -204,6 +219,7 @@ def select_cpu_platform() -> None:
     environment): call it in the driver before ray.init."""
     os.environ["VERL_PLATFORM"] = PLATFORM_NAME
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    _quiet_override_notice()
 
 
 _installed: Optional[CPUPlatform] = None
