@@ -92,7 +92,7 @@ def packed_rollout_fields(loss_mode: str, k: int, data: Any, device: torch.devic
 
 def unusable_rows(topk_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows of `mask` whose rollout statistics give no divergence: log mu(a_t) NaN or +-inf (the loss drops such a
-    token for every mode, README "Bad input"), or a top-K log-prob NaN or +inf (-inf is a probability of 0, valid).
+    token for every mode, docs/bad-input.md), or a top-K log-prob NaN or +inf (-inf is a probability of 0, valid).
     The hook leaves them out of the reduction and reports D = NaN there, so the loss drops them too."""
     bad = ~torch.isfinite(sampled_logprobs) | torch.isnan(topk_logprobs).any(dim=-1) | (topk_logprobs == math.inf).any(dim=-1)
     return bad & mask

@@ -254,7 +254,7 @@ def _poke(data, key, seq, t, value, column=None):
 @pytest.mark.parametrize("mode", ["dppo_topk_tv", "dppo_topk_kl"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nonfinite_rollout_statistics_drop_the_token_like_every_mode(model, mode, bad):
-    # Issue 8.5 / README "Bad input": a NaN/inf rollout log-prob drops the token and counts it in dropped_frac;
+    # Issue 8.5 / docs/bad-input.md: a NaN/inf rollout log-prob drops the token and counts it in dropped_frac;
     # the Top-K modes did raise TopKInputError in the engine hook instead. A NaN / +inf top-K entry is unusable too.
     data, _ = micro_batch([3, 4], [5, 6], seed=2)
     _poke(data, "rollout_log_probs", 0, 1, bad)

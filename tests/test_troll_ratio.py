@@ -1,4 +1,4 @@
-"""TROLL's importance ratio p(a_t) / mu'(a_t) where mu gave a_t almost nothing (issue 18, item 1; README "Bad input").
+"""TROLL's importance ratio p(a_t) / mu'(a_t) where mu gave a_t almost nothing (issue 18, item 1; docs/bad-input.md).
 
 A finite rollout log-prob of -100 for a token outside mu's top-K row, with mu agreeing with pi elsewhere, puts
 log r = log p(a_t) - log mu'(a_t) at 92-96 (the projection keeps p(a_t) near 1 / 100): past float32's exp overflow

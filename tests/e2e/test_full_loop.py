@@ -65,6 +65,8 @@ STEPS = 2
 VALIDATION_FILE = "${dppo.tiny_data.dir}/validation.parquet"
 """cpu_tiny's problems with other prompts (validation_file): the resume runs validate on them."""
 RESUME_METHOD = "dppo_binary_tv"
+DEFAULT_METHODS = ("dppo_binary_tv", "troll")
+"""Run with cpu_tiny's own settings, one after the other in one lane (they build cpu_tiny's warm-started model)."""
 PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
 """Lanes of runs side by side, each on a local Ray cluster of its own, its runs one after another: verl's
 TransferQueue names its controller actor globally (namespace "transfer_queue"), so two main_ppo jobs at once on one
@@ -137,6 +139,9 @@ class Run:
     killed_pid: Optional[int] = None
     exited_on_its_own: bool = True
     folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
+    defaults: bool = False
+    """cpu_tiny's own settings, as a user's `verl-dppo run cpu_tiny --method M` trains: only the run's folders set
+    (checkpoints, JSONL log). The other runs set the suite's reward, lr and model, and one update per step."""
     via_cli: bool = False
     """Launched as a user launches it, `verl-dppo run cpu_tiny --method M OVERRIDES` (the console script: its own
     composition, checks, asset build and Ray launch), instead of main_ppo on a YAML composed here."""
@@ -172,10 +177,14 @@ def compose(run: Run, root: Path) -> Path:
     key = (run.method, run.trainer_mode)
     if key not in _COMPOSED:
         _COMPOSED[key] = compose_recipe("cpu_tiny", run.method, trainer_mode=run.trainer_mode)
-    overrides = [
+    overrides = [f"trainer.default_local_dir={checkpoints}"] if run.defaults else [
         f"trainer.total_training_steps={run.steps}",
         f"trainer.default_local_dir={checkpoints}",
         "trainer.resume_mode=auto",
+        # One update per step on the policy that sampled (cpu_tiny's own: 4 epochs of 4 mini-batches): the weight
+        # sync is then what actor/dppo/mismatch_tv_mean measures, and a missed push or a wrong resume shows in it.
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_epochs=1",
         # A reward that varies between samples (full_loop_reward.py): every step moves the policy, at a rate (lr)
         # that a missed weight push or a wrong resume cannot hide in.
         f"reward.custom_reward_function.path={HERE / 'full_loop_reward.py'}",
@@ -300,10 +309,12 @@ def chains() -> list[list[Run]]:
     # how often it was seen at that weight version, so validating on the training prompts would change what step 3
     # samples after a resume, and the uninterrupted run's step 3 would no longer be the reference.
     resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}")
+    # cpu_tiny as it ships (issue 27.2): the trust region acts within its 4 steps.
+    defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True) for method in DEFAULT_METHODS]]
     resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=resumed),
                Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed", via_cli=True,
                    overrides=resumed)]]
-    return separate + resume + modes
+    return separate + resume + defaults + modes
 
 
 @pytest.fixture(scope="module")
@@ -495,6 +506,26 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
         assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{key}: resumed {ours[key]} vs {value}"
         compared += 1
     assert compared > 20
+
+
+def test_cpu_tiny_as_shipped_shows_the_trust_region_at_work(runs):
+    """Issue 27.2: every 4-step cpu_tiny run had its masked fractions and TROLL's projected fraction at 0, and TROLL's
+    scores equal to DPPO's: one update per step, on the policy that sampled. cpu_tiny's own settings (4 epochs of 4
+    mini-batches, lr 1e-3) give the later updates a policy that has moved: DPPO's mask blocks some of them, TROLL
+    projects some tokens, and the two runs' scores part after the first step (the same model samples step 1)."""
+    dppo, troll = (runs[f"default-{method}"] for method in DEFAULT_METHODS)
+    for run in (dppo, troll):
+        finished(run, 4)
+        assert "actor_rollout_ref.actor.ppo_epochs" not in " ".join(run.command)  # the shipped settings
+    masked = dppo.values("actor/pg_clipfrac")
+    assert any(m > 0 for m in masked), _fail(dppo, f"pg_clipfrac per step {masked}")
+    blocked = [p + n for p, n in zip(dppo.values("actor/dppo/masked_frac_pos"), dppo.values("actor/dppo/masked_frac_neg"))]
+    assert any(b > 0 for b in blocked), _fail(dppo, f"masked_frac_pos + masked_frac_neg per step {blocked}")
+    projected = troll.values("actor/troll/projected_frac")
+    assert any(p > 0 for p in projected), _fail(troll, f"projected_frac per step {projected}")
+    assert troll.values("actor/pg_clipfrac") == [0.0] * 4  # TROLL projects, never masks
+    scores = [run.values("critic/score/mean") for run in (dppo, troll)]
+    assert scores[0][0] == scores[1][0] and scores[0] != scores[1], scores
 
 
 def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(runs):

@@ -39,7 +39,7 @@ TRUST_REGION_MODES = [m for m in MODES if m not in NO_TRUST_REGION]
 PROCESS_TIMEOUT_S = 1800
 
 DOCUMENTED_DIAGNOSTICS = {
-    # README, "Diagnostics": every metric the plugin documents, as verl's trainer logs it.
+    # docs/diagnostics.md: every metric the plugin documents, as verl's trainer logs it.
     "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
     "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg",
     "actor/dppo/mismatch_tv_mean", "actor/dppo/mismatch_tv_max", "actor/dppo/mismatch_kl_mean",
@@ -184,7 +184,7 @@ def test_mode_trains_through_the_real_worker(runs, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_reports_every_documented_diagnostic(runs, mode):
-    """Every metric of the README's Diagnostics table reaches the trainer's metrics, with a value that makes sense:
+    """Every metric of the docs/diagnostics.md table reaches the trainer's metrics, with a value that makes sense:
     fractions in [0, 1], a real bf16/fp32 mismatch (mu != pi), no dropped token (all inputs finite)."""
     record = _ok(runs["single"]["modes"][mode])
     vocab = driver.TINY_MODEL.vocab_size
@@ -250,7 +250,7 @@ def test_topk_divergence_dominates_the_binary_one(runs, topk_mode):
 
 
 def test_rollout_anchor_is_mu_with_or_without_the_recompute_pass(runs):
-    """README, The anchor: with anchor="rollout", bypass_mode=False (verl recomputes old_log_probs) still anchors
+    """docs/anchor.md: with anchor="rollout", bypass_mode=False (verl recomputes old_log_probs) still anchors
     on mu: the anchoring wrapper hands the loss the batch's rollout_log_probs. Same batch, same start: the same
     update as in bypass mode, to the last bit."""
     anchor = runs["single"]["anchor"]
@@ -264,7 +264,7 @@ def test_rollout_anchor_is_mu_with_or_without_the_recompute_pass(runs):
 
 
 def test_recomputed_anchor_measures_the_trust_region_against_the_recomputed_policy(runs):
-    """README, The anchor: anchor="recompute" (the decoupled recipe, bypass_mode=False) takes D and the ratio
+    """docs/anchor.md: anchor="recompute" (the decoupled recipe, bypass_mode=False) takes D and the ratio
     deciding the mask against the recomputed old_log_probs, which at the first update equal pi: nothing is
     masked and ppo_kl is 0, while the mismatch metrics, always against mu, are those of the rollout anchor."""
     anchor = runs["single"]["anchor"]
