@@ -11,7 +11,6 @@ Cut, in the run's Ray processes only (`python -m verl.trainer.main_ppo` keeps ve
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
@@ -67,19 +66,15 @@ def quiet_launch(config: Any) -> list[str]:
 
 def steps_logged(log: Optional[str]) -> Optional[int]:
     """The last training step in a verl file-logger JSONL (validation-only rows do not count), or None."""
+    from verl_dppo.cli.plot import PlotError, load_run
+
     if not log or not os.path.exists(log):
         return None
-    last = None
-    with open(log, "rb") as handle:
-        for line in handle.read().decode("utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            data = row.get("data") if isinstance(row, dict) else None
-            if isinstance(data, dict) and "training/global_step" in data and isinstance(row.get("step"), int):
-                last = row["step"] if last is None else max(last, row["step"])
-    return last
+    try:
+        steps = load_run(log).series.get("training/global_step")
+    except PlotError:
+        return None
+    return max(steps) if steps else None
 
 
 def summary_line(config: Any) -> str:
