@@ -433,9 +433,14 @@ def test_topk_rows_reach_the_actor(runs):
     finished(run, run.steps)
     for key in ("actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/dropped_frac"):
         assert max(run.values(key)) == 0.0, _fail(run, f"{key} per step {run.values(key)}")
-    # cpu_tiny's own warm-started model, fp32 both sides: the mismatch recipes/README states (about 1e-6, issue 24.7)
-    mismatch = run.values("actor/dppo/mismatch_tv_mean")
-    assert all(1e-7 < m < 1e-5 for m in mismatch), _fail(run, f"mismatch_tv_mean per step {mismatch}")
+    # mismatch_tv_mean is |mu - pi| on the sampled token over both mini-batches; the second one meets the first's
+    # update wherever the step's advantages are not all zero (grad_norm > 0: up to 1e-3 at lr 1e-3). A step with no
+    # update is on the sampling policy throughout: cpu_tiny's warm-started model, fp32 both sides, gives the rounding
+    # recipes/README states (about 1e-6, issue 24.7).
+    mismatch, grad_norm = run.values("actor/dppo/mismatch_tv_mean"), run.values("actor/grad_norm")
+    bounds = [1e-5 if g == 0 else 1e-2 for g in grad_norm]
+    assert len(mismatch) == len(bounds) and all(1e-7 < m < b for m, b in zip(mismatch, bounds)), _fail(
+        run, f"mismatch_tv_mean per step {mismatch}, grad_norm {grad_norm}")
 
 
 def test_fused_topk_trains_through_main_ppo(runs):
