@@ -110,6 +110,32 @@ def test_values_in_effect_are_logged_once_per_process():
     assert "delta_low=0.2 delta_high=0.2 ratio_cap=3" in lines[0] and "from verl's clip_ratio_low=0.2" in lines[0]
 
 
+@pytest.mark.parametrize("root", ["verl's", "vLLM server's", "unconfigured"])
+def test_a_warning_reaches_stderr_once_whatever_the_root_logger_is(root):
+    """verl's vLLM server process imports vLLM's OpenAI server, whose dependency model_hosting_container_standards
+    sets the root logger and its handler to ERROR: the plugin's warnings there (a weight push cutting a request) were
+    dropped. They print once under each root set-up: verl's (WARNING, what verl's workers have), the vLLM server's
+    (ERROR; with vLLM's CPU build installed, the real import), and none at all."""
+    set_up = {
+        "verl's": "import verl\n",
+        "vLLM server's": (
+            "import verl, importlib.util, logging\n"
+            "if importlib.util.find_spec('model_hosting_container_standards'):\n"
+            "    import model_hosting_container_standards.logging_config\n"
+            "else:  # what its configure_root_logger does\n"
+            "    logging.getLogger().setLevel(logging.ERROR)\n"
+            "    [h.setLevel(logging.ERROR) for h in logging.getLogger().handlers]\n"
+            "assert logging.getLogger().getEffectiveLevel() == logging.ERROR\n"
+        ),
+        "unconfigured": "import logging\nassert not logging.getLogger().handlers\n",
+    }[root]
+    result = python(set_up + "from verl_dppo.plugin.log_once import warn_once\n"
+                    "warn_once('k', 'verl-dppo: a warning %d', 1)\nwarn_once('k', 'verl-dppo: a warning %d', 2)\n")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "verl-dppo: a warning" in line]
+    assert len(lines) == 1 and lines[0].endswith("verl-dppo: a warning 1"), result.stderr
+
+
 def test_doctor_in_process_and_in_a_ray_worker():
     # --plugin-only: this CPU suite has no vLLM / SGLang, whose absence is otherwise a problem (exit 1).
     result = subprocess.run([os.path.join(BIN, "verl-dppo"), "doctor", "--plugin-only"], capture_output=True,

@@ -6,11 +6,8 @@ verl logs a plugin's import error only at DEBUG, so a broken install would surfa
 
 from __future__ import annotations
 
-import logging
-
 from verl_dppo.plugin.compat import check_verl_version
-
-logger = logging.getLogger("verl_dppo")
+from verl_dppo.plugin.log_once import logger  # the plugin's logger, visible whatever the process did to the root's
 
 
 def register_backends() -> None:
