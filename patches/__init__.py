@@ -19,6 +19,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `agent_loop`             | experimental.agent_loop.agent_loop                   | `AgentLoopWorker._run_agent_loop`, `AgentLoopOutput.as_dict`, `ContinuousTokenBuilder.align_response_metadata` |
 | `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
 | `main_ppo`               | trainer.main_ppo                                     | `pprint` of the config: a line naming its file (`verl-dppo run` only) |
+| `trainer_separate_async` | trainer.ppo.v1.trainer_separate_async                | its `logger`: `hybrid_engine=False` no longer dies on `logger.info(..., flush=True)` |
 | `cpu_distributed`        | utils.distributed (CPU platform only)                | `initialize_global_process_group_ray`: one gloo    |
 | `cpu_resources`          | single_controller.ray.base (CPU platform only)       | `ResourcePoolManager._check_resource_available`    |
 | `file_logger`            | utils.tracking                                       | `FileLogger`: a resumed run keeps its earlier steps |
@@ -42,6 +43,7 @@ def install() -> None:
         main_ppo,
         padding_utils,
         sglang_async_server,
+        trainer_separate_async,
         vllm_async_server,
         workers_utils_losses,
     )
@@ -55,5 +57,6 @@ def install() -> None:
     when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
     when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)
     when_imported("verl.trainer.main_ppo", main_ppo.patch_main_ppo)
+    when_imported("verl.trainer.ppo.v1.trainer_separate_async", trainer_separate_async.patch_separate_async_logger)
     when_imported("verl.workers.rollout.vllm_rollout.vllm_async_server", vllm_async_server.patch_vllm_server)
     when_imported("verl.workers.rollout.sglang_rollout.async_sglang_server", sglang_async_server.patch_sglang_server)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import logging
 import os
 import subprocess
@@ -442,3 +443,23 @@ def test_resumed_response_rows_reach_the_training_batch_through_the_agent_loop(n
     assert fields["responses"].tolist() == server.answer and bool(fields["response_mask"].all())
     assert_rows_follow_the_log_probs(fields, server)
     assert fields["rollout_topk_ids"][:, 1].tolist() == [1000 * v + n + 1 for n, v in enumerate(server.version_of)]
+
+
+def test_separate_async_without_hybrid_replicas_starts():
+    """verl 0.9.1's `PPOTrainerSeparateAsync._setup` logs with `logger.info(..., flush=True)` where
+    `actor_rollout_ref.hybrid_engine=False`, which `logging` refuses (TypeError: every such run died at start). With
+    the plugin loaded the module's logger takes the call, and still logs through verl's logger of that name."""
+    import verl.trainer.ppo.v1.trainer_separate_async as module
+
+    source = inspect.getsource(module.PPOTrainerSeparateAsync._setup)
+    assert "flush=True" in source  # the call the patch is for (verl fixed: retire patches/trainer_separate_async.py)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    verl_logger = logging.getLogger(module.__name__)
+    verl_logger.addHandler(handler)
+    try:
+        module.logger.warning("hybrid replicas disabled: %d standalone replicas only", 1, flush=True)
+    finally:
+        verl_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["hybrid replicas disabled: 1 standalone replicas only"]
