@@ -6,9 +6,10 @@ own, joined with RAY_ADDRESS), verl's unmodified vLLM server code and the plugin
 The runs, in two lanes side by side, each lane on a local Ray cluster of its own (verl's TransferQueue names its
 controller globally: one job per cluster at a time), its runs one after another: dppo_topk_tv sync, its training
 worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); troll sync, then
-dppo_topk_kl separate_async (samples a version old, a request cut by a weight push after generating tokens). After each run: no
-vLLM process of its lane left; after all of them, no /dev/shm segment left (the launcher's watchdog sweeps what the
-killed engines left). Skipped where vLLM's CPU build is not installed.
+dppo_topk_kl separate_async (samples a version old, requests cut by a weight push after generating tokens, resumed
+on the new weights and trained). After each run: no vLLM process of its lane left; after all of them, no /dev/shm
+segment left (the launcher's watchdog sweeps what the killed engines left). Skipped where vLLM's CPU build is not
+installed.
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ VLLM = ("actor_rollout_ref.rollout.name=vllm",)
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20 here); rows
 that never came would log 0. (The runs' models are random-init: nearly flat, so not much more than that.)"""
-CUT = ("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True",
-       "actor_rollout_ref.rollout.max_num_seqs=2", "trainer.v1.separate_async.num_warmup_batches=2",
-       "actor_rollout_ref.hybrid_engine=False")
+CUT = ("data.max_response_length=384", "actor_rollout_ref.rollout.ignore_eos=True",
+       "trainer.v1.separate_async.num_warmup_batches=2", "actor_rollout_ref.hybrid_engine=False")
+"""The separate_async run's settings: 384-token responses without an early end, two warm-up batches, the rollout
+pool alone. Every request decodes at once (vLLM's default max_num_seqs): a batch of 8 takes about 5 s, a step
+on ready samples about 2 s, so every weight push from step 2 on cuts the newest batch with 40-220 tokens, and the
+steps after the 12 warm-up groups train those responses resumed on new weights (spans 2-3). Not max_num_seqs=2:
+with vLLM's waiting queue non-empty, verl's push waits for it to drain (`abort_all_requests` holds the gate until
+every admitted request has its first output, up to 60 s), and a resumed request, resubmitted 1 s after the abort,
+queues behind the next batch: it starts last and is cut again at every push (seen: update_weights 4-8 s, against
+0.15 s here, and no resumed response trained in 4 steps)."""
 LEFT_WAIT_S = 90.0
 """How long after a run its vLLM processes and segments may take to go (Ray ends the job's actors after the driver
 exits; the watchdog then waits for them before it unlinks)."""
@@ -92,11 +100,10 @@ def _lanes() -> list[list[loop.Run]]:
     restart = loop.Run("vllm-topk_tv-restarted", "dppo_topk_tv", steps=3, folder_of=kill.name, via_cli=True,
                        overrides=(*VLLM, "trainer.save_freq=2"))
     troll = loop.Run("vllm-troll", "troll", via_cli=True, overrides=VLLM)
-    # Every weight push must find a response half generated: the rollout the slower side with a backlog (responses
-    # of 192 tokens, no early end, two sequences at a time, two warm-up batches: about 5 s a batch against the
-    # trainer's 1 s), as in the hf rollout's full-loop run. The rollout pool alone serves (hybrid_engine=False: no
-    # second vLLM server on the trainer's device, about 50 s less; verl 0.9.1 needs the plugin's patch to start so).
-    separate = loop.Run("vllm-separate_async-topk_kl", "dppo_topk_kl", trainer_mode="separate_async", steps=4,
+    # Every weight push must find responses half generated, and the last steps must train some resumed (CUT). The
+    # rollout pool alone serves (hybrid_engine=False: no second vLLM server on the trainer's device, about 50 s
+    # less; verl 0.9.1 needs the plugin's patch to start so).
+    separate = loop.Run("vllm-separate_async-topk_kl", "dppo_topk_kl", trainer_mode="separate_async", steps=5,
                         via_cli=True, overrides=(*VLLM, *CUT))
     # Two lanes of about the same length: the vLLM start-up (imports in verl's server actor and in vLLM's engine
     # process) is single-threaded, so two launches side by side share the two cores.
@@ -190,8 +197,9 @@ def test_troll_trains_on_vllm(vllm_runs):
 def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
     """separate_async on vLLM, weights through the ray_store engine, the rollout pool alone (hybrid_engine=False, which
     verl 0.9.1 starts only with the plugin's patch): samples a version or more old; a weight push cut a vLLM request
-    that had generated tokens (the server patch's line, with its count: the rows of those tokens go with them and
-    the agent loop's patch raises on a response whose rows do not match its tokens); the rows' mass at every step."""
+    that had generated tokens (the server patch's line, with its count) and a response resumed on the new weights
+    was trained (verl's trajectory_spans > 1): its rows from before and after the cut reached the loss (the agent
+    loop's patch raises on a response whose rows do not match its tokens); the rows' mass at every step."""
     run = vllm_runs["vllm-separate_async-topk_kl"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
@@ -199,10 +207,8 @@ def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
     assert max(run.values("actor/dppo/lag_mean")) > 0, loop._fail(run, "no stale sample")
     cut = [int(n) for n in re.findall(r"a weight push cut a vLLM request after (\d+) generated tokens", run.log)]
     assert any(n > 0 for n in cut), loop._fail(run, f"no vLLM request cut with tokens: {cut}")
-    # Not checked: a resumed response among the trained ones (verl's trajectory_spans > 1, which the hf rollout's
-    # full-loop run shows). On vLLM a resumed request joins the back of the engine's first-come queue, behind the
-    # backlog, and the trainer takes the groups that complete first: spans stayed 1 over 4-5 steps of two runs (4 at
-    # step 5 of a third, with hybrid replicas). Open in issue 25.
+    spans = run.values("training/off_policy/trajectory_spans/max")
+    assert max(spans) > 1, loop._fail(run, f"no response resumed across a weight push trained: spans {spans}")
     mass = _mass(run, "actor/dppo/")
     assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
     _nothing_left(run)
