@@ -54,3 +54,60 @@ def test_without_the_setting_nothing_changes():
     assert seen["registered"] == "CPUPlatform"  # registered, not selected
     assert seen["device"] != "cpu" or seen["backend"] != "cpu:gloo"
     assert seen["engine_device"] is None
+
+
+PORT_PROBE = r"""
+import json, sys
+import verl  # loads the plugin, which patches the module below on its import
+import verl.single_controller.ray.base as base
+scan = base.get_master_addr_port._function  # verl's own port scan, without Ray
+seen = []
+class _Remote:
+    def options(self, **_):
+        return self
+    def remote(self, master_port_range=None):
+        seen.append(master_port_range)
+        return scan(master_port_range=master_port_range)
+base.get_master_addr_port = _Remote()
+base.ray.get = lambda value: value
+ports = []
+for _ in range(int(sys.argv[1])):
+    group = object.__new__(base.RayWorkerGroup)
+    group._master_addr = group._master_port = None
+    group._get_master_addr_port(pg=None)
+    ports.append(int(group._master_port))
+print(json.dumps({"ranges": seen, "ports": ports}))
+"""
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except OSError:
+        return 32768, 60999
+
+
+def test_a_cpu_run_takes_its_master_ports_outside_the_ephemeral_range():
+    """verl picks a worker group's MASTER_PORT with bind(0) and closes it; rank 0 binds it seconds later. On the CPU
+    platform the plugin hands verl's own scan a range the kernel hands no other socket (an EADDRINUSE seen once with
+    two jobs on one machine). Random starts: two picks differ. Without the platform, verl's pick is unchanged."""
+    from verl_dppo.patches.cpu_resources import MASTER_PORTS
+
+    def run(n, **env):
+        full = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+        full.update(env)
+        out = subprocess.run([sys.executable, "-c", PORT_PROBE, str(n)], capture_output=True, text=True, env=full,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cpu = run(4, VERL_PLATFORM="cpu")
+    low, high = _ephemeral_ports()
+    assert None not in cpu["ranges"], f"verl's bind(0) pick on the CPU platform: {cpu}"
+    for (start, end), port in zip(cpu["ranges"], cpu["ports"]):
+        assert MASTER_PORTS[0] <= start < end == MASTER_PORTS[1] and start <= port < end
+        assert not low <= port <= high and port >= 20000
+    assert len(set(cpu["ports"])) > 1
+    default = run(1)
+    assert default["ranges"] == [None]  # verl's bind(0): a port of the ephemeral range
