@@ -251,6 +251,22 @@ def test_separate_async_launch_counts_the_rollout_pool_gpus(root, capsys):
         assert "trainer.n_gpus_per_node=1 + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = 1" in err
 
 
+@pytest.mark.parametrize("override, resolved", [
+    # a recipe's integer where verl's config dataclass declares a float takes a fraction (issue 34.4)
+    ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff: 0.01"),
+    ("actor_rollout_ref.actor.clip_ratio_c=3.0", "clip_ratio_c: 3.0"),
+    ("actor_rollout_ref.rollout.over_sample_rate=0.1", "over_sample_rate: 0.1"),
+])
+def test_a_number_verl_declares_float_takes_a_fraction(root, capsys, override, resolved):
+    assert main([*DRY, override]) == 0
+    assert resolved in capsys.readouterr().out
+
+
+def test_an_integer_verl_declares_int_refuses_a_fraction(root, capsys):
+    assert_one_line_error(capsys, [*DRY, "actor_rollout_ref.actor.ppo_epochs=1.5"],
+                          "ppo_epochs=1.5: expected an integer like the recipe's value 1")
+
+
 def test_plus_prefixed_overrides_are_accepted_as_in_main_ppo(root, capsys):
     assert main([*DRY, "+actor_rollout_ref.actor.policy_loss.delta_low=0.1"]) == 0
     assert "delta_low: 0.1" in capsys.readouterr().out

@@ -172,13 +172,41 @@ def _check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) 
             new = OmegaConf.select(config, key, throw_on_missing=False)
         except Exception:  # an interpolation that does not resolve: validate_recipe names it
             continue
-        expected = _expected_type(old)
+        expected = _declared_type(baseline, key) or _expected_type(old)
         if expected is None or new is None or _fits(new, expected):
             continue
         raise RecipeError(
             f"{key}={override.split('=', 1)[1]}: expected {expected} like the recipe's value {old!r}, got "
             f"{type(new).__name__} {new!r}"
         )
+
+
+def _declared_type(baseline: Any, key: str) -> Optional[str]:
+    """The type verl's config dataclass declares for `key` (the `_target_` of the node holding it), where it declares
+    a number: a recipe's `entropy_coeff: 0` is an int in YAML, but verl's `ActorConfig.entropy_coeff` is a float, so
+    0.01 is a value the user may give. None where no dataclass declares the key."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from omegaconf import OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    try:
+        node = OmegaConf.select(baseline, parent, throw_on_missing=False) if parent else baseline
+        target = node.get("_target_") if node is not None and hasattr(node, "get") else None
+        module, _, cls_name = str(target).rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name) if target else None
+        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
+    except Exception:  # a _target_ that does not import: verl's own instantiation names it
+        return None
+    declared = hints.get(name)
+    if typing.get_origin(declared) is typing.Union:  # Optional[float]
+        args = [a for a in typing.get_args(declared) if a is not type(None)]
+        declared = args[0] if len(args) == 1 else None
+    if declared is float:
+        return "a number"
+    return None
 
 
 def _expected_type(value: Any) -> Optional[str]:
