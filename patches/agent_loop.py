@@ -34,6 +34,7 @@ would make steps 1-3 unnecessary.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import logging
 from typing import Any, Optional
 
@@ -48,6 +49,8 @@ from verl_dppo.plugin.topk_mode import TOPK_IDS, TOPK_LOGPROBS
 __all__ = [
     "record_turn",
     "trajectory",
+    "sample_identity",
+    "current_sample",
     "align_topk_to_response",
     "patch_agent_loop",
 ]
@@ -76,6 +79,7 @@ class _Trajectory:
         self.sampling_versions: list[int] = []  # `global_steps` of each reply that generated a token
         self.merged_turns = 0  # replies the builder has already merged into the response
         self.layouts: list[tuple[list, list]] = []  # (response_mask, layout) after each builder merge, newest last
+        self.sample: Optional[int] = None  # the sample's identity in the run (sample_identity), for the hf rollout
 
     def generated(self) -> np.ndarray:
         return np.concatenate([t[0] for t in self.turns])
@@ -139,11 +143,36 @@ class _Trajectory:
         )
 
 
+def sample_identity(trajectory_info: Any, kwargs: dict) -> Optional[int]:
+    """A sample's identity in the run, the same on every replica and after a resume: its prompt's dataset index
+    (verl's `trajectory["sample_index"]`), which of the prompt's `rollout.n` samples it is (verl's v1 agent loop
+    passes `session_id`; the legacy one repeats the prompt and counts `rollout_n`), and whether it validates. verl's
+    `priority` is no such identity: the v1 agent loop never sets it (0 for every sample)."""
+    if not isinstance(trajectory_info, dict) or "sample_index" not in trajectory_info:
+        return None
+    index = trajectory_info["sample_index"]
+    index = index.item() if hasattr(index, "item") else index
+    draw = kwargs.get("session_id", trajectory_info.get("rollout_n", 0))
+    draw = draw.item() if hasattr(draw, "item") else draw
+    key = repr((index, draw, bool(trajectory_info.get("validate", False)))).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
+def current_sample() -> Optional[int]:
+    """The identity of the sample whose agent loop runs in this task (None outside an agent loop)."""
+    current = _TRAJECTORY.get()
+    return None if current is None else current.sample
+
+
 class trajectory:  # noqa: N801 (a context manager, used like a function)
     """`with trajectory(): ...` collects the top-K rows of every server call made inside (one agent-loop run)."""
 
+    def __init__(self, sample: Optional[int] = None):
+        self.sample = sample
+
     def __enter__(self) -> _Trajectory:
         self._token = _TRAJECTORY.set(_Trajectory())
+        _TRAJECTORY.get().sample = self.sample
         return _TRAJECTORY.get()
 
     def __exit__(self, *exc):
@@ -219,7 +248,10 @@ def align_topk_to_response(response_ids, response_mask, current: Optional[_Traje
 def patch_agent_loop(module: Any) -> None:
     def make_run(original_run):
         async def _run_agent_loop(self, *args, **kwargs):
-            with trajectory():
+            # verl's signature: (sampling_params, trajectory, *, agent_name, trace, **kwargs); the v1 agent loop
+            # passes `trajectory` by keyword, the legacy one by position.
+            info = kwargs["trajectory"] if "trajectory" in kwargs else (args[1] if len(args) > 1 else None)
+            with trajectory(sample_identity(info, kwargs)):
                 return await original_run(self, *args, **kwargs)
 
         return _run_agent_loop

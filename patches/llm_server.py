@@ -7,8 +7,9 @@ What the wrappers do: `__init__` runs the run-level checks of the DPPO modes (`v
 anchor against bypass mode, how the rollout computes mu) and, for the Top-K modes, copies K =
 `policy_loss.topk` (or the mode's default) into `rollout.custom.dppo_topk` (troll too: it reads the same top-K) (raising vLLM's `max_logprobs` when K > 20) before any server is
 built; `generate` moves each reply's top-K rows out of `extra_fields` into the current trajectory
-(`agent_loop.record_turn`) and, for the hf rollout, hands the server the sample's batch index (verl's `priority`,
-which verl passes to vLLM only) as `verl_dppo_sample`: the hf rollout seeds the sample's draws from it.
+(`agent_loop.record_turn`) and, for the hf rollout, hands the server the sample's identity in the run
+(`agent_loop.sample_identity`: dataset index, which of the prompt's n samples, validation or not) as
+`verl_dppo_sample`: the hf rollout seeds the sample's draws from it.
 Why no extension point: verl 0.9.1 has no driver-side hook that sees the whole config before the servers start,
 and its agent loops do not carry per-token `extra_fields`.
 What would make it unnecessary: a plugin hook on the validated run config, and per-token `extra_fields` kept by the
@@ -22,7 +23,7 @@ from typing import Any, Optional
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
 from verl_dppo.plugin.rollout_fields import raw_logprobs_problem, truncated_sampling_problem
-from verl_dppo.patches.agent_loop import record_turn
+from verl_dppo.patches.agent_loop import current_sample, record_turn
 from verl_dppo.plugin.hf_rollout import NAME as HF_ROLLOUT, SAMPLE_KWARG
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
@@ -111,9 +112,15 @@ def patch_llm_server(module: Any) -> None:
 
     def make_generate(original_generate):
         async def generate(self, *args, **kwargs):
-            if kwargs.get("priority") is not None and self.config.actor_rollout_ref.rollout.name == HF_ROLLOUT:
-                # verl hands a sample's batch index (`priority`) to vLLM only: the hf rollout seeds from it.
-                kwargs[SAMPLE_KWARG] = int(kwargs["priority"])
+            if self.config.actor_rollout_ref.rollout.name == HF_ROLLOUT:
+                # The hf rollout seeds a sample's draws from its identity in the run (dataset index, which of the
+                # prompt's n samples, validation or not): distinct draws for a prompt's samples on any number of
+                # replicas, the same draws after a resume. Outside an agent loop, verl's `priority` if given.
+                sample = current_sample()
+                if sample is None and kwargs.get("priority") is not None:
+                    sample = int(kwargs["priority"])
+                if sample is not None:
+                    kwargs[SAMPLE_KWARG] = sample
             output = await original_generate(self, *args, **kwargs)
             record_turn(output)
             return output

@@ -21,6 +21,8 @@ import torch
 from omegaconf import OmegaConf
 from verl.workers.rollout import llm_server
 
+from verl_dppo.patches import agent_loop
+
 from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS
 from verl_dppo.plugin.hf_rollout.engine import HFRolloutError, parse_sampling_params, sample_next
 from verl_dppo.plugin.hf_rollout.server import HFRolloutServer
@@ -274,6 +276,31 @@ def test_a_sample_draws_the_same_tokens_whatever_order_the_samples_of_its_prompt
     by_arrival = _samples_of_one_prompt(_Client("vllm", servers[2]), [0, 1, 2])
     reversed_arrival = _samples_of_one_prompt(_Client("vllm", servers[3]), [2, 1, 0])
     assert by_arrival[0] == reversed_arrival[2] != reversed_arrival[0]
+
+
+def _sample_on(server, trajectory_info, session_id):
+    """One sample of PROMPTS[0] as verl 0.9.1's v1 agent loop sends it (priority 0 for every sample: its
+    `_run_prompt` never sets one), inside the agent loop's trajectory (the plugin's `_run_agent_loop` patch)."""
+    async def send():
+        with agent_loop.trajectory(agent_loop.sample_identity(trajectory_info, {"session_id": session_id})):
+            return await _Client("hf", server).generate(
+                "r", prompt_ids=PROMPTS[0], priority=0,
+                sampling_params=dict(temperature=1.0, max_tokens=12, ignore_eos=True))
+
+    return asyncio.run(send()).token_ids
+
+
+def test_the_samples_of_a_prompt_differ_on_two_replicas_and_repeat_after_a_restart(model_dir):
+    """Issue 34.1: the n samples of a prompt served by two replicas (each at its first request for that prompt) are
+    distinct draws; a fresh pair of servers (a resumed run) draws the same tokens for the same sample, on either
+    replica. verl's `priority` (0 for every sample of the v1 agent loop) cannot tell them apart."""
+    servers = [make_server(model_dir, topk=None) for _ in range(4)]
+    for server in servers:
+        asyncio.run(server.set_global_steps(3))
+    info = {"step": 3, "sample_index": 7, "rollout_n": 0, "validate": False}
+    first = [_sample_on(servers[0], info, 0), _sample_on(servers[1], info, 1)]
+    again = [_sample_on(servers[3], info, 0), _sample_on(servers[2], info, 1)]  # replicas swapped
+    assert first[0] != first[1] and first == again
 
 
 def test_weights_loaded_change_what_is_sampled(model_dir):

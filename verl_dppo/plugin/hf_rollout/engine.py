@@ -13,11 +13,12 @@ sorted probabilities moved a boundary whenever two near-equal logits swapped ran
 The top-K row of a token (Top-K DPPO, TROLL) is the top-K of the temperature-scaled log-softmax before truncation.
 
 Reproducible: each request draws its noise from its own generator, seeded from the rollout seed, the weight
-version, the sample's index in verl's rollout batch (verl's per-sample `priority`, handed on by the plugin's patch
-of `LLMServerClient.generate`), the prompt, and how many times that (index, prompt) was seen at that version; so a
-run restarted from a checkpoint samples what the uninterrupted run sampled, whatever the order the requests arrive
-in and whatever the batch composition. Without an index (a caller other than verl's agent loop), the n samples of
-a prompt are told apart by their order of arrival.
+version, the sample's identity in the run (its prompt's dataset index, which of the prompt's n samples it is, and
+whether it validates: handed on by the plugin's patch of `LLMServerClient.generate`), the prompt, and how many times
+that (identity, prompt) was seen at that version on this server; so the samples of a prompt are distinct draws on any
+number of replicas, and a run restarted from a checkpoint samples what the uninterrupted run sampled, whatever the
+order the requests arrive in. Without an identity (a caller other than verl's agent loop), the n samples of a prompt
+are told apart by their order of arrival on one server.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ class HFGenerationEngine:
 
     async def generate(self, prompt_ids: list[int], settings: SamplingSettings, request_id: str,
                        topk: Optional[int] = None, sample: Optional[int] = None) -> GenerationResult:
-        """Queue one request; `sample` is its index in the caller's batch (verl's `priority`): with it, its draws
-        do not depend on the order in which the samples of one prompt arrive."""
+        """Queue one request; `sample` is its identity in the run (patches/agent_loop.sample_identity): with it, its
+        draws depend neither on the order in which the samples of one prompt arrive nor on the replica serving it."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise HFRolloutError(
