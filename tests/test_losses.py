@@ -222,3 +222,37 @@ def test_all_combinations_of_sides_are_distinct():
         config = actor_config("grpo_clip", relax_below=0.5, relax_side=side)
         losses.add(round(run_ppo_loss(config, pi, old, adv, rollout=mu)[0], 7))
     assert len(losses) == 3
+
+
+def _bf16_on_policy_case(seed: int = 3, tokens: int = 64, vocab: int = 1000):
+    """One on-policy micro-batch as a bf16 run gives it: the same bf16 logits scored by verl's log-prob path without
+    flash-attn (`logprobs_from_logits_v2`: a bf16 log-softmax, pi) and by the rollout engine (float32 log-softmax of
+    the bf16 logits, mu), confident rows (top logit 10-16 above 1,000 unit-normal others: 1 - p from 2e-4 to 0.07)."""
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(LENS), T, vocab, generator=gen)
+    logits[..., 0] += 10.0 + 6.0 * torch.rand(len(LENS), T, generator=gen)
+    logits = logits.bfloat16()
+    labels = torch.zeros(len(LENS), T, dtype=torch.long)  # the sampled token is the top one
+    pi = logprobs_from_logits_v2(logits, labels)
+    mu = torch.log_softmax(logits.float(), dim=-1)[..., 0]
+    return pi, mu, torch.ones(len(LENS), T)
+
+
+@pytest.mark.parametrize("mode, delta", [("dppo_binary_kl", 0.05), ("dppo_binary_tv", 0.15)])
+def test_bf16_log_probs_on_policy_mask_nothing(mode, delta):
+    """Issue 34.2: on the policy that sampled, a bf16 log-softmax (log pi = 0 exactly where 1 - pi is below bf16's
+    resolution) against the engine's float32 mu is no divergence: nothing is masked and the mismatch KL stays at the
+    rounding's size, as with float32 on both sides. Before, the binary KL read about 87 x (1 - mu) at those tokens."""
+    pi, mu, adv = _bf16_on_policy_case()
+    assert pi.dtype == torch.bfloat16 and int((pi[:, :T] == 0).sum()) > 5  # the rounding this test is about
+    config = actor_config(mode, delta_low=delta, delta_high=delta, ratio_cap=10000.0)
+    *_, metrics = run_ppo_loss(config, pi, mu, adv, rollout=mu)
+    values = {name: m.values[0] if hasattr(m, "values") else m for name, m in metrics.items()}
+    assert values["actor/dppo/masked_frac_pos"] == 0.0, values
+    assert values["actor/dppo/mismatch_kl_mean"] < 1e-3, values
+    # float32 inputs keep the exact divergence: the same pi, given in float32, is taken at its value
+    *_, exact = run_ppo_loss(config, pi.float(), mu, adv, rollout=mu)
+    exact_kl = exact["actor/dppo/mismatch_kl_mean"]
+    assert (exact_kl.values[0] if hasattr(exact_kl, "values") else exact_kl) > 0.05

@@ -19,6 +19,8 @@ __all__ = [
     "binary_kl_floored",
     "floor_logprob",
     "ratio_deviation",
+    "rounding_radius",
+    "within_rounding",
     "log1mexp",
     "MAX_LOG_RATIO",
 ]
@@ -93,6 +95,30 @@ def binary_kl_floored(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, mu_pro
     other_term = one_minus_mu * torch.log(one_minus_mu / one_minus_pi)
     # Rounding can make a true 0 slightly negative; KL is non-negative by definition.
     return sampled_term.add_(other_term).clamp_(min=0.0)
+
+
+def rounding_radius(logprob: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How far from the exact log-prob a value computed in `dtype` may lie: (|log p| + 1) x eps(dtype) for a dtype
+    coarser than float32 (bf16: eps 2^-7), 0 for float32 and float64 (their values are taken as exact).
+
+    Where it comes from: a log-softmax in bf16 (verl's log-prob path without flash-attn's cross entropy:
+    `logprobs_from_logits_v2` on bf16 logits) rounds the sum of exponentials to bf16 before its log, an absolute
+    error up to eps/2 in every log-prob (a top token's 1 - p below about 0.004 reads log p = 0 exactly), and rounds
+    the result relative to |log p|. So the complement 1 - p of a confident token is not resolved below eps.
+    """
+    eps = torch.finfo(dtype).eps
+    if eps <= torch.finfo(torch.float32).eps:
+        return torch.zeros((), dtype=torch.float32, device=logprob.device)
+    return (logprob.detach().float().abs() + 1.0) * eps
+
+
+def within_rounding(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """pi's log-prob moved toward mu's by at most `radius`: the pi nearest mu that the rounding cannot tell from the
+    value given. A divergence of mu and this pi is the least one the inputs resolve: 0 where |log pi - log mu| is
+    within the rounding (bf16 log pi = 0 against log mu = -3e-3 is no evidence of a divergence), the exact value
+    where the radius is 0 (float32 and float64 inputs)."""
+    gap = pi_logprob - mu_logprob
+    return pi_logprob - torch.maximum(torch.minimum(gap, radius), -radius)
 
 
 def ratio_deviation(anchor_logprob: torch.Tensor, pi_logprob: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import verl_dppo.plugin
-from verl_dppo.math.divergence import MAX_LOG_RATIO, binary_kl_floored, floor_logprob
+from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, rounding_radius,
+                                       within_rounding)
 from verl_dppo.math.trust_region import trust_region_blocked
 from verl_dppo.plugin.config import tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
@@ -96,8 +97,11 @@ def dppo_policy_loss(
     if sanitized:
         pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv,
                                                                anchored_on_mu, unusable)
+    # A log-prob computed in bf16 does not resolve a confident token's 1 - p below bf16's eps: the divergences are
+    # measured at the pi nearest mu within the rounding of both (rounding_radius; 0 for float32 inputs).
+    radius = rounding_radius(pi, log_prob.dtype) + rounding_radius(mu, mu_log_prob.dtype)
     tokens = _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-                      anchored_on_mu, hook, unusable)
+                      anchored_on_mu, hook, unusable, radius)
     blocked = trust_region_blocked(adv, tokens.log_ratio_to_anchor, family.divergence(tokens), options.delta_low,
                                    options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
                                    relax_side=options.relax_side)
@@ -166,11 +170,12 @@ def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, r
 
 
 def _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-             anchored_on_mu, hook, unusable) -> Tokens:
-    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads."""
+             anchored_on_mu, hook, unusable, radius) -> Tokens:
+    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads; the binary
+    divergences at the pi nearest mu within `radius` (the inputs' rounding), the ratio at pi as given."""
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
-    mu_floored, pi_floored = floor_logprob(mu), floor_logprob(pi)
+    mu_floored, pi_floored = floor_logprob(mu), floor_logprob(within_rounding(mu, pi, radius))
     mu_prob, pi_prob = torch.exp(mu_floored), torch.exp(pi_floored)
     drop = mu_prob - pi_prob  # mu(a_t) - pi(a_t)
     return Tokens(
