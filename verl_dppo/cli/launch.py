@@ -189,7 +189,7 @@ def _launch(config, ray_address) -> int:
 
         # The local Ray instance ends with this process, even a SIGKILLed one; the shared-memory segments a CPU run's
         # vLLM leaves on this node are unlinked after it (on a cluster of the user's: the segments only).
-        ray_reaper.start(kill=not ray_address)
+        ray_reaper.start(kill=not ray_address, run_id=ray_reaper.mark_run(config))
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     except ConnectionError as error:  # the cluster went away between the check and ray.init

@@ -15,7 +15,7 @@ def register_backends() -> None:
     (`VERL_PLATFORM=cpu`) and its patches (vLLM's CPU build among them), the JSONL log kept across a resume; each registry is filled when verl
     first imports it (nothing heavy now)."""
     from verl_dppo.patches._import_hook import when_imported
-    from verl_dppo.patches.cpu_distributed import patch_distributed
+    from verl_dppo.patches.cpu_distributed import patch_distributed, patch_offload_policy
     from verl_dppo.patches.cpu_resources import patch_resource_check
     from verl_dppo.patches.file_logger import patch_file_logger
     from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch
@@ -28,6 +28,7 @@ def register_backends() -> None:
     when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
     when_imported("verl.checkpoint_engine.base", ray_store_engine.register)
     when_imported("verl.utils.distributed", patch_distributed)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", patch_offload_policy)
     when_imported("verl.single_controller.ray.base", patch_resource_check)
     when_imported("verl.utils.tracking", patch_file_logger)
     # vLLM's CPU build as the `vllm` rollout on the CPU platform (each patch a pass-through elsewhere)
