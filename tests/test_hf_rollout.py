@@ -391,3 +391,75 @@ def test_a_draw_does_not_turn_on_the_last_bits_of_the_logits():
 def test_parse_defaults():
     settings = parse_sampling_params({"temperature": None, "logprobs": True}, 9)
     assert (settings.temperature, settings.top_p, settings.top_k, settings.max_tokens) == (1.0, 1.0, -1, 9)
+
+
+def _push(server, named, **kwargs):
+    """One weight push as the plugin's adapter makes it: the tensors in one bucket, then finish_weight_update."""
+    loaded = asyncio.run(server.load_weights(list(named), **kwargs))
+    asyncio.run(server.finish_weight_update(global_steps=2, loaded=loaded, **kwargs))
+    return loaded
+
+
+def test_lora_pushes_as_verl_makes_them_to_vllm_give_the_adapted_model(model_dir):
+    """Issue 34.3: with model.lora_rank > 0 verl pushes the frozen base once, LoRA-targeted weights under vLLM's
+    LoRA-layer names (`...q_proj.base_layer.weight`, its `replace_lora_wrapper`), then PEFT's adapter tensors with
+    `peft_config` at every push. The hf rollout then generates with base + alpha/r x B @ A: its logits equal the
+    PEFT model's own, and a second adapter push replaces the first (merged onto the base, not onto the last merge)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.save_and_load import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import replace_lora_wrapper
+
+    from verl_dppo.plugin.hf_rollout.weights import lora_settings
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(base, peft_config)
+    server = make_server(model_dir, topk=None)
+    base_names = {name.replace("_fsdp_wrapped_module.", "").replace(".base_layer", ""): tensor
+                  for name, tensor in peft_model.base_model.model.state_dict().items() if "lora_" not in name}
+    config = peft_model.peft_config["default"]
+    pushed = [(replace_lora_wrapper(name, config), tensor) for name, tensor in base_names.items()]
+    assert any(".base_layer." in name for name, _ in pushed)
+    _push(server, pushed)  # base sync: base_sync_done=False, no adapter
+    ids = torch.tensor([PROMPTS[0]])
+    for _ in range(2):
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.add_(0.05 * torch.randn_like(param))
+            expected = peft_model(input_ids=ids).logits
+        adapter = list(get_peft_model_state_dict(peft_model).items())
+        assert all(name.startswith("base_model.model.") and ".lora_" in name for name, _ in adapter)
+        _push(server, adapter, lora=lora_settings(config))
+        with torch.no_grad():
+            got = server.engine.model(input_ids=ids).logits
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    with pytest.raises(ValueError, match="use_dora"):
+        lora_settings(LoraConfig(r=8, lora_alpha=16, use_dora=True))
+
+
+def test_moe_experts_pushed_per_expert_land_in_transformers_fused_tensors(tmp_path):
+    """Issue 34.3: transformers 5 keeps Qwen3-MoE experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+    [E, H, I]); verl's actor exports them per expert for vLLM (`unfuse_moe_params`: `mlp.experts.<e>.gate_proj.
+    weight`). The hf rollout puts each back in its slice: after the push its model's state equals the actor's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=1,
+                            pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    actor = Qwen3MoeForCausalLM(config)
+    exported = list(unfuse_moe_params(actor.state_dict().items(), "qwen3_moe"))
+    assert any(".mlp.experts.3.up_proj.weight" in name for name, _ in exported)
+    server = make_server(tmp_path, topk=None)
+    assert _push(server, exported) == len(exported)
+    state = server.engine.model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in actor.state_dict().items())
+    with pytest.raises(KeyError, match="4 experts"):
+        asyncio.run(server.load_weights([("model.layers.0.mlp.experts.4.gate_proj.weight", exported[0][1])]))

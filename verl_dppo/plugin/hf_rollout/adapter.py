@@ -53,8 +53,16 @@ class HFServerAdapter(BaseRollout):
 
     @torch.no_grad()
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int = None,
-                             wire_format: str = "named_tensors", **kwargs):
+                             wire_format: str = "named_tensors", peft_config: Any = None,
+                             base_sync_done: bool = True, **kwargs):
+        """One weight push, as verl makes it to vLLM: full weights, or with LoRA (model.lora_rank > 0) the frozen
+        base once (`base_sync_done=False`, LoRA-targeted weights named `...base_layer.weight`) and then the
+        adapter's tensors at every push (`peft_config` given), which the server merges (hf_rollout/weights.py)."""
         from verl.workers.rollout.utils import ensure_async_iterator
+
+        from verl_dppo.plugin.hf_rollout.weights import lora_settings
+
+        lora = lora_settings(peft_config) if base_sync_done else None
 
         if wire_format != "named_tensors":
             raise ValueError(f"the hf rollout takes full tensors (wire_format='named_tensors'), got {wire_format!r}: "
@@ -70,13 +78,13 @@ class HFServerAdapter(BaseRollout):
             bucket.append((name, tensor.detach().to("cpu", copy=True)))
             size += tensor.numel() * tensor.element_size()
             if size >= limit:
-                loaded += await server.load_weights.remote(bucket)
+                loaded += await server.load_weights.remote(bucket, lora=lora)
                 bucket, size = [], 0
         if server is None:
             return
         if bucket:
-            loaded += await server.load_weights.remote(bucket)
+            loaded += await server.load_weights.remote(bucket, lora=lora)
         if loaded == 0:
             raise RuntimeError("the weight push to the hf rollout carried no tensors")
-        await server.finish_weight_update.remote(global_steps=global_steps, loaded=loaded)
+        await server.finish_weight_update.remote(global_steps=global_steps, loaded=loaded, lora=lora)
         self.last_update = {"tensors": loaded, "seconds": time.time() - start, "global_steps": global_steps}

@@ -32,6 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from verl_dppo.plugin.hf_rollout.weights import WeightTargets
+
 __all__ = ["SamplingSettings", "GenerationResult", "HFGenerationEngine", "parse_sampling_params",
            "sample_next", "HFRolloutError"]
 
@@ -162,6 +164,7 @@ class HFGenerationEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._scheduler: Optional[asyncio.Task] = None
         self.batch_sizes: list[int] = []  # size of every batch generated, for tests and diagnostics
+        self._weights = WeightTargets(model)
 
     @property
     def device(self) -> torch.device:
@@ -220,26 +223,22 @@ class HFGenerationEngine:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    async def load_weights(self, named_tensors, version: Optional[int] = None) -> int:
-        """Copy (name, tensor) pairs into the model (names as the actor exports them: Hugging Face names).
-        Returns how many tensors were loaded; an unknown name raises."""
+    async def load_weights(self, named_tensors, version: Optional[int] = None, lora: Optional[dict] = None) -> int:
+        """Copy (name, tensor) pairs into the model, in the names vLLM takes (Hugging Face names, LoRA's base-layer
+        names, per-expert MoE names: `weights.WeightTargets`); `lora` marks an adapter sync's tensors, merged at
+        `finish_weights`. Returns how many tensors were taken; an unknown name raises."""
         self._bind_loop()
         async with self._model_lock:
-            state = self.model.state_dict()
-            count = 0
-            with torch.no_grad():
-                for name, tensor in named_tensors:
-                    target = state.get(name)
-                    if target is None:
-                        raise KeyError(f"the actor pushed weight {name!r}, which the hf rollout's model does not have")
-                    if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(f"weight {name}: pushed shape {tuple(tensor.shape)}, model has "
-                                         f"{tuple(target.shape)}")
-                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-                    count += 1
+            count = self._weights.load(named_tensors, lora)
             if version is not None:
                 self.set_version(version)
             return count
+
+    async def finish_weights(self, lora: Optional[dict] = None) -> int:
+        """The push is complete: merge an adapter sync's LoRA tensors into the weights; returns how many merged."""
+        self._bind_loop()
+        async with self._model_lock:
+            return self._weights.finish(lora)
 
     def set_version(self, version: Optional[int]) -> None:
         if version != self.version:

@@ -134,14 +134,18 @@ class HFRolloutServer:
 
     # ---------------------------------------------------------------------------------------------- weights
 
-    async def load_weights(self, named_tensors: list) -> int:
-        """One bucket of the weight push: (name, tensor) pairs in Hugging Face names."""
-        return await self.engine.load_weights(named_tensors)
+    async def load_weights(self, named_tensors: list, lora: Optional[dict] = None) -> int:
+        """One bucket of the weight push: (name, tensor) pairs in the names vLLM takes; `lora` (an adapter sync's
+        settings, `weights.lora_settings`) marks PEFT adapter tensors."""
+        return await self.engine.load_weights(named_tensors, lora=lora)
 
-    async def finish_weight_update(self, global_steps: Optional[int] = None, loaded: int = 0):
+    async def finish_weight_update(self, global_steps: Optional[int] = None, loaded: int = 0,
+                                   lora: Optional[dict] = None):
+        merged = await self.engine.finish_weights(lora)
         if global_steps is not None:
             await self.set_global_steps(global_steps)
-        logger.info("hf rollout %s: %d weight tensors loaded (version %s)", self.replica_rank, loaded, global_steps)
+        logger.info("hf rollout %s: %d weight tensors loaded%s (version %s)", self.replica_rank, loaded,
+                    f", LoRA merged into {merged} weights" if merged else "", global_steps)
 
     async def get_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights as the server generates with them (for checks of the weight push)."""
