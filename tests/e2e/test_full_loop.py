@@ -146,6 +146,8 @@ class Run:
     defaults: bool = False
     """cpu_tiny's own settings, as a user's `verl-dppo run cpu_tiny --method M` trains: only the run's folders set
     (checkpoints, JSONL log). The other runs set the suite's reward, lr and model, and one update per step."""
+    warm_model: bool = False
+    """cpu_tiny's warm-started model (peaked rows, as a real model's) instead of the suite's random-init one."""
     via_cli: bool = False
     """Launched as a user launches it, `verl-dppo run cpu_tiny --method M OVERRIDES` (the console script: its own
     composition, checks, asset build and Ray launch), instead of main_ppo on a YAML composed here."""
@@ -197,7 +199,7 @@ def compose(run: Run, root: Path) -> Path:
         # fp32 on both sides: the weight-sync check measures the sync, not bf16 rounding.
         "actor_rollout_ref.rollout.dtype=float32",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        *(() if run.name == f"sync-{ROWS_MODE}" else RANDOM_MODEL),
+        *(() if run.name == f"sync-{ROWS_MODE}" or run.warm_model else RANDOM_MODEL),
         *run.overrides,
     ]
     if run.via_cli:  # the same overrides, with the two runtime-env settings set below as overrides too
@@ -257,10 +259,11 @@ def past_step(run: Run, step: int) -> bool:
 
 
 def worker_pid(log_path: Path) -> int:
-    """The pid of the run's training worker, from Ray's log prefix "(WorkerDict pid=N)"."""
+    """The pid of one of the run's training workers (the lowest: one rank of several), from Ray's log prefix
+    "(WorkerDict pid=N)"."""
     pids = set(re.findall(r"\(WorkerDict pid=(\d+)\)", log_path.read_text(errors="replace")))
-    assert len(pids) == 1, f"expected one WorkerDict process in {log_path}, found {sorted(pids)}"
-    return int(pids.pop())
+    assert pids, f"no WorkerDict process in {log_path}"
+    return min(int(pid) for pid in pids)
 
 
 def execute(run: Run, address: str) -> Run:

@@ -39,6 +39,8 @@ pytestmark = [
 ]
 
 VLLM = ("actor_rollout_ref.rollout.name=vllm",)
+LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.model.target_modules=all-linear")
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20 here); rows
 that never came would log 0. (The runs' models are random-init: nearly flat, so not much more than that.)"""
@@ -99,7 +101,8 @@ def _lanes() -> list[list[loop.Run]]:
                     overrides=(*VLLM, "trainer.save_freq=2"))
     restart = loop.Run("vllm-topk_tv-restarted", "dppo_topk_tv", steps=3, folder_of=kill.name, via_cli=True,
                        overrides=(*VLLM, "trainer.save_freq=2"))
-    troll = loop.Run("vllm-troll", "troll", via_cli=True, overrides=VLLM)
+    # With LoRA (issue 34.3, a cluster run's shape): vLLM serves the adapter verl pushes at every step.
+    troll = loop.Run("vllm-troll", "troll", via_cli=True, overrides=(*VLLM, *LORA))
     # Every weight push must find responses half generated, and the last steps must train some resumed (CUT). The
     # rollout pool alone serves (hybrid_engine=False: no second vLLM server on the trainer's device, about 50 s
     # less; verl 0.9.1 needs the plugin's patch to start so).
@@ -184,10 +187,16 @@ def test_topk_tv_trains_on_vllm_is_killed_and_resumes(vllm_runs):
     _nothing_left(restarted)
 
 
-def test_troll_trains_on_vllm(vllm_runs):
+def test_troll_trains_on_vllm_with_lora(vllm_runs):
+    """troll with a LoRA adapter (rank 8, all-linear) on vLLM: vLLM's log-probs are the adapted actor's to float
+    rounding at every step (fp32, one update per step), the rows' mass at every step."""
     run = vllm_runs["vllm-troll"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
+    assert "lora_train_meta.json" in {p.name for p in (run.folder / "checkpoints").rglob("*")}, loop._fail(
+        run, "the checkpoint holds no LoRA adapter")
+    mismatch = run.values("actor/dppo/mismatch_tv_mean")
+    assert all(0 < m < 1e-4 for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
     mass = _mass(run, "actor/troll/")
     assert all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
     assert min(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")

@@ -70,6 +70,9 @@ class TinyModel:
     max_position_embeddings: int = 2048
     seed: int = 0
     tie_word_embeddings: bool = False
+    num_experts: int = 0  # > 0: a Qwen3-MoE (transformers' Qwen3MoeForCausalLM) with this many experts per layer
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
     @classmethod
     def from_config(cls, node: Any) -> "TinyModel":
@@ -288,30 +291,38 @@ def _write_model(directory: Path, spec: TinyModel, warmup: Any) -> str:
     """The model, warm-started (`warmup`: a cpu_tiny_warmup.WarmUp), and its tokenizer; returns what was built, one
     line with "{at}" for where it will be."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     tokenizer = _tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(directory)
     im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen3Config(
+    settings = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=None, eos_token_id=im_end, pad_token_id=pad,
     )
+    if spec.num_experts > 0:  # every layer sparse, as Qwen3-30B-A3B's
+        config = Qwen3MoeConfig(**settings, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                                moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1)
+        architecture = Qwen3MoeForCausalLM
+    else:
+        config, architecture = Qwen3Config(**settings), Qwen3ForCausalLM
     with torch.random.fork_rng():  # leave the caller's random state alone
         torch.manual_seed(spec.seed)
-        model = Qwen3ForCausalLM(config)
+        model = architecture(config)
     # Its own draws of the problems: the run's data set is another draw of the same kind.
     done = warm_up(model, tokenizer, synthetic_problems(warmup.train_problems, 1000 + spec.seed),
                    synthetic_problems(warmup.probe_problems, 2000 + spec.seed), warmup, spec.seed)
     model.save_pretrained(directory)
     GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, bos_token_id=None).save_pretrained(directory)
     size = f"{sum(parameter.numel() for parameter in model.parameters()):,} parameters"
+    name = f"Qwen3-MoE of {spec.num_experts} experts" if spec.num_experts > 0 else "Qwen3"
     if not done.steps:
-        return f"built a random-init Qwen3 ({size}) and its tokenizer at {{at}}"
-    return (f"built a Qwen3 ({size}) and its tokenizer at {{at}}: random init, then {done.steps} supervised steps "
+        return f"built a random-init {name} ({size}) and its tokenizer at {{at}}"
+    return (f"built a {name} ({size}) and its tokenizer at {{at}}: random init, then {done.steps} supervised steps "
             f"to a sampled GSM8K reward of {done.reward:.2f} on problems it did not train on ({done.seconds:.0f} s)")
 
 
