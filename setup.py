@@ -6,6 +6,8 @@ setup(
     description="DPPO (Divergence Proximal Policy Optimization) for verl: a plugin loaded by `import verl`",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",  # verl's license; the full text in LICENSE
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     # recipes/ (Hydra configs) and patches/ (the runtime patches of verl) live at the top of the checkout and
     # install inside the package, as verl_dppo.recipes and verl_dppo.patches.

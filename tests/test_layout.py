@@ -165,3 +165,15 @@ def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith(str(target)), lines
     assert "dppo_binary_tv" in lines[1] and "dppo_topk_kl" in lines[1] and lines[2] == "True"
+
+
+def test_the_package_declares_its_license_and_ships_the_text():
+    """Issue 32.1: Apache-2.0 (verl's own license), declared in the installed package's metadata and shipped whole."""
+    import importlib.metadata
+    from pathlib import Path
+
+    metadata = importlib.metadata.metadata("verl-dppo")
+    assert "Apache-2.0" in (metadata.get("License-Expression"), metadata.get("License"))
+    assert "LICENSE" in (metadata.get_all("License-File") or [])
+    text = (Path(__file__).resolve().parent.parent / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
