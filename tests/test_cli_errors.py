@@ -262,6 +262,15 @@ def test_a_number_verl_declares_float_takes_a_fraction(root, capsys, override, r
     assert resolved in capsys.readouterr().out
 
 
+def test_ulysses_sequence_parallelism_without_flash_attention_is_refused(root, capsys):
+    """Issue 34: verl 0.9.1's Ulysses SP exchanges the slices around flash-attention only; with sdpa (the CPU's) each
+    rank would attend within its own slice. Refused, naming both settings; with flash-attention (the recipes') it runs."""
+    sp2 = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
+    assert_one_line_error(capsys, [*DRY, sp2, "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"],
+                          "ulysses_sequence_parallel_size=2", "attn_implementation=sdpa", "flash-attention")
+    assert main([*DRY, sp2]) == 0
+
+
 def test_an_integer_verl_declares_int_refuses_a_fraction(root, capsys):
     assert_one_line_error(capsys, [*DRY, "actor_rollout_ref.actor.ppo_epochs=1.5"],
                           "ppo_epochs=1.5: expected an integer like the recipe's value 1")

@@ -108,6 +108,34 @@ def _check_separate_async(config: Any) -> list[str]:
     return []
 
 
+FLASH_ATTENTIONS = ("flash_attention_2", "flash_attention_3")
+"""What verl 0.9.1's Ulysses sequence parallelism works with: `apply_monkey_patch` swaps its all-to-all in around
+transformers' `_flash_attention_forward` only (verl/models/transformers/monkey_patch.py:544-552)."""
+
+
+def _check_ulysses_attention(config: Any) -> None:
+    """Ulysses SP > 1 with an attention other than flash-attention (any loss mode): each rank would attend within its
+    own slice of the packed sequences only, and score the tokens after a slice boundary without their context. Seen
+    on cpu_tiny (sdpa, SP=2 over two ranks): now and then one token at |pi - mu| = 0.33 on the policy that sampled,
+    as the order of the samples put a sequence across the boundary."""
+    arr = config.actor_rollout_ref
+    model = arr.get("model", None) or {}
+    attention = (model.get("override_config", None) or {}).get("attn_implementation", None) or "flash_attention_2"
+    if str(attention) in FLASH_ATTENTIONS:
+        return
+    for role in ("actor", "ref"):
+        node = arr.get(role, None) or {}
+        if str(node.get("strategy", "fsdp")).startswith("fsdp") and int(node.get("ulysses_sequence_parallel_size", 1) or 1) > 1:
+            raise RunConfigError(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={node.ulysses_sequence_parallel_size} with "
+                f"actor_rollout_ref.model.override_config.attn_implementation={attention}: verl 0.9.1's Ulysses "
+                "sequence parallelism exchanges the sequence slices around flash-attention's forward only, so with "
+                f"{attention} each rank would attend within its own slice and score the tokens after a slice boundary "
+                "without their context. Use flash_attention_2 (a GPU with flash-attn) or "
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1."
+            )
+
+
 def _log_once(warnings: list[str]) -> None:
     for warning in warnings:
         warn_once(warning, "%s", warning)
@@ -130,6 +158,7 @@ def check_run_config(config: Any) -> list[str]:
             "old_log_probs from the rollout's log-probs, which it does not compute: set "
             "actor_rollout_ref.rollout.calculate_log_probs=True."
         )
+    _check_ulysses_attention(config)
     mode = _dppo_mode(config)
     if mode is None:
         _log_once(warnings)
