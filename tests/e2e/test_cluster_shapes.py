@@ -131,12 +131,12 @@ def _groups(run: loop.Run) -> dict[int, list[list[str]]]:
     return found
 
 
-def _parts(run: loop.Run) -> list[dict]:
-    """The probe's records, one per mini-batch (one per step here), in the order the worker wrote them."""
-    files = list((run.folder / "parts").glob("*.jsonl"))
-    assert len(files) == 1, loop._fail(run, f"expected the parts of one worker (the one verl returns the metrics "
-                                            f"from), found {len(files)} files")
-    return [json.loads(line) for line in files[0].read_text().splitlines()]
+def _parts(run: loop.Run) -> list[list[dict]]:
+    """The probe's records, one list per worker that aggregated (each rank gathers the metrics of both), one record
+    per mini-batch (one per step here) in the order the worker wrote them."""
+    files = sorted((run.folder / "parts").glob("*.jsonl"))
+    assert files, loop._fail(run, "no worker recorded the parts of its ratio metrics")
+    return [[json.loads(line) for line in path.read_text().splitlines()] for path in files]
 
 
 @pytest.mark.parametrize("method", list(FAMILIES))
@@ -177,10 +177,11 @@ def test_two_ranks_metrics_are_exact_over_the_ranks(shape_runs, method):
     (recorded in the worker that gathers them), not verl's mean of the per-rank means."""
     run = shape_runs[FAMILIES[method]]
     loop.finished(run, run.steps)
-    records = _parts(run)
-    assert len(records) == run.steps, loop._fail(run, f"{len(records)} mini-batch records for {run.steps} steps")
+    workers = _parts(run)
     compared = 0
-    for step, record in enumerate(records, start=1):
+    for records in workers:
+        assert len(records) == run.steps, loop._fail(run, f"{len(records)} mini-batch records for {run.steps} steps")
+    for step, record in ((step, record) for records in workers for step, record in enumerate(records, start=1)):
         logged = run.metrics(step)
         assert record, loop._fail(run, f"step {step}: no ratio metric reached the aggregation")
         for name, entry in record.items():
@@ -193,7 +194,7 @@ def test_two_ranks_metrics_are_exact_over_the_ranks(shape_runs, method):
             if name in logged:
                 assert logged[name] == pytest.approx(exact, abs=1e-9), (step, name, logged[name], exact)
                 compared += 1
-    assert compared >= 2 * run.steps, compared
+    assert compared >= 2 * run.steps * len(workers), compared
 
 
 def test_lora_on_the_hf_rollout_samples_from_the_adapted_policy(shape_runs):
@@ -202,7 +203,9 @@ def test_lora_on_the_hf_rollout_samples_from_the_adapted_policy(shape_runs):
     adapter not merged (or merged onto the last merge) would break by the update's size."""
     run = shape_runs["shape-lora-hf"]
     loop.finished(run, run.steps)
-    assert "LoRA merged into" in run.log, loop._fail(run, "no adapter sync reached the hf rollout")
+    assert "hf rollout: LoRA adapter merged into" in run.log, loop._fail(run, "no adapter sync reached the hf rollout")
+    assert any(p.name == "lora_train_meta.json" for p in (run.folder / "checkpoints").rglob("*")), loop._fail(
+        run, "the checkpoint holds no LoRA adapter")
     mismatch = run.values("actor/dppo/mismatch_tv_mean")
     assert all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
     # the suite's reward on the random-init model: every step updates the adapter, which the next step samples with
@@ -219,7 +222,7 @@ def test_moe_on_the_hf_rollout_samples_from_the_trained_experts(shape_runs):
     assert all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
     assert min(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
     config = json.loads((run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random" / "config.json").read_text())
-    assert config["num_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
+    assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
 
 
 def test_two_ranks_killed_and_resumed(shape_runs):

@@ -233,7 +233,14 @@ def inherited_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> 
     if not options.sources or not str(loss_mode).startswith("dppo_"):
         return None
     delta = PAPER_DELTA["kl" if str(loss_mode).endswith("_kl") else "tv"]
-    return (f"{loss_mode}: {' '.join(options.sources)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
+    def is_paper(source: str) -> bool:
+        key, value = source.split("=", 1)
+        return float(value) >= 10000.0 if key == "clip_ratio_c" else math.isclose(float(value), delta)
+
+    off = [source for source in options.sources if not is_paper(source)]
+    if not off:  # inherited, but the paper's values (the recipes put the cap in clip_ratio_c)
+        return None
+    return (f"{loss_mode}: {' '.join(off)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
             f"the paper's settings (delta {delta:g} both sides, no cap: ratio_cap 10000): set them with "
             "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
             f"+actor_rollout_ref.actor.policy_loss.delta_low={delta:g} "

@@ -142,6 +142,11 @@ class HFRolloutServer:
     async def finish_weight_update(self, global_steps: Optional[int] = None, loaded: int = 0,
                                    lora: Optional[dict] = None):
         merged = await self.engine.finish_weights(lora)
+        if merged:
+            from verl_dppo.plugin.log_once import warn_once
+
+            warn_once("hf lora", "verl-dppo hf rollout: LoRA adapter merged into %d weights (base + %g x B @ A) at "
+                      "every weight push", merged, lora["scaling"])
         if global_steps is not None:
             await self.set_global_steps(global_steps)
         logger.info("hf rollout %s: %d weight tensors loaded%s (version %s)", self.replica_rank, loaded,
