@@ -449,3 +449,29 @@ def test_the_readme_from_grpo_switch_is_the_one_tested():
     block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
     for line in FROM_GRPO:
         assert f"  {line} \\" in block, line
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    # verl's own loss mode given as a method: the plugin's method of the same rule (issue 32.5)
+    (["run", "cpu_tiny", "--method", "dppo_tv", "--dry-run"], ["Did you mean 'dppo_binary_tv'", "verl's loss mode"]),
+    # a typo in a DPPOLossConfig key: the field it is close to
+    (["run", "cpu_tiny", "--method", "dppo_binary_tv", "+actor_rollout_ref.actor.policy_loss.delta_hi=0.1",
+      "--dry-run"], ["'delta_hi'", "Did you mean actor_rollout_ref.actor.policy_loss.delta_high?"]),
+    # a plugin key under verl's PolicyLossConfig: the _target_ switch
+    (["run", "cpu_tiny", "--method", "dppo_binary_tv",
+      "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig", "--dry-run"],
+     ["PolicyLossConfig", "_target_=verl_dppo.DPPOLossConfig"]),
+])
+def test_near_misses_name_the_fix(tmp_path, monkeypatch, capsys, argv, fragments):
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    assert_one_line_error(capsys, argv, *fragments)
+
+
+def test_an_unwritable_dppo_root_is_named_by_the_dry_run_and_the_launch(monkeypatch, capsys):
+    """DPPO_ROOT=/proc/nope: the dry run warns, the launch refuses before building anything, naming DPPO_ROOT."""
+    monkeypatch.setenv("DPPO_ROOT", "/proc/nope")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["run", "cpu_tiny", "--method", "dppo_binary_tv", "--dry-run"]) == 0
+    assert "DPPO_ROOT=/proc/nope: cannot create /proc/nope/checkpoints" in capsys.readouterr().err
+    assert_one_line_error(capsys, ["run", "cpu_tiny", "--method", "dppo_binary_tv"], "DPPO_ROOT=/proc/nope",
+                          "set DPPO_ROOT to a writable folder")

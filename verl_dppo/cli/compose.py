@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_dppo.cli.preflight import check_launch_site, check_paths  # noqa: F401  (part of this module's API)
+from verl_dppo.cli.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.cli.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
     GROUPS,
@@ -38,6 +38,7 @@ __all__ = [
     "RecipeInfo",
     "check_launch_site",
     "check_paths",
+    "check_writable",
     "compose_recipe",
     "list_recipes",
     "recipes_dir",
@@ -156,6 +157,27 @@ def _key_hint(message: str, baseline: Any) -> str:
     close = [path for path in paths if path.endswith("." + key)][:3]
     close = close or difflib.get_close_matches(key, paths, n=3, cutoff=0.75)
     return f" Did you mean {' or '.join(close)}?" if close else ""
+
+
+def _field_hint(message: str) -> str:
+    """For a config class refusing a key ("X.__init__() got an unexpected keyword argument 'k'"): the plugin's
+    DPPOLossConfig field it is close to, or the `_target_` switch a plugin key needs under verl's PolicyLossConfig."""
+    import dataclasses
+    import difflib
+    import re
+
+    from verl_dppo.plugin.config import DPPOLossConfig
+
+    match = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", message)
+    if not match:
+        return ""
+    cls, key = match.groups()
+    ours = sorted({f.name for f in dataclasses.fields(DPPOLossConfig)})
+    if cls == "PolicyLossConfig" and key in ours:
+        return (f". {key} is an option of the plugin's config class: add "
+                "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
+    close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
+    return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
 
 
 def _check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
@@ -315,7 +337,7 @@ def validate_recipe(config: Any) -> None:
                 raise RecipeError(
                     f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
                 ) from None
-            raise RecipeError(f"verl rejects the config ({name}): {text}") from None
+            raise RecipeError(f"verl rejects the config ({name}): {text}{_field_hint(text)}") from None
     if not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
         raise RecipeError(
             "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "

@@ -79,6 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_launch_site,
         check_length,
         check_paths,
+        check_writable,
         check_supported,
         compose_recipe,
         resolved_yaml,
@@ -107,10 +108,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             validate_recipe(config)
         pin_file_logger(config)  # the JSONL log under $DPPO_ROOT/logs, not in a Ray actor's working directory
         site = check_launch_site(config, ray_address)
+        unwritable = check_writable(config)
         # cpu_tiny builds its model and data at launch, once (not in a dry run, nor for a run that cannot start)
-        tiny_pending = builds_assets(config) and (args.dry_run or bool(site))
+        tiny_pending = builds_assets(config) and (args.dry_run or bool(site) or bool(unwritable))
         built = build_assets(config) if builds_assets(config) and not tiny_pending else []
-        problems = check_supported(config) + ([] if tiny_pending else check_paths(config))
+        problems = check_supported(config) + unwritable + ([] if tiny_pending else check_paths(config))
     except UsageError as error:
         return _print_error(str(error))
     from verl_dppo.cli.run_record import clash_warning

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["check_launch_site", "check_paths"]
+__all__ = ["check_launch_site", "check_paths", "check_writable"]
 
 
 def _as_list(value: Any) -> list[str]:
@@ -20,6 +20,34 @@ def _as_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(item) for item in value]
+
+
+def check_writable(config: Any) -> list[str]:
+    """The folders a run writes (checkpoints; with cpu_tiny, its model and data): each must be creatable. A folder
+    that does not exist yet is tried in its nearest existing parent (a temporary folder, removed at once). The
+    problem names DPPO_ROOT when the folder lies under it."""
+    import tempfile
+
+    root = str(config.dppo.get("root", "")) if config.get("dppo") is not None else ""
+    folders = [str(config.trainer.default_local_dir)]
+    if config.get("dppo") is not None and config.dppo.get("tiny_model") is not None:
+        folders += [str(config.dppo.model_dir), str(config.dppo.data_dir)]
+    problems = []
+    for folder in folders:
+        parent = Path(folder)
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        try:
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is not a folder")
+            probe = tempfile.mkdtemp(prefix=".verl-dppo-probe-", dir=parent)
+            os.rmdir(probe)
+        except OSError as error:
+            where = f"DPPO_ROOT={root}: " if root and folder.startswith(root) else ""
+            problems.append(f"{where}cannot create {folder} ({error.strerror or error}): set DPPO_ROOT to a "
+                            "writable folder" if where else f"cannot create {folder} ({error.strerror or error})")
+            break
+    return problems
 
 
 def check_paths(config: Any) -> list[str]:

@@ -114,6 +114,10 @@ def _whole_division(numerator: Any, denominator: Any) -> int:
     return numerator // denominator
 
 
+VERL_LOSS_NAMES = {"dppo_tv": "dppo_binary_tv", "dppo_kl": "dppo_binary_kl", "vanilla": "grpo_clip_higher"}
+"""verl 0.9.1's own loss modes, given as a method: the plugin's method that trains the same rule."""
+
+
 def check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
     from verl_dppo.cli.user_recipes import user_names
 
@@ -126,8 +130,11 @@ def check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
     if name not in names:
         import difflib
 
-        close = difflib.get_close_matches(name, names, n=1)
+        close = [VERL_LOSS_NAMES[name]] if group == "method" and name in VERL_LOSS_NAMES else \
+            difflib.get_close_matches(name, names, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
+        if group == "method" and name in VERL_LOSS_NAMES:
+            hint += f" (verl's loss mode {name} is the plugin's {VERL_LOSS_NAMES[name]})"
         raise RecipeError(
             f"unknown {group} {name!r}.{hint} Choose one of: {', '.join(names)} (`verl-dppo recipes` lists them "
             "with the paper figure each reproduces; --config-dir DIR adds DIR/setup/*.yaml, DIR/method/*.yaml)."
