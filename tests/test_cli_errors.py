@@ -475,3 +475,16 @@ def test_an_unwritable_dppo_root_is_named_by_the_dry_run_and_the_launch(monkeypa
     assert "DPPO_ROOT=/proc/nope: cannot create /proc/nope/checkpoints" in capsys.readouterr().err
     assert_one_line_error(capsys, ["run", "cpu_tiny", "--method", "dppo_binary_tv"], "DPPO_ROOT=/proc/nope",
                           "set DPPO_ROOT to a writable folder")
+
+
+def test_a_method_run_with_another_loss_mode_is_named_after_both(root, capsys):
+    """Issue 32.5: `--method grpo_clip_higher ...loss_mode=dppo_binary_tv` trains DPPO: its experiment (checkpoints,
+    log) and the console say so, not grpo_clip_higher alone; a name the user gives is kept."""
+    switch = "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv"
+    assert main(["run", "dense_8b", "--method", "grpo_clip_higher", switch, "--dry-run"]) == 0
+    assert "experiment_name: dense_8b-grpo_clip_higher+dppo_binary_tv\n" in capsys.readouterr().out
+    assert main(["run", "dense_8b", "--method", "grpo_clip_higher", switch, "trainer.experiment_name=mine",
+                 "--dry-run"]) == 0
+    assert "experiment_name: mine\n" in capsys.readouterr().out
+    assert main(["run", "dense_8b", "--method", "dppo_binary_tv", "--dry-run"]) == 0
+    assert "experiment_name: dense_8b-dppo_binary_tv\n" in capsys.readouterr().out

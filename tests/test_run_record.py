@@ -86,7 +86,11 @@ def run_warnings(capsys, argv):
 
 
 def test_the_readme_comparison_warns_on_one_shared_name_and_not_with_its_own(first_run, capsys):
-    (line,) = run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV])
+    # the comparison with verl's dppo_tv is named after both (sanity_1p5b-dppo_binary_tv+dppo_tv): nothing shared
+    assert run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV]) == []
+    # given the first run's name, it would resume that run: warned, naming both
+    (line,) = run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV,
+                                    "trainer.experiment_name=sanity_1p5b-dppo_binary_tv"])
     assert line.startswith("verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode sync, "
                            "loss_mode dppo_tv)")
     assert ("would resume step 50 of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "

@@ -107,7 +107,21 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     except RecipeError as error:
         raise RecipeError(str(error) + _key_hint(str(error), baseline)) from None
     _check_override_types(baseline, config, overrides)
+    _label_loss_mode(baseline, config, method, overrides)
     return config
+
+
+def _label_loss_mode(baseline: Any, config: Any, method: str, overrides: Sequence[str]) -> None:
+    """A loss_mode override that is not the method's own: the run is named and announced "<method>+<loss_mode>"
+    (unless the user named it), so that a grpo_clip_higher run switched to dppo_binary_tv does not pass for GRPO."""
+    from omegaconf import OmegaConf, open_dict
+
+    key = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    before, after = (OmegaConf.select(c, key, default=None) for c in (baseline, config))
+    named = any(o.lstrip("+").startswith(("dppo.run_label=", "trainer.experiment_name=")) for o in overrides)
+    if before != after and not named and config.get("dppo") is not None:
+        with open_dict(config.dppo):
+            config.dppo.run_label = f"{method}+{after}"
 
 
 def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:

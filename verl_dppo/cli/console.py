@@ -87,7 +87,7 @@ def summary_line(config: Any) -> str:
     total = int(config.trainer.total_training_steps or 0)
     done = f"{steps} of {total} steps" if steps is not None and total else f"{total} steps"
     checkpoints = checkpoint_dir(config)
-    parts = [f"verl-dppo: done, {done} of {config.dppo.setup} + {config.dppo.method}"]
+    parts = [f"verl-dppo: done, {done} of {config.dppo.setup} + {config.dppo.get('run_label', config.dppo.method)}"]
     if log:
         parts.append(f"log {log}")
     parts.append(f"checkpoints {checkpoints}")

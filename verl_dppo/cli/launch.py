@@ -182,7 +182,7 @@ def _launch(config, ray_address) -> int:
     for problem in write_records(config) + quiet_launch(config):
         print(f"verl-dppo: warning: {problem}", file=sys.stderr)
     print(
-        f"verl-dppo: launching {config.dppo.setup} + {config.dppo.method} ({config.trainer.nnodes} node(s) x "
+        f"verl-dppo: launching {config.dppo.setup} + {config.dppo.get('run_label', config.dppo.method)} ({config.trainer.nnodes} node(s) x "
         f"{config.trainer.n_gpus_per_node} GPU(s)) on "
         + (f"the Ray cluster at RAY_ADDRESS={ray_address}" if ray_address else "a new local Ray instance"),
         file=sys.stderr,
