@@ -166,7 +166,11 @@ def test_run_pins_verl_file_logger_under_dppo_root_and_plot_finds_it_by_name(tmp
 
     assert main(["plot", "dense_8b-dppo_binary_tv", "-o", str(tmp_path / "by_name.png")]) == 0
     assert main(["plot", "verl-dppo/dense_8b-dppo_binary_tv", "-o", str(tmp_path / "by_project.png")]) == 0
+    capsys.readouterr()
     assert main(["plot", "--latest", "-o", str(tmp_path / "latest.png")]) == 0
+    # which run --latest drew (issue 32.5)
+    err = capsys.readouterr().err
+    assert "verl-dppo plot: --latest draws " in err and "dense_8b-dppo_binary_tv.jsonl" in err, err
     for name in ("by_name", "by_project", "latest"):
         assert_png(tmp_path / f"{name}.png")
     capsys.readouterr()
@@ -347,6 +351,8 @@ def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_step
     dppo = write_family_log(tmp_path / "cpu_tiny-dppo_binary_tv-sync.jsonl", "dppo_binary_tv")
     figure = drawn_figure(monkeypatch, [str(dppo), str(troll), "-o", str(tmp_path / "both.png")])
     drawn = panels(figure)
+    # the blocked fraction the README quotes, for the DPPO run only (issue 32.5)
+    assert [label for label, _, _ in drawn["actor/pg_clipfrac"]] == ["cpu_tiny-dppo_binary_tv-sync"]
     assert [label for label, _, _ in drawn["actor/dppo/masked_frac_pos"]] == ["cpu_tiny-dppo_binary_tv-sync"]
     assert [label for label, _, _ in drawn["actor/troll/projected_frac"]] == ["cpu_tiny-troll-sync"]
     assert drawn["critic/score/mean"] == [("cpu_tiny-dppo_binary_tv-sync", METHOD_COLORS["dppo_binary_tv"], "-"),

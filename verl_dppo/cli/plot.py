@@ -20,18 +20,22 @@ from verl_dppo.cli.errors import UsageError
 COMMON_METRICS = ("critic/score/mean", "val-core/*", "response_length/mean", "actor/dppo/mismatch_tv_mean")
 FAMILY_METRICS = {
     "clip": ("actor/pg_clipfrac",),
-    "dppo": ("actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/bad_update_frac",
-             "actor/dppo/masked_rollout_prob_mean"),
+    "dppo": ("actor/pg_clipfrac", "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/bad_update_frac",
+             "actor/dppo/masked_rollout_prob_mean", "actor/dppo/rollout_topk_mass_mean"),
     "troll": ("actor/troll/projected_frac", "actor/troll/kl_before_mean", "actor/troll/kl_after_mean",
-              "actor/troll/eta_mean"),
+              "actor/troll/eta_mean", "actor/troll/rollout_topk_mass_mean"),
 }
-"""Panels of one loss family, drawn for its runs only: the ratio clip's fraction for the clipped and unclipped
-baselines, the mask's for DPPO, the projection's for TROLL (a TROLL run logs the DPPO mask's metrics too, at 0)."""
-DEFAULT_METRICS = (*COMMON_METRICS, *(m for family in FAMILY_METRICS.values() for m in family),
+"""Panels of a loss family, drawn for its runs only: the blocked fraction `actor/pg_clipfrac` (the ratio clip's, DPPO's
+mask) for the clipped and unclipped baselines and DPPO, the mask's own for DPPO, the projection's for TROLL (a TROLL
+run logs the mask's metrics too, at 0), each with the mass of the rollout's top-K rows where the run logs it."""
+DEFAULT_METRICS = (*COMMON_METRICS, *dict.fromkeys(m for family in FAMILY_METRICS.values() for m in family),
                    "training/rollout_probs_diff_mean")
 """Drawn when --metrics is not given (those present in at least one run of their family; patterns use shell-style
 wildcards)."""
-OWNER = {metric: family for family, metrics in FAMILY_METRICS.items() for metric in metrics}
+OWNER: dict[str, set] = {}
+for _family, _metrics in FAMILY_METRICS.items():
+    for _metric in _metrics:
+        OWNER.setdefault(_metric, set()).add(_family)
 
 MAX_DEFAULT_PANELS = 12
 
@@ -192,8 +196,8 @@ def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> t
 
 def drawn_runs(runs: Sequence[Run], metric: str) -> list[Run]:
     """The runs a default panel draws: those of the metric's loss family (every run for a common metric)."""
-    owner = OWNER.get(metric)
-    return [run for run in runs if owner is None or run.family == owner]
+    owners = OWNER.get(metric)
+    return [run for run in runs if owners is None or run.family in owners]
 
 
 def _available_hint(available: Sequence[str]) -> str:
@@ -306,6 +310,8 @@ def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[
             raise PlotError(f"--latest: {run_logs.known_runs(root)}{demo}")
         if note and notes is not None:
             notes.append(note)
+        if notes is not None:
+            notes.append(f"verl-dppo plot: --latest draws {', '.join(str(path) for path in found)}")
         paths.extend(found)
     if not paths:
         raise PlotError("give the runs to draw: log files, a folder of logs (out/demo), experiment names of "
