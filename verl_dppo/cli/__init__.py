@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "verl_dppo.cli.demo.staleness",  # staleness
     "verl_dppo.cli.plot",  # plot
     "verl_dppo.cli.launch",  # recipes, run, data
+    "verl_dppo.cli.check",  # check
 )
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from verl_dppo.cli.override_checks import check_override_types, field_hint, key_hint
 from verl_dppo.cli.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.cli.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
@@ -105,8 +106,8 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     try:
         config = _compose(setup, method, [*searchpath, *overrides])
     except RecipeError as error:
-        raise RecipeError(str(error) + _key_hint(str(error), baseline)) from None
-    _check_override_types(baseline, config, overrides)
+        raise RecipeError(str(error) + key_hint(str(error), baseline)) from None
+    check_override_types(baseline, config, overrides)
     _label_loss_mode(baseline, config, method, overrides)
     return config
 
@@ -145,126 +146,6 @@ def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:
         raise RecipeError(f"cannot compose {setup} + {method}: {message}.{hint}") from None
 
 
-def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
-    from omegaconf import DictConfig
-
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            path = f"{prefix}.{key}" if prefix else str(key)
-            child = node._get_node(key)
-            if isinstance(child, DictConfig):
-                yield from _leaf_paths(child, path)
-            else:
-                yield path
-
-
-def _key_hint(message: str, baseline: Any) -> str:
-    """`optim.lr` -> 'did you mean actor_rollout_ref.actor.optim.lr?': full keys ending in the one given, or close."""
-    import difflib
-    import re
-
-    match = re.search(r"Could not override '([^']+)'", message) or re.search(r"Key '([^']+)'", message)
-    if not match:
-        return ""
-    key = match.group(1)
-    paths = list(_leaf_paths(baseline))
-    close = [path for path in paths if path.endswith("." + key)][:3]
-    close = close or difflib.get_close_matches(key, paths, n=3, cutoff=0.75)
-    return f" Did you mean {' or '.join(close)}?" if close else ""
-
-
-def _field_hint(message: str) -> str:
-    """For a config class refusing a key ("X.__init__() got an unexpected keyword argument 'k'"): the plugin's
-    DPPOLossConfig field it is close to, or the `_target_` switch a plugin key needs under verl's PolicyLossConfig."""
-    import dataclasses
-    import difflib
-    import re
-
-    from verl_dppo.plugin.config import DPPOLossConfig
-
-    match = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", message)
-    if not match:
-        return ""
-    cls, key = match.groups()
-    ours = sorted({f.name for f in dataclasses.fields(DPPOLossConfig)})
-    if cls == "PolicyLossConfig" and key in ours:
-        return (f". {key} is an option of the plugin's config class: add "
-                "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
-    close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
-    return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
-
-
-def _check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
-    from omegaconf import OmegaConf
-
-    for override in overrides:
-        if override.startswith("~") or "=" not in override:
-            continue
-        key = override.split("=", 1)[0].lstrip("+")
-        if key in GROUP_KEYS or "@" in key:
-            continue
-        try:
-            old = OmegaConf.select(baseline, key, throw_on_missing=False)
-            new = OmegaConf.select(config, key, throw_on_missing=False)
-        except Exception:  # an interpolation that does not resolve: validate_recipe names it
-            continue
-        expected = _declared_type(baseline, key) or _expected_type(old)
-        if expected is None or new is None or _fits(new, expected):
-            continue
-        raise RecipeError(
-            f"{key}={override.split('=', 1)[1]}: expected {expected} like the recipe's value {old!r}, got "
-            f"{type(new).__name__} {new!r}"
-        )
-
-
-def _declared_type(baseline: Any, key: str) -> Optional[str]:
-    """The type verl's config dataclass declares for `key` (the `_target_` of the node holding it), where it declares
-    a number: a recipe's `entropy_coeff: 0` is an int in YAML, but verl's `ActorConfig.entropy_coeff` is a float, so
-    0.01 is a value the user may give. None where no dataclass declares the key."""
-    import dataclasses
-    import importlib
-    import typing
-
-    from omegaconf import OmegaConf
-
-    parent, _, name = key.rpartition(".")
-    try:
-        node = OmegaConf.select(baseline, parent, throw_on_missing=False) if parent else baseline
-        target = node.get("_target_") if node is not None and hasattr(node, "get") else None
-        module, _, cls_name = str(target).rpartition(".")
-        cls = getattr(importlib.import_module(module), cls_name) if target else None
-        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
-    except Exception:  # a _target_ that does not import: verl's own instantiation names it
-        return None
-    declared = hints.get(name)
-    if typing.get_origin(declared) is typing.Union:  # Optional[float]
-        args = [a for a in typing.get_args(declared) if a is not type(None)]
-        declared = args[0] if len(args) == 1 else None
-    if declared is float:
-        return "a number"
-    return None
-
-
-def _expected_type(value: Any) -> Optional[str]:
-    if isinstance(value, bool):
-        return "a boolean (true/false)"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    return None  # strings, lists, null: any value may be meant
-
-
-def _fits(value: Any, expected: str) -> bool:
-    if expected.startswith("a boolean"):
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if expected == "an integer":
-        return isinstance(value, int)
-    return isinstance(value, (int, float))
-
-
 def _loss_registered(loss_mode: str) -> bool:
     import verl  # noqa: F401  (loads the verl.plugins entry points: our loss modes)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
@@ -272,8 +153,9 @@ def _loss_registered(loss_mode: str) -> bool:
     return loss_mode in POLICY_LOSS_REGISTRY
 
 
-def validate_recipe(config: Any) -> None:
-    """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change."""
+def validate_recipe(config: Any, plain: bool = False) -> None:
+    """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change. `plain`: verl's own
+    config as a `main_ppo` command line composes it (`verl-dppo check`): no recipe keys, any policy-loss class."""
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -309,8 +191,9 @@ def validate_recipe(config: Any) -> None:
             "is not installed or failed to load (run `verl-dppo doctor`), or "
             "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
         )
-    chosen, running = config.dppo.get("trainer_mode", "sync"), config.trainer.v1.get("trainer_mode", "sync")
-    if chosen != running:
+    chosen = config.dppo.get("trainer_mode", "sync") if config.get("dppo") is not None else None
+    running = config.trainer.v1.get("trainer_mode", "sync")
+    if chosen is not None and chosen != running:
         raise RecipeError(
             f"trainer.v1.trainer_mode={running} set by an override: choose the trainer with --trainer-mode {running} "
             f"(recipes/trainer_mode/{running}.yaml also sets what that trainer needs), not the bare key."
@@ -351,8 +234,8 @@ def validate_recipe(config: Any) -> None:
                 raise RecipeError(
                     f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
                 ) from None
-            raise RecipeError(f"verl rejects the config ({name}): {text}{_field_hint(text)}") from None
-    if not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
+            raise RecipeError(f"verl rejects the config ({name}): {text}{field_hint(text)}") from None
+    if not plain and not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
         raise RecipeError(
             "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
             "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
@@ -418,7 +301,9 @@ def _check_anchor(config: Any) -> None:
         check_run_config(config)
     except RunConfigError as error:
         raise RecipeError(str(error)) from None
-    if not config.actor_rollout_ref.rollout.calculate_log_probs:
+    from verl_dppo.plugin.run_config import is_plugin_mode
+
+    if is_plugin_mode(config) and not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise RecipeError(
             "the DPPO losses need the rollout engine's log-probs (mu): set "
             "actor_rollout_ref.rollout.calculate_log_probs=True."

@@ -18,7 +18,7 @@ from typing import Any
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config"]
+__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config", "is_plugin_mode"]
 
 
 ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
@@ -38,6 +38,11 @@ def _dppo_mode(config: Any) -> str | None:
     policy_loss = config.actor_rollout_ref.actor.get("policy_loss", None)
     mode = policy_loss.get("loss_mode", None) if policy_loss is not None else None
     return mode if mode in DPPO_MODES else None
+
+
+def is_plugin_mode(config: Any) -> bool:
+    """Whether the run's loss mode is one of the plugin's."""
+    return _dppo_mode(config) is not None
 
 
 def async_trainer_mode(config: Any) -> str | None:

@@ -1,0 +1,68 @@
+"""`verl-dppo check` (issue 32.4): the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command
+line, composed on verl's own config as main_ppo composes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_cli_errors import FROM_GRPO, assert_one_line_error
+from verl_dppo.cli import main
+
+
+def verl_grpo_example(tmp_path) -> list[str]:
+    """verl's own GRPO example command (examples/grpo_trainer/run_qwen2-7b.sh in verl's repository: Qwen2-7B on GSM8K,
+    one node of 8 GPUs), its data files made here."""
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.parquet").write_bytes(b"")
+    return ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
+            f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
+            "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
+            "data.filter_overlong_prompts=True", "data.truncation=error", "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
+            "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+            "trainer.critic_warmup=0", "trainer.logger=['console','wandb']",
+            "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen2_7b_function_rm",
+            "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
+            "trainer.total_epochs=15"]
+
+
+def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
+    command = verl_grpo_example(tmp_path)
+    assert main(["check", *command]) == 0
+    err = capsys.readouterr().err
+    assert "nothing found that would stop the launch" in err and "warning" not in err, err
+    # switched by the loss_mode line alone: the inherited thresholds, named
+    assert main(["check", *command, FROM_GRPO[0]]) == 0
+    err = capsys.readouterr().err
+    assert "clip_ratio_low=0.2 clip_ratio_high=0.2 clip_ratio_c=3 inherited from verl's ratio clip" in err, err
+    # switched as the README says: the paper's settings, no warning
+    assert main(["check", *command, *FROM_GRPO]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["actor_rollout_ref.actor.ppo_epochs=1.5"], ["ppo_epochs=1.5: expected an integer"]),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"], ["Did you mean 'dppo_binary_tv'"]),
+    (["+actor_rollout_ref.actor.policy_loss.delta_low=0.1", FROM_GRPO[0]], ["_target_=verl_dppo.DPPOLossConfig"]),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+      "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"], ["attn_implementation=sdpa"]),
+    (["bogus"], ["'bogus' is not a Hydra override"]),
+])
+def test_mistakes_in_a_main_ppo_command_are_one_line(tmp_path, capsys, extra, fragments):
+    assert_one_line_error(capsys, ["check", *verl_grpo_example(tmp_path), *extra], *fragments)
+
+
+def test_missing_data_stops_the_launch(tmp_path, capsys):
+    command = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in verl_grpo_example(tmp_path)]
+    assert main(["check", *command]) == 2
+    assert "data.train_files:" in capsys.readouterr().err

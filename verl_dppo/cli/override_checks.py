@@ -1,0 +1,130 @@
+"""The checks of a user's overrides against the config they change: each keeps the type of the value it replaces (or
+the type verl's config dataclass declares), and a near miss (a key, a config class's field) names the fix."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
+
+__all__ = ["check_override_types", "key_hint", "field_hint"]
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    from omegaconf import DictConfig
+
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                yield from _leaf_paths(child, path)
+            else:
+                yield path
+
+
+def key_hint(message: str, baseline: Any) -> str:
+    """`optim.lr` -> 'did you mean actor_rollout_ref.actor.optim.lr?': full keys ending in the one given, or close."""
+    import difflib
+    import re
+
+    match = re.search(r"Could not override '([^']+)'", message) or re.search(r"Key '([^']+)'", message)
+    if not match:
+        return ""
+    key = match.group(1)
+    paths = list(_leaf_paths(baseline))
+    close = [path for path in paths if path.endswith("." + key)][:3]
+    close = close or difflib.get_close_matches(key, paths, n=3, cutoff=0.75)
+    return f" Did you mean {' or '.join(close)}?" if close else ""
+
+
+def field_hint(message: str) -> str:
+    """For a config class refusing a key ("X.__init__() got an unexpected keyword argument 'k'"): the plugin's
+    DPPOLossConfig field it is close to, or the `_target_` switch a plugin key needs under verl's PolicyLossConfig."""
+    import dataclasses
+    import difflib
+    import re
+
+    from verl_dppo.plugin.config import DPPOLossConfig
+
+    match = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", message)
+    if not match:
+        return ""
+    cls, key = match.groups()
+    ours = sorted({f.name for f in dataclasses.fields(DPPOLossConfig)})
+    if cls == "PolicyLossConfig" and key in ours:
+        return (f". {key} is an option of the plugin's config class: add "
+                "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
+    close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
+    return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
+
+
+def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        if override.startswith("~") or "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+")
+        if key in GROUP_KEYS or "@" in key:
+            continue
+        try:
+            old = OmegaConf.select(baseline, key, throw_on_missing=False)
+            new = OmegaConf.select(config, key, throw_on_missing=False)
+        except Exception:  # an interpolation that does not resolve: validate_recipe names it
+            continue
+        expected = _declared_type(baseline, key) or _expected_type(old)
+        if expected is None or new is None or _fits(new, expected):
+            continue
+        raise RecipeError(
+            f"{key}={override.split('=', 1)[1]}: expected {expected} like the recipe's value {old!r}, got "
+            f"{type(new).__name__} {new!r}"
+        )
+
+
+def _declared_type(baseline: Any, key: str) -> Optional[str]:
+    """The type verl's config dataclass declares for `key` (the `_target_` of the node holding it), where it declares
+    a number: a recipe's `entropy_coeff: 0` is an int in YAML, but verl's `ActorConfig.entropy_coeff` is a float, so
+    0.01 is a value the user may give. None where no dataclass declares the key."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from omegaconf import OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    try:
+        node = OmegaConf.select(baseline, parent, throw_on_missing=False) if parent else baseline
+        target = node.get("_target_") if node is not None and hasattr(node, "get") else None
+        module, _, cls_name = str(target).rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name) if target else None
+        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
+    except Exception:  # a _target_ that does not import: verl's own instantiation names it
+        return None
+    declared = hints.get(name)
+    if typing.get_origin(declared) is typing.Union:  # Optional[float]
+        args = [a for a in typing.get_args(declared) if a is not type(None)]
+        declared = args[0] if len(args) == 1 else None
+    if declared is float:
+        return "a number"
+    return None
+
+
+def _expected_type(value: Any) -> Optional[str]:
+    if isinstance(value, bool):
+        return "a boolean (true/false)"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    return None  # strings, lists, null: any value may be meant
+
+
+def _fits(value: Any, expected: str) -> bool:
+    if expected.startswith("a boolean"):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if expected == "an integer":
+        return isinstance(value, int)
+    return isinstance(value, (int, float))
