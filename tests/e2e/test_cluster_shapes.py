@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -80,43 +77,14 @@ def _lanes(root: Path) -> list[list[loop.Run]]:
 @pytest.fixture(scope="module")
 def shape_runs(tmp_path_factory) -> dict[str, loop.Run]:
     root = tmp_path_factory.mktemp("cluster_shapes")
-    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
-    plan = [[run for run in lane if not only or run.name in only.split(",")] for lane in _lanes(root)]
-    plan = [lane for lane in plan if lane]
-    saved_root = os.environ.get("DPPO_ROOT")
-    os.environ["DPPO_ROOT"] = str(root / "dppo_root")
-    try:
+
+    def warm_model() -> None:  # cpu_tiny's warm-started model, built once for both lanes
         from verl_dppo.cli.compose import compose_recipe
         from verl_dppo.cli.cpu_tiny import build_assets
 
-        build_assets(compose_recipe("cpu_tiny", "dppo_binary_tv"))  # the warm-started model, once for both lanes
-        for run in (run for lane in plan for run in lane):
-            loop.compose(run, root)
-    finally:
-        if saved_root is None:
-            os.environ.pop("DPPO_ROOT")
-        else:
-            os.environ["DPPO_ROOT"] = saved_root
-    done: dict[str, loop.Run] = {}
+        build_assets(compose_recipe("cpu_tiny", "dppo_binary_tv"))
 
-    def run_lane(index: int, lane: list[loop.Run]) -> None:
-        cluster = loop.Cluster(root / f"lane{index}")
-        try:
-            for run in lane:
-                loop.execute(run, cluster.address)
-                done[run.name] = run
-                print(f"cluster shapes: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
-        finally:
-            cluster.stop()
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(plan)) as pool:
-        for future in [pool.submit(run_lane, index, lane) for index, lane in enumerate(plan)]:
-            future.result()
-    total = time.perf_counter() - start
-    (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
-    print(f"cluster shapes: all runs {total:.0f} s", file=sys.stderr)
-    return done
+    return loop.run_lanes(root, loop.compose_lanes(root, _lanes(root), warm_model), "cluster shapes")
 
 
 def _groups(run: loop.Run) -> dict[int, list[list[str]]]:

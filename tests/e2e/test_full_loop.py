@@ -380,6 +380,54 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     return done
 
 
+def compose_lanes(root: Path, lanes: list[list[Run]], prepare=None) -> list[list[Run]]:
+    """The lanes' runs (those DPPO_FULL_LOOP_ONLY names, if set) composed under `root`, DPPO_ROOT=root/dppo_root for
+    the composition only; `prepare()` runs first under it (a build the lanes share)."""
+    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
+    plan = [[run for run in lane if not only or run.name in only.split(",")] for lane in lanes]
+    plan = [lane for lane in plan if lane]
+    saved_root = os.environ.get("DPPO_ROOT")
+    os.environ["DPPO_ROOT"] = str(root / "dppo_root")
+    try:
+        if prepare is not None and plan:
+            prepare()
+        for run in (run for lane in plan for run in lane):
+            compose(run, root)
+    finally:
+        if saved_root is None:
+            os.environ.pop("DPPO_ROOT")
+        else:
+            os.environ["DPPO_ROOT"] = saved_root
+    return plan
+
+
+def run_lanes(root: Path, plan: list[list[Run]], label: str, after=None) -> dict[str, Run]:
+    """Each lane's runs one after another on a local Ray cluster of its own, the lanes side by side; `after(run,
+    cluster)` once each run has ended. The times go to root/seconds.json."""
+    done: dict[str, Run] = {}
+
+    def run_lane(index: int, lane: list[Run]) -> None:
+        cluster = Cluster(root / f"lane{index}")
+        try:
+            for run in lane:
+                execute(run, cluster.address)
+                if after is not None:
+                    after(run, cluster)
+                done[run.name] = run
+                print(f"{label}: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
+        finally:
+            cluster.stop()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
+        for future in [pool.submit(run_lane, index, lane) for index, lane in enumerate(plan)]:
+            future.result()
+    total = time.perf_counter() - start
+    (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
+    print(f"{label}: all runs {total:.0f} s", file=sys.stderr)
+    return done
+
+
 def _fail(run: Run, what: str) -> str:
     tail = "\n".join(run.log.splitlines()[-40:])
     return f"{run.name}: {what} (rc={run.rc}, {run.seconds:.0f} s); log tail:\n{tail}"

@@ -14,12 +14,10 @@ installed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -116,43 +114,16 @@ def _lanes() -> list[list[loop.Run]]:
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory) -> dict[str, loop.Run]:
     root = tmp_path_factory.mktemp("vllm_loop")
-    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
-    plan = [[run for run in lane if not only or run.name in only.split(",")] for lane in _lanes()]
-    plan = [lane for lane in plan if lane]
     before = ray_reaper.segments()
-    saved_root = os.environ.get("DPPO_ROOT")
-    os.environ["DPPO_ROOT"] = str(root / "dppo_root")
-    try:
-        for run in (run for lane in plan for run in lane):
-            loop.compose(run, root)
-    finally:
-        if saved_root is None:
-            os.environ.pop("DPPO_ROOT")
-        else:
-            os.environ["DPPO_ROOT"] = saved_root
-    done: dict[str, loop.Run] = {}
+    plan = loop.compose_lanes(root, _lanes())
 
-    def run_lane(index: int, lane: list[loop.Run]) -> None:
-        cluster = loop.Cluster(root / f"lane{index}")
-        try:
-            for run in lane:
-                loop.execute(run, cluster.address)
-                run.left_processes = _processes_left(cluster.process.pid)
-                done[run.name] = run
-                print(f"vllm loop: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
-        finally:
-            cluster.stop()
+    def after(run: loop.Run, cluster: loop.Cluster) -> None:
+        run.left_processes = _processes_left(cluster.process.pid)
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(plan)) as pool:
-        for future in [pool.submit(run_lane, index, lane) for index, lane in enumerate(plan)]:
-            future.result()
-    total = time.perf_counter() - start
+    done = loop.run_lanes(root, plan, "vllm loop", after)
     left = _segments_left(before)  # segments are not tied to a lane: checked once every run has ended
     for run in done.values():
         run.left_segments = left
-    (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
-    print(f"vllm loop: all runs {total:.0f} s", file=sys.stderr)
     return done
 
 
