@@ -312,9 +312,9 @@ def chains() -> list[list[Run]]:
                                 "actor_rollout_ref.rollout.max_num_seqs=2",
                                 "trainer.v1.separate_async.num_warmup_batches=2"))]]
     # With the recipes' val_before_train (cpu_tiny's is off): the restart logs a validation at the checkpoint's step.
-    # Its prompts are not the training prompts (validation_file): the hf rollout seeds a request from the prompt and
-    # how often it was seen at that weight version, so validating on the training prompts would change what step 3
-    # samples after a resume, and the uninterrupted run's step 3 would no longer be the reference.
+    # Its prompts are not the training prompts (validation_file), as a user's validation set would be; the hf
+    # rollout seeds each sample from its identity in the run (validation samples have their own), so the restart's
+    # validation at step 2 leaves what step 3 samples as the uninterrupted run sampled it.
     resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}")
     # cpu_tiny as it ships (issue 27.2): the trust region acts within its 4 steps.
     defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True) for method in DEFAULT_METHODS]]
