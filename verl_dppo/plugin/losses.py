@@ -73,13 +73,7 @@ def dppo_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     family = mode.family
     options, family_options, described = family.options(mode, config)
-    warn_once(("in effect", mode.name, described), "verl-dppo %s in effect: %s", mode.name, described)
-    wide = tv_threshold_warning(mode.name, options.delta_low, options.delta_high)
-    if wide:
-        warn_once(("wide", mode.name, described), "verl-dppo %s", wide)
-    inherited = inherited_thresholds_warning(mode.name, options)
-    if inherited:
-        warn_once(("inherited", mode.name, described), "verl-dppo %s", inherited)
+    _announce(mode.name, options, described)
     extras = current_extras()
     rollout_log_prob = _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask,
                                        rollout_is_weights)
@@ -100,11 +94,8 @@ def dppo_policy_loss(
     if sanitized:
         pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv,
                                                                anchored_on_mu, unusable)
-    # A log-prob computed in bf16 does not resolve a confident token's 1 - p below bf16's eps: the divergences are
-    # measured at the pi nearest mu within the rounding of both (rounding_radius; 0 for float32 inputs).
-    radius = rounding_radius(pi, log_prob.dtype) + rounding_radius(mu, mu_log_prob.dtype)
     tokens = _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-                      anchored_on_mu, hook, unusable, radius)
+                      anchored_on_mu, hook, unusable, mu_log_prob.dtype)
     blocked = trust_region_blocked(adv, tokens.log_ratio_to_anchor, family.divergence(tokens), options.delta_low,
                                    options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
                                    relax_side=options.relax_side)
@@ -130,6 +121,15 @@ def dppo_policy_loss(
         # still reaches the parameters, so backward() works.
         loss = family.zero_loss(tokens)
     return loss, metrics
+
+
+def _announce(mode_name: str, options, described: str) -> None:
+    """Once per process and setting: the values in effect, and what in them is probably not meant."""
+    warn_once(("in effect", mode_name, described), "verl-dppo %s in effect: %s", mode_name, described)
+    for kind, warning in (("wide", tv_threshold_warning(mode_name, options.delta_low, options.delta_high)),
+                          ("inherited", inherited_thresholds_warning(mode_name, options))):
+        if warning:
+            warn_once((kind, mode_name, described), "verl-dppo %s", warning)
 
 
 def _rows_mass(family, extras, valid: torch.Tensor) -> dict[str, tuple[float, float]]:
@@ -173,9 +173,11 @@ def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, r
 
 
 def _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-             anchored_on_mu, hook, unusable, radius) -> Tokens:
-    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads; the binary
-    divergences at the pi nearest mu within `radius` (the inputs' rounding), the ratio at pi as given."""
+             anchored_on_mu, hook, unusable, mu_dtype) -> Tokens:
+    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads. A log-prob computed in
+    bf16 does not resolve a confident token's 1 - p below bf16's eps: the binary divergences are measured at the pi
+    nearest mu within the rounding of both (rounding_radius; 0 for float32 inputs), the ratio at pi as given."""
+    radius = rounding_radius(pi, log_prob.dtype) + rounding_radius(mu, mu_dtype)
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
     mu_floored, pi_floored = floor_logprob(mu), floor_logprob(within_rounding(mu, pi, radius))
