@@ -66,3 +66,47 @@ def test_missing_data_stops_the_launch(tmp_path, capsys):
     command = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in verl_grpo_example(tmp_path)]
     assert main(["check", *command]) == 2
     assert "data.train_files:" in capsys.readouterr().err
+
+
+def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
+    """`--rehearse` trains the command's update rule on cpu_tiny: the policy loss with the thresholds the command
+    would inherit (verl's PolicyLossConfig: no DPPOLossConfig value in the way), the actor's KL loss and epochs, the
+    rollout's n, GRPO's advantages; cpu_tiny supplies model, data, lengths and hardware."""
+    from verl_dppo.cli.check import compose_main_ppo, rehearsal_overrides, split_command
+
+    overrides, path, name = split_command([*verl_grpo_example(tmp_path), FROM_GRPO[0]])
+    rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
+    for expected in ("++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
+                     "actor_rollout_ref.actor.policy_loss.delta_low=null", "++actor_rollout_ref.actor.clip_ratio_c=3.0",
+                     "++actor_rollout_ref.actor.use_kl_loss=true", "++actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                     "++actor_rollout_ref.actor.ppo_epochs=1", "++actor_rollout_ref.rollout.n=5",
+                     "++algorithm.adv_estimator=grpo", "++algorithm.norm_adv_by_std_in_grpo=true"):
+        assert expected in rehearsal, (expected, rehearsal)
+    assert not any("model.path" in item or "train_files" in item or "n_gpus" in item for item in rehearsal)
+    overrides, path, name = split_command([*verl_grpo_example(tmp_path), *FROM_GRPO])
+    rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
+    assert "++actor_rollout_ref.actor.policy_loss.delta_low=0.15" in rehearsal
+    assert not any(item.endswith("delta_low=null") for item in rehearsal)
+
+
+@pytest.mark.e2e
+def test_the_rehearsal_trains_the_command_on_cpu(tmp_path):
+    """verl's GRPO example switched to dppo_binary_tv, rehearsed for one step on this CPU through verl's trainer:
+    exit 0, the worker's values in effect are the command's (inherited 0.2 / 0.2 / cap 3), its KL loss logged."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "DPPO_ROOT": str(tmp_path / "root"), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    command = [str(Path(sys.executable).parent / "verl-dppo"), "check", "--rehearse", "--steps", "1",
+               *verl_grpo_example(tmp_path), FROM_GRPO[0]]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert "dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3" in log, log[-3000:]
+    jsonl = tmp_path / "root" / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
+    (record,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert record["step"] == 1 and "actor/kl_loss" in record["data"], record

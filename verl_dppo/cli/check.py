@@ -11,6 +11,11 @@ the model exist here. Nothing is launched.
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
     verl-dppo check algorithm.adv_estimator=grpo ...        # the overrides alone
+    verl-dppo check --rehearse python3 -m verl.trainer.main_ppo ...   # then 2 steps of its update rule on cpu_tiny
+
+`--rehearse` then trains the command's update rule (its policy loss and thresholds, the actor's loss settings, the
+rollout's sampling and log-probs, the advantage estimator: `REHEARSED`) for `--steps` steps on cpu_tiny's model and
+data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`).
 """
 
 from __future__ import annotations
@@ -107,11 +112,61 @@ def _missing_files(config: Any) -> list[str]:
     return problems
 
 
+REHEARSED = {
+    "actor_rollout_ref.actor": ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "ppo_epochs"),
+    "actor_rollout_ref.rollout": ("temperature", "top_p", "top_k", "calculate_log_probs", "n"),
+    "algorithm": ("adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "gamma", "lam"),
+    "algorithm.rollout_correction": ("bypass_mode", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_rs",
+                                     "rollout_rs_threshold"),
+}
+"""What a rehearsal takes from the command: the update rule and its inputs (the loss, the advantages, the rollout's
+sampling and log-probs). cpu_tiny supplies the model, data, lengths, batch and hardware."""
+
+
+def _value(value: Any) -> str:
+    """A value as a Hydra override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    return text if text.replace("_", "").replace(".", "").replace("-", "").isalnum() else repr(text)
+
+
+def rehearsal_overrides(config: Any) -> list[str]:
+    """`verl-dppo run cpu_tiny` overrides that train the command's update rule: its policy loss (verl's own
+    PolicyLossConfig becomes the plugin's subclass with no threshold of its own, so the thresholds fall back to the
+    ratio clip's as in the command), the actor's loss settings, the rollout's sampling, the advantage estimator."""
+    from omegaconf import OmegaConf
+
+    overrides = []
+    policy_loss = OmegaConf.to_container(config.actor_rollout_ref.actor.policy_loss, resolve=True)
+    plain = not str(policy_loss.get("_target_", "")).startswith("verl_dppo.")
+    for key, value in policy_loss.items():
+        if key != "_target_" and not isinstance(value, (dict, list)):
+            overrides.append(f"++actor_rollout_ref.actor.policy_loss.{key}={_value(value)}")
+    if plain:  # the command's thresholds are verl's clip_ratio_* keys: no DPPOLossConfig value in the way
+        overrides += [f"actor_rollout_ref.actor.policy_loss.{key}=null" for key in ("delta_low", "delta_high",
+                                                                                    "ratio_cap")]
+    for node, keys in REHEARSED.items():
+        section = OmegaConf.select(config, node)
+        for key in keys:
+            if section is not None and key in section:
+                overrides.append(f"++{node}.{key}={_value(OmegaConf.select(section, key))}")
+    return overrides
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from verl_dppo.cli.compose import RecipeError
 
     try:
         problems, warnings = check_command(args.command_line)
+        if args.rehearse:
+            overrides, config_path, config_name = split_command(args.command_line)
+            rehearsal = rehearsal_overrides(compose_main_ppo(overrides, config_path, config_name)[0])
     except RecipeError as error:
         raise UsageError(str(error)) from None
     for warning in warnings:
@@ -121,13 +176,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     verdict = (f"{len(problems)} problem(s) above would stop the launch from here" if problems
                else "nothing found that would stop the launch from here")
     print(f"verl-dppo: check: the command passed verl's checks and the plugin's; {verdict}", file=sys.stderr)
-    return 2 if problems else 0
+    if not args.rehearse:
+        return 2 if problems else 0
+    from verl_dppo.cli import main
+
+    mode = next(o.split("=", 1)[1] for o in rehearsal if o.startswith("++actor_rollout_ref.actor.policy_loss.loss_mode="))
+    run = ["run", "cpu_tiny", "--method", "grpo_clip_higher", *rehearsal, f"trainer.total_training_steps={args.steps}",
+           f"dppo.run_label=rehearsal+{mode}", "trainer.resume_mode=disable"]
+    print("verl-dppo: check: rehearsing the command's update rule on cpu_tiny: verl-dppo " + " ".join(run),
+          file=sys.stderr)
+    return main(run)
 
 
 def add_command(commands: Any) -> None:
     parser = commands.add_parser(
         "check", help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
         description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rehearse", action="store_true",
+                        help="then train the command's update rule (its loss, advantages, rollout sampling) on "
+                             "cpu_tiny's model and data on this CPU, through verl's trainer")
+    parser.add_argument("--steps", type=int, default=2, help="training steps of the rehearsal (default 2)")
     parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND",
                         help="the main_ppo command line, or its overrides alone")
     parser.set_defaults(handler=cmd_check)
