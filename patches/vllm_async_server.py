@@ -9,6 +9,8 @@ extracted, vectorised, into `extra_fields` (`_server_common`). vLLM's `max_logpr
 Why no extension point: verl 0.9.1 pins `logprobs=0` and has no per-request "extra sampling outputs" option.
 What would make it unnecessary: a rollout option `return_top_logprobs: K` that fills `TokenOutput.extra_fields`
 (verl's distillation would use it too).
+Also, in a `verl-dppo run` launch only, the module's `pprint` of the `vllm serve` arguments (one line per argument)
+prints them on one line (verl 0.9.1 has no verbosity setting for it).
 """
 
 from __future__ import annotations
@@ -135,5 +137,27 @@ def patch_vllm_server(module: Any) -> None:
 
     if patch_once(module.vLLMHttpServer, "generate", make):
         module.SamplingParams = SamplingParams
+    _one_line_server_args(module)
+
+
+def _one_line_server_args(module: Any) -> None:
+    """In a `verl-dppo run` launch (its config file named in the run's environment): the `vllm serve` arguments
+    verl pretty-prints at the server's start (about 40 lines, one per argument) become one line; elsewhere verl's."""
+    import os
+
+    from verl_dppo.patches.main_ppo import CONFIG_FILE_VARIABLE
+
+    original = getattr(module, "pprint", None)
+    if original is None or getattr(original, "_verl_dppo", False):
+        return
+
+    def pprint(obj, *args, **kwargs):
+        if os.environ.get(CONFIG_FILE_VARIABLE) and isinstance(obj, list) and obj[:1] == ["serve"]:
+            print("verl-dppo: vLLM server: vllm " + " ".join(str(item) for item in obj), flush=True)
+            return None
+        return original(obj, *args, **kwargs)
+
+    pprint._verl_dppo = True
+    module.pprint = pprint
 
 

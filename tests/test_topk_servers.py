@@ -77,3 +77,24 @@ def test_sglang_original_logprob_at_another_temperature_is_refused():
     # at temperature 1 the two are the same distribution: allowed
     out = probe("sglang_server.py", "3", env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "PROBE_TEMPERATURE": "1.0"})
     assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
+
+
+def test_the_vllm_serve_arguments_print_on_one_line_in_a_verl_dppo_run(monkeypatch, capsys):
+    """Issue 32.5: verl's vLLM server pretty-prints the `vllm serve` arguments one per line (about 40 lines); in a
+    `verl-dppo run` launch (its config file named in the run's environment) they are one line; elsewhere verl's."""
+    import types
+
+    from verl_dppo.patches.main_ppo import CONFIG_FILE_VARIABLE
+    from verl_dppo.patches.vllm_async_server import _one_line_server_args
+
+    printed = []
+    module = types.SimpleNamespace(pprint=lambda obj, *a, **k: printed.append(obj))
+    _one_line_server_args(module)
+    monkeypatch.delenv(CONFIG_FILE_VARIABLE, raising=False)
+    module.pprint(["serve", "/model", "--dtype", "float32"])
+    assert printed == [["serve", "/model", "--dtype", "float32"]] and capsys.readouterr().out == ""
+    monkeypatch.setenv(CONFIG_FILE_VARIABLE, "/run/config.yaml")
+    module.pprint(["serve", "/model", "--dtype", "float32"])
+    module.pprint({"other": 1})
+    assert capsys.readouterr().out == "verl-dppo: vLLM server: vllm serve /model --dtype float32\n"
+    assert printed[-1] == {"other": 1}
