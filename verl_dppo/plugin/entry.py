@@ -18,7 +18,7 @@ def register_backends() -> None:
     from verl_dppo.patches.cpu_distributed import patch_distributed, patch_offload_policy
     from verl_dppo.patches.cpu_resources import patch_resource_check
     from verl_dppo.patches.file_logger import patch_file_logger
-    from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch
+    from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch, quiet_torchvision_fallback
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this plugin) right now, the module is still partial here and finishes the registration itself.
     import verl_dppo.plugin.cpu_platform  # noqa: F401
@@ -34,6 +34,7 @@ def register_backends() -> None:
     # vLLM's CPU build as the `vllm` rollout on the CPU platform (each patch a pass-through elsewhere)
     when_imported("ray.runtime_context", patch_accelerator_ids)
     when_imported("vllm.model_executor.layers.utils", patch_cpu_gemm_dispatch)
+    when_imported("vllm", quiet_torchvision_fallback)
 
 
 def load() -> None:
