@@ -14,7 +14,8 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
 | `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels) |
 | `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
-| `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K              |
+| `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K; `__init__`: the weight socket's job id per Ray cluster |
+| `vllm_rollout`           | workers.rollout.vllm_rollout.vllm_rollout            | `ServerAdapter.__init__`: the weight socket named per Ray cluster (two local clusters on a host) |
 | `sglang_async_server`    | workers.rollout.sglang_rollout.async_sglang_server   | `SGLangHttpServer.generate`: top_logprobs_num=K    |
 | `agent_loop`             | experimental.agent_loop.agent_loop                   | `AgentLoopWorker._run_agent_loop`, `AgentLoopOutput.as_dict`, `ContinuousTokenBuilder.align_response_metadata` |
 | `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
@@ -45,6 +46,7 @@ def install() -> None:
         sglang_async_server,
         trainer_separate_async,
         vllm_async_server,
+        vllm_rollout,
         workers_utils_losses,
     )
     from verl_dppo.patches._import_hook import when_imported
@@ -59,4 +61,6 @@ def install() -> None:
     when_imported("verl.trainer.main_ppo", main_ppo.patch_main_ppo)
     when_imported("verl.trainer.ppo.v1.trainer_separate_async", trainer_separate_async.patch_separate_async_logger)
     when_imported("verl.workers.rollout.vllm_rollout.vllm_async_server", vllm_async_server.patch_vllm_server)
+    when_imported("verl.workers.rollout.vllm_rollout.vllm_async_server", vllm_rollout.patch_server_job_id)
+    when_imported("verl.workers.rollout.vllm_rollout.vllm_rollout", vllm_rollout.patch_server_adapter)
     when_imported("verl.workers.rollout.sglang_rollout.async_sglang_server", sglang_async_server.patch_sglang_server)
