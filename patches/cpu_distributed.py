@@ -35,7 +35,7 @@ __all__ = ["patch_distributed", "patch_offload_policy"]
 def patch_distributed(module: Any) -> None:
     def make(original):
         def initialize_global_process_group_ray(timeout_second=None, backend=None):
-            from verl_dppo.plugin.cpu_platform import is_selected
+            from verl_dppo.cpu.platform import is_selected
 
             if backend is None and is_selected():
                 backend = "cpu:gloo"
@@ -47,7 +47,7 @@ def patch_distributed(module: Any) -> None:
 
     def make_numa(original):
         def set_numa_affinity(*args, **kwargs):
-            from verl_dppo.plugin.cpu_platform import is_selected
+            from verl_dppo.cpu.platform import is_selected
 
             if is_selected():
                 return None
@@ -68,7 +68,7 @@ def patch_offload_policy(module: Any) -> None:
         __verl_dppo_patched__ = True
 
         def __init__(self, pin_memory: bool = True, **kwargs):
-            from verl_dppo.plugin.cpu_platform import is_selected
+            from verl_dppo.cpu.platform import is_selected
 
             super().__init__(pin_memory=pin_memory and not is_selected(), **kwargs)
 

@@ -41,7 +41,7 @@ def patch_resource_check(module: Any) -> None:
     """Both CPU-platform patches of `verl.single_controller.ray.base` (the module docstring)."""
     def make(original):
         def _check_resource_available(self):
-            from verl_dppo.plugin.cpu_platform import is_selected
+            from verl_dppo.cpu.platform import is_selected
 
             if not is_selected():
                 return original(self)
@@ -71,7 +71,7 @@ def port_scan_range() -> list[int]:
 
 def _make_master_addr_port(original):
     def _get_master_addr_port(self, pg, bundle_index=0, master_port_range=None):
-        from verl_dppo.plugin.cpu_platform import is_selected
+        from verl_dppo.cpu.platform import is_selected
 
         if master_port_range is None and getattr(self, "_master_port", None) is None and is_selected():
             master_port_range = port_scan_range()

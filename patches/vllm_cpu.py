@@ -31,7 +31,7 @@ __all__ = ["patch_accelerator_ids", "patch_cpu_gemm_dispatch", "quiet_torchvisio
 
 
 def _on_cpu() -> bool:
-    from verl_dppo.plugin.cpu_platform import is_selected
+    from verl_dppo.cpu.platform import is_selected
 
     return is_selected()
 

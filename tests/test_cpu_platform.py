@@ -1,4 +1,4 @@
-"""The CPU platform the plugin ships (verl_dppo.plugin.cpu_platform) and its patches, in fresh processes.
+"""The CPU platform the plugin ships (verl_dppo.cpu.platform) and its patches, in fresh processes.
 
 `VERL_PLATFORM=cpu` (verl's own override) is the one setting: verl's `get_platform()` then answers `cpu`, Ray
 resources as CPUs, gloo; the plugin points verl's engine registry at the FSDP engine, verl's process-group helper
@@ -16,7 +16,7 @@ import sys
 PROBE = r"""
 import json, os, sys
 if sys.argv[1] == "module-first":
-    from verl_dppo.plugin import cpu_platform  # imports verl, which loads the plugin, which needs this module
+    from verl_dppo.cpu import platform as cpu_platform  # imports verl, which loads the plugin, which needs this module
 import verl
 from verl.plugin.platform import PlatformRegistry, get_platform
 import verl.utils.distributed as distributed

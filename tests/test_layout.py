@@ -1,6 +1,9 @@
 """Issue 11: the tree shows the architecture. Layers, imported downward only:
 
-    verl_dppo.cli  ->  verl_dppo.plugin / verl_dppo.patches  ->  verl_dppo.math (torch only)
+    verl_dppo.cli  ->  verl_dppo.cpu (the CPU rehearsal)  ->  verl_dppo.plugin / verl_dppo.patches  ->  verl_dppo.math
+
+(`verl_dppo.cpu` is what exists for a run on this machine's CPUs only: the CPU platform, the `hf` rollout, the Ray
+object-store checkpoint engine, Megatron's CPU shim; the plugin's entry and the CPU-only patches load it on demand.)
 
 checked on the import graph read from the source (every import, module-level or inside a function), a fresh
 interpreter that imports every module dependents-first (what would expose a cycle), a wheel built from the
@@ -56,7 +59,7 @@ def imports_of(name: str, path: Path) -> tuple[set[str], set[str]]:
 
 
 def layer(module: str) -> str:
-    for prefix in ("verl_dppo.math", "verl_dppo.plugin", "verl_dppo.patches", "verl_dppo.cli"):
+    for prefix in ("verl_dppo.math", "verl_dppo.plugin", "verl_dppo.patches", "verl_dppo.cpu", "verl_dppo.cli"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix.rpartition(".")[2]
     return "root"
@@ -65,8 +68,9 @@ def layer(module: str) -> str:
 ALLOWED = {  # layer -> layers it may import
     "math": {"math"},
     "plugin": {"plugin", "math"},
-    "patches": {"patches", "plugin", "math"},
-    "cli": {"cli", "patches", "plugin", "math", "root"},
+    "patches": {"patches", "plugin", "math", "cpu"},  # the CPU-only patches read the CPU platform's state
+    "cpu": {"cpu", "patches", "plugin", "math"},
+    "cli": {"cli", "cpu", "patches", "plugin", "math", "root"},
     "root": {"plugin"},  # verl_dppo/__init__: DPPOLossConfig, lazily
 }
 
@@ -76,7 +80,7 @@ def test_every_module_imports_only_downward():
     for name, path in modules().items():
         every, _ = imports_of(name, path)
         for target in every:
-            allowed = ALLOWED[layer(name)] | ({"patches"} if name == "verl_dppo.plugin.entry" else set())
+            allowed = ALLOWED[layer(name)] | ({"patches", "cpu"} if name == "verl_dppo.plugin.entry" else set())
             if layer(target) not in allowed:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, wrong
@@ -130,9 +134,9 @@ def test_the_package_root_holds_only_the_layers():
     every module sits in one of the layers the import check above knows."""
     root = REPO / "verl_dppo"
     extra = sorted(p.name for p in root.iterdir()
-                   if p.name not in {"__init__.py", "math", "plugin", "cli", "__pycache__"})
+                   if p.name not in {"__init__.py", "math", "plugin", "cpu", "cli", "__pycache__"})
     assert not extra, extra
-    assert {layer(name) for name in modules()} == {"math", "plugin", "patches", "cli", "root"}
+    assert {layer(name) for name in modules()} == {"math", "plugin", "patches", "cpu", "cli", "root"}
     assert [name for name in modules() if layer(name) == "root"] == ["verl_dppo"]
 
 

@@ -147,7 +147,7 @@ def test_vllm_rows_are_the_fp32_forwards(model_dir, vllm_rows):
 
 def test_hf_rollout_rows_are_the_fp32_forwards_too(model_dir):
     """The plugin's hf engine on the same weights: the same reference (so the two engines agree with each other)."""
-    from verl_dppo.plugin.hf_rollout.engine import HFGenerationEngine, SamplingSettings
+    from verl_dppo.cpu.hf_rollout.engine import HFGenerationEngine, SamplingSettings
 
     engine = HFGenerationEngine(_model(str(model_dir)), eos_token_ids=[1023], max_model_len=256, max_num_seqs=4, seed=0)
 

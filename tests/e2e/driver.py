@@ -324,7 +324,7 @@ def free_port() -> int:
 def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: Optional[int] = None) -> None:
     """The environment verl's Worker reads, and the default process group (gloo on CPU, nccl on CUDA)."""
     if device == "cpu":
-        from verl_dppo.plugin import cpu_platform
+        from verl_dppo.cpu import platform as cpu_platform
 
         cpu_platform.install()
     os.environ.update(

@@ -3,7 +3,7 @@
 What `run` does for it, before anything slow starts:
 
 - `select_platform(config)`: a recipe with `trainer.device=cpu` runs on the plugin's CPU platform
-  (verl_dppo.plugin.cpu_platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
+  (verl_dppo.cpu.platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
   Ray process, on every node) and, at launch, in the driver before verl's first `get_platform()` (local Ray workers
   inherit it). `size_local_ray(config)`: a new local Ray instance gets the logical CPUs the run holds.
 - `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron
@@ -97,7 +97,7 @@ def select_platform(config: Any, here: bool = False) -> None:
         return
     from omegaconf import open_dict
 
-    from verl_dppo.plugin.cpu_platform import PLATFORM_NAME, select_cpu_platform
+    from verl_dppo.cpu.platform import PLATFORM_NAME, select_cpu_platform
 
     runtime_env = config.ray_kwargs.ray_init.runtime_env
     with open_dict(runtime_env):

@@ -21,12 +21,12 @@ def register_backends() -> None:
     from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch, quiet_torchvision_fallback
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this plugin) right now, the module is still partial here and finishes the registration itself.
-    import verl_dppo.plugin.cpu_platform  # noqa: F401
-    from verl_dppo.plugin import hf_rollout, ray_store_engine
+    import verl_dppo.cpu.platform  # noqa: F401
+    from verl_dppo.cpu import hf_rollout, store_engine
 
     when_imported("verl.workers.rollout.replica", hf_rollout.register_replica)
     when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
-    when_imported("verl.checkpoint_engine.base", ray_store_engine.register)
+    when_imported("verl.checkpoint_engine.base", store_engine.register)
     when_imported("verl.utils.distributed", patch_distributed)
     when_imported("verl.workers.engine.fsdp.transformer_impl", patch_offload_policy)
     when_imported("verl.single_controller.ray.base", patch_resource_check)

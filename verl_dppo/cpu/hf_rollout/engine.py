@@ -32,7 +32,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from verl_dppo.plugin.hf_rollout.weights import WeightTargets
+from verl_dppo.cpu.hf_rollout.weights import WeightTargets
 
 __all__ = ["SamplingSettings", "GenerationResult", "HFGenerationEngine", "parse_sampling_params",
            "sample_next", "HFRolloutError"]

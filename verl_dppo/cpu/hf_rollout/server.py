@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from verl_dppo.plugin.hf_rollout.engine import HFGenerationEngine, HFRolloutError, parse_sampling_params
+from verl_dppo.cpu.hf_rollout.engine import HFGenerationEngine, HFRolloutError, parse_sampling_params
 
 __all__ = ["HFRolloutServer", "server_name"]
 
@@ -163,7 +163,7 @@ class HFRolloutServer:
                        **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
-        from verl_dppo.plugin.hf_rollout import SAMPLE_KWARG
+        from verl_dppo.cpu.hf_rollout import SAMPLE_KWARG
         from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk, warn_truncated_sampling
 
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:

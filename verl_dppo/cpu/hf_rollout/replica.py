@@ -14,7 +14,7 @@ import ray
 
 from verl.workers.rollout.replica import RolloutReplica
 
-from verl_dppo.plugin.hf_rollout.server import HFRolloutServer, server_name
+from verl_dppo.cpu.hf_rollout.server import HFRolloutServer, server_name
 
 __all__ = ["HFReplica"]
 

@@ -20,7 +20,7 @@ draws (`engine.HFGenerationEngine`)."""
 
 
 def _load_replica():
-    from verl_dppo.plugin.hf_rollout.replica import HFReplica
+    from verl_dppo.cpu.hf_rollout.replica import HFReplica
 
     return HFReplica
 
@@ -32,4 +32,4 @@ def register_replica(module) -> None:
 
 def register_adapter(module) -> None:
     """Patch-hook for verl.workers.rollout.base: the worker-side registry."""
-    module._ROLLOUT_REGISTRY[(NAME, "async")] = "verl_dppo.plugin.hf_rollout.adapter.HFServerAdapter"
+    module._ROLLOUT_REGISTRY[(NAME, "async")] = "verl_dppo.cpu.hf_rollout.adapter.HFServerAdapter"

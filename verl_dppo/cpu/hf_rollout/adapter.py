@@ -18,7 +18,7 @@ import torch
 
 from verl.workers.rollout.base import BaseRollout
 
-from verl_dppo.plugin.hf_rollout.server import server_name
+from verl_dppo.cpu.hf_rollout.server import server_name
 
 __all__ = ["HFServerAdapter"]
 
@@ -60,7 +60,7 @@ class HFServerAdapter(BaseRollout):
         adapter's tensors at every push (`peft_config` given), which the server merges (hf_rollout/weights.py)."""
         from verl.workers.rollout.utils import ensure_async_iterator
 
-        from verl_dppo.plugin.hf_rollout.weights import lora_settings
+        from verl_dppo.cpu.hf_rollout.weights import lora_settings
 
         lora = lora_settings(peft_config) if base_sync_done else None
 
