@@ -6,8 +6,8 @@ What `run` does for it, before anything slow starts:
   (verl_dppo.cpu.platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
   Ray process, on every node) and, at launch, in the driver before verl's first `get_platform()` (local Ray workers
   inherit it). `size_local_ray(config)`: a new local Ray instance gets the logical CPUs the run holds.
-- `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: a Megatron
-  engine or strategy, FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
+- `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: an engine
+  other than FSDP2 or Megatron (which needs megatron-core and mbridge at the shim's versions, `megatron_cpu`), FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
   CPUs), and a run verl would resume at its last step (it would start Ray only to stop).
 - `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a Qwen3 from a
   transformers config (no download), warm-started (cpu_tiny_warmup) to a reward of about 0.5, with a ChatML
@@ -113,20 +113,32 @@ def select_platform(config: Any, here: bool = False) -> None:
         from verl_dppo.cli.vllm_cpu import vllm_cpu_settings
 
         vllm_cpu_settings(config)
+    if str(config.get("model_engine", "dp")) == "megatron":
+        from verl_dppo.cli.megatron_cpu import megatron_cpu_settings
+
+        megatron_cpu_settings(config)
     if here:
         select_cpu_platform()
 
 
 def check_engine(config: Any) -> None:
-    """A CPU run with an engine group other than verl's `dp` (FSDP): refused before verl's validation, whose own
-    error would not say why (Megatron's config classes reject the setup's FSDP optimizer keys)."""
+    """A CPU run with an engine group other than verl's `dp` (FSDP) or `megatron` (megatron-core and mbridge at the
+    shim's versions): refused before verl's validation, whose own error would not say why."""
     engine = str(config.get("model_engine", "dp"))
-    if is_cpu_run(config) and engine != "dp":
-        raise CpuRunError(
-            f"the run cannot start: model_engine={engine}: on CPU (trainer.device=cpu) only verl's dp engine with "
-            f"FSDP2 runs ({'Megatron needs GPUs' if engine == 'megatron' else f'{engine} is not supported there'}): "
-            "drop the model_engine override, or run on GPUs (trainer.device=cuda)"
-        )
+    if not is_cpu_run(config) or engine == "dp":
+        return
+    if engine == "megatron":
+        from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
+
+        problems = megatron_cpu_problems(config)
+        if problems:
+            raise CpuRunError("the run cannot start: " + problems[0])
+        return
+    raise CpuRunError(
+        f"the run cannot start: model_engine={engine}: on CPU (trainer.device=cpu) verl's dp (FSDP2) and megatron "
+        f"engines run ({engine} is not supported there): drop the model_engine override, or run on GPUs "
+        "(trainer.device=cuda)"
+    )
 
 
 def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:
@@ -134,11 +146,16 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
     `cluster_cpus`: the CPUs of the Ray cluster at `ray_address` (None: a local Ray instance, sized here)."""
     problems = []
     strategy = str(config.actor_rollout_ref.actor.get("strategy"))
-    if strategy != "fsdp2":
-        why = "Megatron needs GPUs" if strategy == "megatron" else f"{strategy} does not run on CPU"
+    if strategy == "megatron" and str(config.get("model_engine", "dp")) != "megatron":
         problems.append(
-            f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) only verl's FSDP2 engine runs "
-            f"({why}): set model_engine=dp actor_rollout_ref.actor.strategy=fsdp2, or run on GPUs (trainer.device=cuda)"
+            "actor_rollout_ref.actor.strategy=megatron needs verl's megatron engine group: set model_engine=megatron "
+            "(the CPU settings it needs come with it), or actor_rollout_ref.actor.strategy=fsdp2"
+        )
+    elif strategy not in ("fsdp2", "megatron"):
+        problems.append(
+            f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) verl's FSDP2 and Megatron "
+            f"engines run ({strategy} does not): set actor_rollout_ref.actor.strategy=fsdp2 (or model_engine=megatron), "
+            "or run on GPUs (trainer.device=cuda)"
         )
     rollout = config.actor_rollout_ref.rollout
     name = str(rollout.get("name"))

@@ -22,11 +22,14 @@ def register_backends() -> None:
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this plugin) right now, the module is still partial here and finishes the registration itself.
     import verl_dppo.cpu.platform  # noqa: F401
-    from verl_dppo.cpu import hf_rollout, store_engine
+    from verl_dppo.cpu import hf_rollout, megatron_shim, store_engine
 
     when_imported("verl.workers.rollout.replica", hf_rollout.register_replica)
     when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
     when_imported("verl.checkpoint_engine.base", store_engine.register)
+    # megatron-core and mbridge on the CPU platform (each a pass-through elsewhere)
+    when_imported("megatron.core", megatron_shim.install)
+    when_imported("verl.workers.config.engine", megatron_shim.allow_float32)
     when_imported("verl.utils.distributed", patch_distributed)
     when_imported("verl.workers.engine.fsdp.transformer_impl", patch_offload_policy)
     when_imported("verl.single_controller.ray.base", patch_resource_check)

@@ -1,0 +1,368 @@
+"""megatron-core and mbridge on a CPU: what verl 0.9.1's Megatron engine needs to train on the plugin's CPU platform.
+
+Active only on the CPU platform (`VERL_PLATFORM=cpu`) with a torch that has no CUDA, and only in a process that
+imports `megatron.core` (the plugin's entry registers `install` on that import). Read against **megatron-core
+0.16.1** and **mbridge 0.15.1**; `install` raises, naming this module, under any other version, since every piece
+below targets their internals by name. Each piece, and why:
+
+1. `cuda`: `torch.cuda` answers as a device that is the CPU. megatron-core calls `torch.cuda.current_device()`
+   (rotary embeddings), `synchronize`, `empty_cache`, streams and events, memory counters throughout (~600 uses);
+   mbridge moves its model with `model.cuda(...)` (core/util.py:151). No-ops, a "cpu" device, `Tensor.cuda` /
+   `Module.cuda` returning the object itself.
+2. `rng`: megatron-core's RNG tracker saves and restores CUDA generator states around every dropout region
+   (tensor_parallel/random.py `_get_cuda_rng_state` / `_set_cuda_rng_state`, `model_parallel_cuda_manual_seed`):
+   the CPU generator's, and `torch.cuda.manual_seed` seeds it (without that the tracker stores unseeded states and
+   expert-parallel ranks disagree).
+3. `local_spec`: verl (models/mcore/model_initializer.py) and mbridge (core/llm_bridge.py) build the decoder with
+   `get_gpt_decoder_block_spec(config, use_transformer_engine=True)`; without TransformerEngine, the local spec
+   (torch modules) is used whatever they ask.
+4. `norm_names`: mbridge maps TransformerEngine's fused-norm names (`linear_qkv.layer_norm_weight`); the local
+   spec's norms are `input_layernorm` / `pre_mlp_layernorm`, mapped here to transformers' names.
+5. `bshd_mask`: verl's unpacked (BSHD) batches carry a [B, S] mask of valid tokens (TransformerEngine's format);
+   megatron-core's `DotProductAttention` wants [B, 1, Sq, Sk] with True where masked: causal or key padding.
+6. `tensor_type`: megatron-core's optimizer and gradient clipping compare `param.type()` with CUDA type names
+   (optimizer/optimizer.py, distrib_optimizer.py, clip_grads.py): to a caller in `megatron.core`, a CPU tensor's
+   type reads as the CUDA one.
+7. `cuda_factories`: `torch.tensor(..., device="cuda")` and the like in megatron-core's optimizer, gradient
+   clipping, schedules, utilities and MoE dispatch: in those modules only, the module's `torch` is a proxy whose
+   factories create on the CPU (a process-wide rewrite of torch's factories corrupted transformers' weight loading).
+8. `moe`: megatron-core 0.16.1 without TransformerEngine leaves `te_general_gemm` undefined in
+   transformer/moe/moe_utils.py (NameError in the router), and the all-to-all's split sizes become numpy only for
+   CUDA tensors (`maybe_move_tensor_to_cpu`), which gloo's `all_to_all_single` needs as lists.
+
+What verl's own config needs (the plugin's cpu_tiny settings, `verl_dppo.cli.cpu_tiny.MEGATRON_CPU_OVERRIDES`):
+mbridge (`vanilla_mbridge=True`: Megatron-Bridge needs Python 3.12 or TransformerEngine), float32 (verl's
+McoreEngineConfig accepts bf16/fp16 only: `allow_float32` here), BSHD batches, local attention, no sequence
+parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "installed_pieces"]
+
+KNOWN_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
+_INSTALLED: list[str] = []
+_CUDA_DEVICE_ARGS = ("cuda",)
+
+
+class MegatronShimError(RuntimeError):
+    """The installed megatron-core or mbridge is not the version a piece was read against, or a piece's target moved."""
+
+
+def applies() -> bool:
+    """The CPU platform is selected and torch has no CUDA: the shim's condition."""
+    return os.environ.get("VERL_PLATFORM") == "cpu" and not torch.cuda.is_available()
+
+
+def installed_pieces() -> list[str]:
+    return list(_INSTALLED)
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def check_versions() -> None:
+    for distribution, known in KNOWN_VERSIONS.items():
+        found = _version(distribution)
+        if found != known and not (distribution == "mbridge" and found == "not installed"):
+            raise MegatronShimError(
+                f"verl-dppo's Megatron CPU shim (verl_dppo/cpu/megatron_shim.py) was read against {distribution} "
+                f"{known}, and {found} is installed: install {distribution}=={known} (the README's set-up does), or "
+                "run Megatron on GPUs"
+            )
+
+
+def _target(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise MegatronShimError(f"verl-dppo's Megatron CPU shim: {module}.{name} is gone ({error})") from error
+
+
+# ----------------------------------------------------------------------------------------------------- 1. cuda
+
+
+class _Null:
+    """A CUDA stream or event on the CPU: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _piece_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats", "ipc_collect"):
+        setattr(cuda, name, lambda *args, **kwargs: None)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda *args, **kwargs: 0)
+    cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
+    cuda.Stream = cuda.Event = _Null
+    cuda.current_stream = cuda.default_stream = lambda *args, **kwargs: _Null()
+    cuda.stream = lambda *args, **kwargs: _Null()
+    torch.Tensor.record_stream = lambda self, *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+# ------------------------------------------------------------------------------------------------------ 2. rng
+
+
+def _piece_rng() -> None:
+    def get_rng_state(device: Any = "cuda", *args, **kwargs) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
+        torch.set_rng_state(state)
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls cuda's seeding back
+
+    for owner in (torch.cuda, torch.cuda.random):
+        owner.get_rng_state, owner.set_rng_state = get_rng_state, set_rng_state
+        owner.manual_seed = owner.manual_seed_all = manual_seed
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    _target(random.__name__, "_get_cuda_rng_state")
+    random._get_cuda_rng_state = get_rng_state
+    random._set_cuda_rng_state = set_rng_state
+
+
+# ----------------------------------------------------------------------------------------------- 3. local_spec
+
+
+def _piece_local_spec() -> None:
+    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    original = _target(specs.__name__, "get_gpt_decoder_block_spec")
+
+    @functools.wraps(original)
+    def get_gpt_decoder_block_spec(config, use_transformer_engine, *args, **kwargs):
+        return original(config, False, *args, **kwargs)
+
+    specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+
+
+# ----------------------------------------------------------------------------------------------- 4. norm_names
+
+_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
+
+
+def _piece_norm_names() -> None:
+    try:
+        bridge = importlib.import_module("mbridge.core.bridge")
+    except ImportError:
+        return  # no mbridge: verl's Megatron engine cannot load a model anyway (verl says so)
+    owner = _target(bridge.__name__, "Bridge")
+    original = owner._weight_name_mapping_mcore_to_hf
+
+    @functools.wraps(original)
+    def mapping(self, mcore_weights_name: str) -> list[str]:
+        parts = mcore_weights_name.split(".")
+        if parts[:2] == ["decoder", "layers"] and ".".join(parts[3:]) in _NORMS:
+            return [f"model.layers.{parts[2]}.{_NORMS['.'.join(parts[3:])]}"]
+        return original(self, mcore_weights_name)
+
+    owner._weight_name_mapping_mcore_to_hf = mapping
+
+
+# ------------------------------------------------------------------------------------------------ 5. bshd_mask
+
+
+def bshd_attention_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """verl's [B, S] valid-token mask -> megatron-core's [B, 1, Sq, Sk], True where a query must not attend:
+    a later key (causal) or a padding key."""
+    causal = torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=mask.device), diagonal=1)
+    return causal[None, None] | ~mask[:, None, None, :sk].bool()
+
+
+def _piece_bshd_mask() -> None:
+    attention = importlib.import_module("megatron.core.transformer.dot_product_attention")
+    owner = _target(attention.__name__, "DotProductAttention")
+    original = owner.forward
+
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = bshd_attention_mask(attention_mask, query.shape[0], key.shape[0])  # [S, B, ...]
+        return original(self, query, key, value, attention_mask, *args, **kwargs)
+
+    owner.forward = forward
+
+
+# ---------------------------------------------------------------------------------------------- 6. tensor_type
+
+
+def _piece_tensor_type() -> None:
+    original = torch.Tensor.type
+
+    @functools.wraps(original)
+    def tensor_type(self, *args, **kwargs):
+        answer = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(answer, str) or not answer.startswith("torch."):
+            return answer
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("megatron.core") and not answer.startswith("torch.cuda."):
+            return "torch.cuda." + answer[len("torch."):]
+        return answer
+
+    torch.Tensor.type = tensor_type
+
+
+# ------------------------------------------------------------------------------------------ 7. cuda_factories
+
+FACTORY_MODULES = (
+    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.grad_scaler", "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer", "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
+    "megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings", "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils", "megatron.core.utils", "megatron.core.rerun_state_machine",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "zeros_like",
+              "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye", "linspace", "empty_strided",
+              "scalar_tensor", "as_tensor")
+
+
+def _on_cpu(device: Any) -> Any:
+    if device == "cuda" or (isinstance(device, str) and device.startswith("cuda:")) or isinstance(device, int):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` as a megatron-core module sees it: factories and `torch.device` with a CUDA device create on the CPU;
+    everything else is torch's own."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            return _cpu_factory(value)
+        if name == "device":
+            return _cpu_device
+        return value
+
+
+def _cpu_factory(factory: Callable) -> Callable:
+    @functools.wraps(factory)
+    def on_cpu(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _on_cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return on_cpu
+
+
+def _cpu_device(*args, **kwargs) -> torch.device:
+    if args and not isinstance(args[0], torch.device):
+        args = (_on_cpu(args[0]),) + args[1:]
+    return torch.device(*args, **kwargs)
+
+
+_PROXY = _TorchOnCpu()
+
+
+def _piece_cuda_factories() -> None:
+    for name in FACTORY_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is not torch:
+            raise MegatronShimError(f"verl-dppo's Megatron CPU shim: {name} no longer imports torch as `torch`")
+        module.torch = _PROXY
+
+
+# -------------------------------------------------------------------------------------------------------- 8. moe
+
+
+def _piece_moe() -> None:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = _target(moe_utils.__name__, "maybe_move_tensor_to_cpu")
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.detach().cpu().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+PIECES = (("cuda", _piece_cuda), ("rng", _piece_rng), ("local_spec", _piece_local_spec),
+          ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", _piece_tensor_type),
+          ("cuda_factories", _piece_cuda_factories), ("moe", _piece_moe))
+
+
+def install(_module: Any = None, force: bool = False) -> list[str]:
+    """Install every piece once in this process, where `applies()` (or `force`); returns the pieces installed."""
+    if _INSTALLED or not (force or applies()):
+        return installed_pieces()
+    check_versions()
+    for name, piece in PIECES:
+        try:
+            piece()
+        except MegatronShimError:
+            raise
+        except Exception as error:  # a target moved: say which piece met it
+            raise MegatronShimError(f"verl-dppo's Megatron CPU shim, piece {name!r}: {error}") from error
+        _INSTALLED.append(name)
+    return installed_pieces()
+
+
+def allow_float32(engine: Any = None) -> None:
+    """On the CPU platform: verl's `McoreEngineConfig.__post_init__` accepts bfloat16 and float16 only
+    (workers/config/engine.py:218), and a CPU runs float32: the check sees bf16, the config keeps float32 (verl's
+    engine then builds no Float16Module). Installed on the import of verl's config module, wherever it validates (a
+    dry run's driver included); float32 passes only where torch has no CUDA."""
+    if engine is None:
+        engine = importlib.import_module("verl.workers.config.engine")
+    owner = engine.McoreEngineConfig
+    original = owner.__post_init__
+    if getattr(original, "_verl_dppo_float32", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        asked = self.dtype
+        if asked in ("float32", "fp32") and not torch.cuda.is_available():
+            object.__setattr__(self, "dtype", "bfloat16")
+            try:
+                original(self)
+            finally:
+                object.__setattr__(self, "dtype", asked)
+        else:
+            original(self)
+
+    __post_init__._verl_dppo_float32 = True
+    owner.__post_init__ = __post_init__
