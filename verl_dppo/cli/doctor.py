@@ -133,6 +133,15 @@ def capabilities(engines: dict, missing_modules: list[str]) -> list[str]:
     else:
         lines.append(f"    CPU, vllm rollout: yes: {CPU_DISTRIBUTION} {cpu_vllm} (a community CPU build of vLLM; verl "
                      "pins vllm 0.24.0)")
+    from verl_dppo.cli.megatron_cpu import megatron_cpu_problems, megatron_support
+
+    found_megatron = ", ".join(f"{name} {version}" for name, version in megatron_support().items())
+    if megatron_cpu_problems(None):
+        lines.append(f"    CPU, model_engine=megatron: no: {found_megatron} (`make venv` installs megatron-core "
+                     "0.16.1 and mbridge 0.15.1)")
+    else:
+        lines.append(f"    CPU, model_engine=megatron: yes: {found_megatron} (TP, EP over gloo; no TransformerEngine, "
+                     "so BSHD batches only, no LoRA)")
     gpu_engines = [f"{engine} {found}" for engine, found in engines.items()
                    if found and not (engine == "vllm" and cpu_vllm is not None)]
     gpus = _cuda_devices()

@@ -319,9 +319,37 @@ def _piece_moe() -> None:
     dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+# ------------------------------------------------------------------------------------------- 9. resume_optimizer
+
+
+def _piece_resume_optimizer() -> None:
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    owner = _target(distrib.__name__, "DistributedOptimizer")
+    original = owner.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(self, *args, **kwargs):
+        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+        if is_loading and not distrib.HAVE_APEX_OR_TE and not self.optimizer.state:
+            # megatron-core's own loading preparation (it fills the states it will load into), done before
+            # `state_dict()` reads torch Adam's per-parameter 'step', which a fresh optimizer does not have yet
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    owner.sharded_state_dict = sharded_state_dict
+    setter = owner._set_main_param_and_optimizer_states
+
+    @functools.wraps(setter)
+    def _set_main_param_and_optimizer_states(self, *args, **kwargs):
+        with torch.no_grad():  # in fp32 the main parameters are the model's own, leaves that require grad
+            return setter(self, *args, **kwargs)
+
+    owner._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
 PIECES = (("cuda", _piece_cuda), ("rng", _piece_rng), ("local_spec", _piece_local_spec),
           ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", _piece_tensor_type),
-          ("cuda_factories", _piece_cuda_factories), ("moe", _piece_moe))
+          ("cuda_factories", _piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer))
 
 
 def install(_module: Any = None, force: bool = False) -> list[str]:
@@ -337,7 +365,26 @@ def install(_module: Any = None, force: bool = False) -> list[str]:
         except Exception as error:  # a target moved: say which piece met it
             raise MegatronShimError(f"verl-dppo's Megatron CPU shim, piece {name!r}: {error}") from error
         _INSTALLED.append(name)
+    _quiet_rng_notice()
+    from verl_dppo.plugin.log_once import warn_once
+
+    warn_once("megatron_shim", "verl-dppo: megatron-core %s and mbridge %s on the CPU platform (the plugin's shim: %s)",
+              KNOWN_VERSIONS["megatron-core"], KNOWN_VERSIONS["mbridge"], ", ".join(_INSTALLED))
     return installed_pieces()
+
+
+class _RngNotice:
+    """megatron-core's RNG tracker warns "CPU RNG state changed within GPU RNG context" at every fork on the CPU, where
+    the 'GPU' generator is the CPU one (piece 2): about ten lines per model build, each saying nothing."""
+
+    def filter(self, record) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _quiet_rng_notice() -> None:
+    import logging
+
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_RngNotice())
 
 
 def allow_float32(engine: Any = None) -> None:

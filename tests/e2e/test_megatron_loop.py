@@ -1,0 +1,94 @@
+"""verl's Megatron engine in the loop, on CPU (issue 35): megatron-core 0.16.1 and mbridge 0.15.1 (the README's set-up
+installs them) with the plugin's CPU shim (`verl_dppo.cpu.megatron_shim`), every run launched as a user launches it:
+`verl-dppo run cpu_tiny --method M model_engine=megatron ...`, on a local Ray cluster of the test's own.
+
+The runs, in two lanes side by side, each lane on a local Ray cluster of its own: dppo_binary_tv at TP=1, its
+training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again
+(it continues at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the
+plugin's Megatron logits hook). Every run: one update per step on the policy that sampled, fp32 on both sides, so
+`actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
+Megatron update. Skipped where megatron-core or mbridge is not installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL reading: one harness)
+
+from verl_dppo.cli.megatron_cpu import megatron_cpu_problems  # noqa: E402
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(bool(megatron_cpu_problems(None)),
+                       reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed here: `make venv` installs them"),
+]
+
+MEGATRON = ("model_engine=megatron",)
+TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+MASS_FLOOR = 20 / 1024
+"""The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20)."""
+SYNC_TV = 1e-4
+"""fp32 on both sides, one update per step: the rollout's log-probs are the trained Megatron model's to float
+rounding (about 1e-6) when the export is exact; a missed or wrong export (a layer's name, a TP shard) is far above."""
+
+
+def _lanes() -> list[list[loop.Run]]:
+    kill = loop.Run("megatron-binary_tv-killed", "dppo_binary_tv", steps=3, kill_after_step=2, via_cli=True,
+                    overrides=(*MEGATRON, "trainer.save_freq=2"))
+    restart = loop.Run("megatron-binary_tv-restarted", "dppo_binary_tv", steps=3, folder_of=kill.name, via_cli=True,
+                       overrides=(*MEGATRON, "trainer.save_freq=2"))
+    topk = loop.Run("megatron-topk_tv-tp2", "dppo_topk_tv", via_cli=True, overrides=(*MEGATRON, *TP2))
+    return [[kill, restart], [topk]]
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory) -> dict[str, loop.Run]:
+    root = tmp_path_factory.mktemp("megatron_loop")
+    return loop.run_lanes(root, loop.compose_lanes(root, _lanes()), "megatron loop")
+
+
+def _on_megatron(run: loop.Run) -> None:
+    assert "megatron-core 0.16.1 and mbridge 0.15.1 on the CPU platform" in run.log, loop._fail(
+        run, "the plugin's Megatron shim did not announce itself")
+    assert "-megatron" in str(run.folder / "logs") or "sync-megatron" in run.log, loop._fail(run, "not a Megatron run")
+
+
+def _synced(run: loop.Run) -> None:
+    mismatch = run.values("actor/dppo/mismatch_tv_mean")
+    assert all(0 <= m < SYNC_TV for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
+
+
+def test_binary_tv_trains_on_megatron_is_killed_and_resumes(megatron_runs):
+    """dppo_binary_tv on Megatron (TP=1): steps 1-2 trained with a gradient, the training worker SIGKILLed after the
+    step-2 checkpoint, main_ppo fails on its own; the restart resumes Megatron's checkpoint at step 3. Steps 1, 2, 3
+    each once in the JSONL; the weight export exact at every step."""
+    killed, restarted = megatron_runs["megatron-binary_tv-killed"], megatron_runs["megatron-binary_tv-restarted"]
+    assert killed.killed_pid is not None, loop._fail(killed, "the worker was never killed")
+    assert killed.exited_on_its_own and killed.rc not in (0, None), loop._fail(killed, "did not fail on its own")
+    _on_megatron(killed)
+    loop.finished(restarted, 3)
+    assert "setting global step to 2" in restarted.log, loop._fail(restarted, "did not resume from step 2")
+    assert "Loading" in restarted.log and "global_step_2" in restarted.log, loop._fail(
+        restarted, "no Megatron checkpoint loaded")
+    _synced(restarted)
+    assert max(restarted.values("actor/grad_norm")) > 0, loop._fail(restarted, "no update")
+
+
+def test_topk_tv_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs):
+    """dppo_topk_tv on Megatron with TP=2: the hook reduces the Top-K TV over vocabulary-parallel logits on both
+    ranks; the rows' mass at every step, an update, the TP-gathered export exact."""
+    run = megatron_runs["megatron-topk_tv-tp2"]
+    loop.finished(run, run.steps)
+    _on_megatron(run)
+    assert "[Rank 1]" in run.log, loop._fail(run, "no second tensor-parallel rank")
+    mass = run.values("actor/dppo/rollout_topk_mass_mean")
+    assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
+    _synced(run)
+    assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
