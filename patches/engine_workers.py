@@ -27,7 +27,6 @@ from verl_dppo.plugin.topk_mode import (
     dynamic_cp_problem,
     fused_kernels_problem,
     is_topk_mode,
-    megatron_troll_problem,
     pad_to_length_problem,
     policy_loss_get,
 )
@@ -70,8 +69,6 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
         problem = fused_kernels_problem(mode, megatron, backend, getattr(engine_config, "use_remove_padding", True))
         if problem is not None:
             raise ValueError(problem)
-    if megatron and mode in TROLL_MODES:
-        raise ValueError(megatron_troll_problem(mode))
     if getattr(engine_config, "pad_to_length", False):
         raise ValueError(pad_to_length_problem(mode, megatron))
     if megatron and getattr(engine_config, "dynamic_context_parallel", False):

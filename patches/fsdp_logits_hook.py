@@ -36,7 +36,6 @@ from verl_dppo.plugin.topk_mode import (
     TOPK_LOGPROBS,
     configured_topk,
     is_topk_mode,
-    megatron_troll_problem,
     policy_loss_get,
     untied_head_fsdp2_problem,
 )
@@ -61,13 +60,13 @@ def logits_processor(
 ) -> dict[str, torch.Tensor]:
     """The engine's logits hook for a Top-K mode: {dppo_topk_tv, dppo_topk_kl}, float32, shaped like the logits'
     leading dims: (1, local_nnz) from FSDP; from Megatron (which passes `data_format`) see `topk_megatron`. For troll:
-    TROLL's terms (`troll_outputs`), FSDP only."""
+    TROLL's terms (`troll_outputs`; on Megatron, `megatron_troll_processor`)."""
     loss_mode, k = _checked_mode(config, data)
     if data_format is not None:
-        if loss_mode in TROLL_MODES:
-            raise ValueError(megatron_troll_problem(loss_mode))
-        from verl_dppo.patches.megatron_logits_hook import megatron_logits_processor
+        from verl_dppo.patches.megatron_logits_hook import megatron_logits_processor, megatron_troll_processor
 
+        if loss_mode in TROLL_MODES:
+            return megatron_troll_processor(config, loss_mode, k, student_logits, data, data_format)
         return megatron_logits_processor(loss_mode, k, student_logits, data, data_format)
 
     logits = student_logits.squeeze(0)

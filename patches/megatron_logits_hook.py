@@ -28,7 +28,8 @@ from verl_dppo.patches.topk_fields import packed_rollout_fields, unusable_rows
 from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
 from verl_dppo.math.topk import vocab_parallel_topk_divergence
 
-__all__ = ["LAYOUT_KEY", "megatron_layout", "megatron_logits_processor", "check_context_parallel_layout"]
+__all__ = ["LAYOUT_KEY", "megatron_layout", "megatron_logits_processor", "megatron_troll_processor",
+           "check_context_parallel_layout"]
 
 
 def check_context_parallel_layout(mode: str, engine_config: Any, engine: Any) -> None:
@@ -90,56 +91,89 @@ def _split_like_input_ids(values: torch.Tensor, data: Any, data_format: str) -> 
     raise ValueError(f"unknown Megatron data_format {data_format!r} (verl 0.9.1 uses 'thd' or 'bshd')")
 
 
+class _Local:
+    """The rollout's fields split like the engine splits input_ids, as rows in the logits' memory order (a view of
+    Megatron's logits, which may be [s, b, v] transposed to (b, s, v)), and the way back to the logits' shape."""
+
+    def __init__(self, loss_mode: str, k: int, logits: torch.Tensor, data: Any, data_format: str):
+        ids, logprobs, sampled, sampled_logprobs, mask = packed_rollout_fields(loss_mode, k, data, logits.device)
+        # Three splits, not five: a_t rides as column K of the ids and log-probs.
+        slot_ids = _split_like_input_ids(torch.cat([ids, sampled[:, None]], dim=1), data, data_format)
+        slot_lps = _split_like_input_ids(torch.cat([logprobs, sampled_logprobs[:, None]], dim=1), data, data_format)
+        unusable = unusable_rows(logprobs, sampled_logprobs, mask)
+        # One split for both masks: bit 0 = the row is read, bit 1 = its rollout statistics are unusable (D = NaN).
+        flags = _split_like_input_ids((mask & ~unusable).to(torch.int8) + 2 * unusable.to(torch.int8), data,
+                                      data_format)
+        mask, unusable = (flags & 1).bool(), (flags & 2).bool()
+        if tuple(mask.shape) != tuple(logits.shape[:2]):
+            raise ValueError(
+                f"{loss_mode}: Megatron's logits are {tuple(logits.shape[:2])} tokens but the rollout's fields split "
+                f"to {tuple(mask.shape)}: the engine pads differently (pad_to_length); disable "
+                "actor_rollout_ref.actor.megatron.pad_to_length for Top-K"
+            )
+        self.transposed = not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous()
+        self.lead = (logits.shape[1], logits.shape[0]) if self.transposed else tuple(logits.shape[:2])
+        slot_ids, slot_lps = self.rows(slot_ids), self.rows(slot_lps)
+        self.ids, self.logprobs = slot_ids[:, :k], slot_lps[:, :k]
+        self.sampled, self.sampled_logprobs = slot_ids[:, k], slot_lps[:, k]
+        self.mask, self.unusable = self.rows(mask), self.rows(unusable)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.transpose(0, 1) if self.transposed else t
+        return t.reshape(-1, *t.shape[2:])
+
+    def shaped(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(self.lead)
+        return t.transpose(0, 1).contiguous() if self.transposed else t
+
+
 def megatron_logits_processor(
     loss_mode: str, k: int, logits: torch.Tensor, data: Any, data_format: str
 ) -> dict[str, torch.Tensor]:
     """{dppo_topk_tv, dppo_topk_kl} as float32 tensors shaped like `logits.shape[:2]`."""
     from megatron.core import parallel_state as mpu
 
-    ids, logprobs, sampled, sampled_logprobs, mask = packed_rollout_fields(loss_mode, k, data, logits.device)
-    # Three splits, not five: a_t rides as column K of the ids and log-probs.
-    slot_ids = _split_like_input_ids(torch.cat([ids, sampled[:, None]], dim=1), data, data_format)
-    slot_logprobs = _split_like_input_ids(torch.cat([logprobs, sampled_logprobs[:, None]], dim=1), data, data_format)
-    unusable = unusable_rows(logprobs, sampled_logprobs, mask)
-    # One split for both masks: bit 0 = the row is read, bit 1 = its rollout statistics are unusable (D = NaN).
-    flags = _split_like_input_ids((mask & ~unusable).to(torch.int8) + 2 * unusable.to(torch.int8), data, data_format)
-    mask, unusable = (flags & 1).bool(), (flags & 2).bool()
-    if tuple(mask.shape) != tuple(logits.shape[:2]):
-        raise ValueError(
-            f"{loss_mode}: Megatron's logits are {tuple(logits.shape[:2])} tokens but the rollout's fields split to "
-            f"{tuple(mask.shape)}: the engine pads differently (pad_to_length); disable "
-            "actor_rollout_ref.actor.megatron.pad_to_length for Top-K"
-        )
-
-    # Rows in the logits' memory order, so that flattening them is a view (Megatron's logits may be [s, b, v]
-    # transposed to (b, s, v); a copy would be the full (b, s, V / tp) tensor again).
-    transposed = not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous()
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        t = t.transpose(0, 1) if transposed else t
-        return t.reshape(-1, *t.shape[2:])
-
+    local = _Local(loss_mode, k, logits, data, data_format)
     local_vocab = logits.shape[-1]
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    slot_ids, slot_logprobs = rows(slot_ids), rows(slot_logprobs)
     tv, kl = vocab_parallel_topk_divergence(
-        rows(logits),
+        local.rows(logits),
         vocab_start=tp_rank * local_vocab,
         vocab_size=tp_size * local_vocab,
         group=mpu.get_tensor_model_parallel_group(),
-        rollout_topk_ids=slot_ids[:, :k],
-        rollout_topk_logprobs=slot_logprobs[:, :k],
-        sampled_ids=slot_ids[:, k],
-        rollout_sampled_logprobs=slot_logprobs[:, k],
-        mask=rows(mask),
+        rollout_topk_ids=local.ids,
+        rollout_topk_logprobs=local.logprobs,
+        sampled_ids=local.sampled,
+        rollout_sampled_logprobs=local.sampled_logprobs,
+        mask=local.mask,
         valid_vocab=_layout(data).get("vocab_size"),
     )
-    unusable = rows(unusable)
-    tv, kl = tv.masked_fill(unusable, math.nan), kl.masked_fill(unusable, math.nan)
-    lead = (logits.shape[1], logits.shape[0]) if transposed else tuple(logits.shape[:2])
+    tv, kl = tv.masked_fill(local.unusable, math.nan), kl.masked_fill(local.unusable, math.nan)
+    return {OUTPUT_KEYS["tv"]: local.shaped(tv), OUTPUT_KEYS["kl"]: local.shaped(kl)}
 
-    def shaped(t: torch.Tensor) -> torch.Tensor:
-        t = t.view(lead)
-        return t.transpose(0, 1).contiguous() if transposed else t
 
-    return {OUTPUT_KEYS["tv"]: shaped(tv), OUTPUT_KEYS["kl"]: shaped(kl)}
+def megatron_troll_processor(
+    config: Any, loss_mode: str, k: int, logits: torch.Tensor, data: Any, data_format: str
+) -> dict[str, torch.Tensor]:
+    """TROLL's terms (`troll_mode.OUTPUT_KEYS`) on Megatron, shaped like `logits.shape[:2]`: each token's vocabulary
+    row gathered across the tensor-parallel ranks with Megatron's own mapping (forward all-gather of the vocabulary
+    shards, backward the local shard of the gradient: each rank computes the same loss, as for Megatron's
+    vocabulary-parallel cross entropy), cut to the model's vocabulary (Megatron pads its LM head), then the FSDP
+    path's projection (`fsdp_logits_hook.troll_outputs`) on those rows: the same numbers on the same weights. Memory:
+    one full-vocabulary copy of the micro-batch's logits per rank (what FSDP holds per rank), made before verl's
+    vocabulary-parallel log-prob, which may work in the logits in place."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from verl_dppo.patches.fsdp_logits_hook import troll_outputs
+
+    local = _Local(loss_mode, k, logits, data, data_format)
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        full = gather_from_tensor_model_parallel_region(logits)
+    else:
+        full = logits.clone()
+    vocab = _layout(data).get("vocab_size") or full.shape[-1]
+    rows = local.rows(full)[:, :vocab]
+    outputs = troll_outputs(config, rows, local.ids, local.logprobs, local.sampled, local.sampled_logprobs,
+                            local.mask & ~local.unusable)
+    return {key: local.shaped(value.squeeze(0)) for key, value in outputs.items()}

@@ -194,22 +194,6 @@ def test_train_batch_turns_the_hook_on_and_refuses_megatron():
     prepare_train_batch(worker, data)
     assert tu.get_non_tensor_data(data, "distillation_use_topk", False) is True
 
-    class MegatronConfig:
-        strategy = "megatron"
-        use_fused_kernels = False
-        pad_to_length = False
-        dynamic_context_parallel = False
-
-    worker.engine_config = MegatronConfig()
-    with pytest.raises(ValueError, match="troll runs on the FSDP engine only"):
-        prepare_train_batch(worker, data)
-
-
-def test_megatron_hook_call_is_refused(model):
-    data, _ = troll_batch([3], [4])
-    with pytest.raises(ValueError, match="FSDP engine only"):
-        verl_losses.ppo_loss(actor_config("troll", topk=K), student_logits=torch.zeros(1, 7, VOCAB),
-                             data=data, data_format="thd")
 
 
 def test_rollout_hand_over_treats_troll_like_topk_and_raises_max_logprobs():
@@ -230,7 +214,7 @@ def test_rollout_hand_over_treats_troll_like_topk_and_raises_max_logprobs():
     assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == 64
 
 
-def test_recipe_composes_and_megatron_is_named_unsupported():
+def test_recipe_composes_on_fsdp_and_on_megatron():
     from test_recipes import recipe  # the recipe tests' composer
 
     from verl_dppo.cli.compose import check_supported
@@ -239,6 +223,6 @@ def test_recipe_composes_and_megatron_is_named_unsupported():
     policy_loss = config.actor_rollout_ref.actor.policy_loss
     assert policy_loss.loss_mode == "troll" and int(policy_loss.topk) == 64
     assert check_supported(config) == []  # dense_8b: the FSDP engine
-    megatron = recipe("moe_base", "troll")
+    megatron = recipe("moe_base", "troll")  # Megatron: the projection over vocabulary-parallel logits
     assert megatron.actor_rollout_ref.actor.strategy == "megatron"
-    assert [p for p in check_supported(megatron) if "troll runs on the FSDP engine only" in p]
+    assert check_supported(megatron) == []

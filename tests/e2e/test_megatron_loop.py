@@ -5,7 +5,7 @@ installs them) with the plugin's CPU shim (`verl_dppo.cpu.megatron_shim`), every
 The runs, in two lanes side by side, each lane on a local Ray cluster of its own: dppo_binary_tv at TP=1, its
 training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again
 (it continues at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the
-plugin's Megatron logits hook). Every run: one update per step on the policy that sampled, fp32 on both sides, so
+plugin's Megatron logits hook), then troll at TP=2 (the projection on rows gathered across the two ranks). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
 Megatron update. Skipped where megatron-core or mbridge is not installed.
 """
@@ -45,7 +45,8 @@ def _lanes() -> list[list[loop.Run]]:
     restart = loop.Run("megatron-binary_tv-restarted", "dppo_binary_tv", steps=3, folder_of=kill.name, via_cli=True,
                        overrides=(*MEGATRON, "trainer.save_freq=2"))
     topk = loop.Run("megatron-topk_tv-tp2", "dppo_topk_tv", via_cli=True, overrides=(*MEGATRON, *TP2))
-    return [[kill, restart], [topk]]
+    troll = loop.Run("megatron-troll-tp2", "troll", via_cli=True, overrides=(*MEGATRON, *TP2))
+    return [[kill, restart], [topk, troll]]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,20 @@ def test_topk_tv_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs
     _on_megatron(run)
     assert "[Rank 1]" in run.log, loop._fail(run, "no second tensor-parallel rank")
     mass = run.values("actor/dppo/rollout_topk_mass_mean")
+    assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
+    _synced(run)
+    assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
+
+
+def test_troll_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs):
+    """troll on Megatron with TP=2 (the command the README names): its projection acts on some tokens, the gradient
+    reaches both shards' model, the rows' mass at every step, the export exact."""
+    run = megatron_runs["megatron-troll-tp2"]
+    loop.finished(run, run.steps)
+    _on_megatron(run)
+    assert "[Rank 1]" in run.log, loop._fail(run, "no second tensor-parallel rank")
+    assert max(run.values("actor/troll/projected_frac")) > 0, loop._fail(run, "no token projected")
+    mass = run.values("actor/troll/rollout_topk_mass_mean")
     assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
     _synced(run)
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")

@@ -27,7 +27,7 @@ __all__ = [
     "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
     "configured_fused_kernels_problem", "untied_head_fsdp2_problem",
-    "pad_to_length_problem", "dynamic_cp_problem", "megatron_troll_problem", "FAMILY",
+    "pad_to_length_problem", "dynamic_cp_problem", "FAMILY",
 ]
 
 
@@ -166,13 +166,6 @@ def dynamic_cp_problem(mode: str) -> str:
     )
 
 
-def megatron_troll_problem(mode: str) -> str:
-    return (
-        f"{mode} runs on the FSDP engine only: its projection needs each token's full vocabulary row, which Megatron "
-        "splits across tensor-parallel ranks (not implemented): set actor_rollout_ref.actor.strategy=fsdp (or fsdp2)"
-    )
-
-
 def unsupported_settings(config: Any) -> list[str]:
     """What in a composed run config (actor_rollout_ref...) keeps a Top-K mode's logits hook from running; [] when
     nothing does or the loss is not Top-K. `prepare_train_batch` refuses the same settings at the first update."""
@@ -183,8 +176,6 @@ def unsupported_settings(config: Any) -> list[str]:
     megatron = arr.actor.get("strategy") == "megatron"
     engine = arr.actor.get("megatron" if megatron else "fsdp_config", None) or {}
     problems = []
-    if megatron and mode in TROLL_MODES:
-        problems.append(megatron_troll_problem(mode))
     fused = configured_fused_kernels_problem(mode, arr)
     if fused is not None:
         problems.append(fused)
