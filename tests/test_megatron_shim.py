@@ -26,50 +26,89 @@ EQUALITY = textwrap.dedent("""
     import os, sys
     import torch, torch.distributed as dist
     import verl  # the plugin: its import hook installs the shim when megatron.core is imported
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    kind, rank, world, path, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.manual_seed(0)
-    path = sys.argv[1]
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)).save_pretrained(path)
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    if rank == 0:
+        if kind == "moe":  # the MoE recipes' Qwen3-MoE in miniature: 4 experts, 2 routed per token
+            Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                               norm_topk_prob=True, router_aux_loss_coef=0.0)).save_pretrained(path)
+        else:
+            Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(path)
     import megatron.core
     from verl_dppo.cpu import megatron_shim
     print("PIECES", ",".join(megatron_shim.installed_pieces()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+    dist.barrier()  # rank 0 has written the checkpoint
     from megatron.core import parallel_state as mpu, tensor_parallel
-    mpu.initialize_model_parallel(1, 1)
+    mpu.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     from mbridge import AutoBridge
     from verl.utils.megatron_utils import get_hf_rope_theta
     bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
     bridge.hf_config.rope_theta = get_hf_rope_theta(bridge.hf_config)  # as verl's engine supplies it
+    if kind == "moe":  # what verl-dppo's CPU settings give a MoE model (verl_dppo/cli/megatron_cpu.py)
+        bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, bias_activation_fusion=False,
+                              bias_dropout_fusion=False, moe_token_dispatcher_type="alltoall")
     model = bridge.get_model(fp16=False, bf16=False, wrap_with_ddp=False)
     bridge.load_weights(model, path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.randint(3, 256, (2, 20))
+    ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 13:] = False  # a padded row: verl's BSHD batches end rows with padding
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask.long()).logits
         out = model[0](input_ids=ids, position_ids=torch.arange(20)[None].expand(2, -1), attention_mask=mask)
     print("DIFF", float((out - ref)[mask].abs().max()), float(ref[mask].abs().max()))
-    exported = dict(bridge.export_weights(model))
-    state = hf.state_dict()
-    print("EXPORT", max(float((exported[k] - state[k]).abs().max()) for k in exported), len(exported), len(state))
+    if kind == "dense":
+        exported = dict(bridge.export_weights(model))
+        state = hf.state_dict()
+        print("EXPORT", max(float((exported[k] - state[k]).abs().max()) for k in exported), len(exported), len(state))
+    else:
+        local = sum(1 for name, _ in model[0].named_parameters() if ".mlp.experts.linear_fc1.weight" in name)
+        print("EXPERTS", local)  # per rank: 2 layers x 4 experts / EP
 """)
+
+
+def _equality(kind: str, world: int, tmp_path) -> list[dict]:
+    env = dict(os.environ, VERL_PLATFORM="cpu", OMP_NUM_THREADS="1")
+    args = [str(tmp_path / "model"), str(tmp_path / "init")]
+    ranks = [subprocess.Popen([sys.executable, "-c", EQUALITY, kind, str(rank), str(world), *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    found = []
+    for process in ranks:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        found.append({line.split()[0]: line.split()[1:] for line in stdout.splitlines()
+                      if line.split()[:1] and line.split()[0] in ("PIECES", "DIFF", "EXPORT", "EXPERTS")})
+    return found
+
+
+def _same_logits(lines: dict) -> None:
+    assert lines["PIECES"][0].split(",") == [name for name, _ in megatron_shim.PIECES]
+    diff, scale = map(float, lines["DIFF"])
+    assert diff < 1e-4 * max(scale, 1.0), (diff, scale)  # fp32, two implementations of the same layers
 
 
 @needs_megatron
 def test_megatron_forward_equals_transformers_on_the_same_weights(tmp_path):
-    env = dict(os.environ, VERL_PLATFORM="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="29631", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", EQUALITY, str(tmp_path / "model")], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line[:4] in ("PIEC", "DIFF", "EXPO")}
-    assert lines["PIECES"][0].split(",") == [name for name, _ in megatron_shim.PIECES]
-    diff, scale = map(float, lines["DIFF"])
-    assert diff < 1e-4 * max(scale, 1.0), (diff, scale)  # fp32, two implementations of the same layers
+    """A dense Qwen3: the local spec, the [B, S] mask, mbridge's names for the local norms; the export back is the
+    checkpoint bit for bit (what the weight sync pushes)."""
+    (lines,) = _equality("dense", 1, tmp_path)
+    _same_logits(lines)
     worst, exported, held = lines["EXPORT"]
-    assert float(worst) == 0.0 and exported == held, lines["EXPORT"]  # the export back is the checkpoint, bit for bit
+    assert float(worst) == 0.0 and exported == held, lines["EXPORT"]
+
+
+@needs_megatron
+def test_a_qwen3_moe_with_two_expert_parallel_ranks_equals_transformers(tmp_path):
+    """A Qwen3-MoE at EP=2 (two processes, gloo all-to-all): each rank holds half the experts under the names
+    mbridge maps, and both ranks' logits equal transformers' forward on the same weights."""
+    for lines in _equality("moe", 2, tmp_path):
+        _same_logits(lines)
+        assert lines["EXPERTS"] == ["4"], lines
 
 
 @needs_megatron

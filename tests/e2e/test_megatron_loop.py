@@ -5,17 +5,20 @@ installs them) with the plugin's CPU shim (`verl_dppo.cpu.megatron_shim`), every
 The runs, in two lanes side by side, each lane on a local Ray cluster of its own: dppo_binary_tv at TP=1, its
 training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again
 (it continues at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the
-plugin's Megatron logits hook), then troll at TP=2 (the projection on rows gathered across the two ranks). Every run: one update per step on the policy that sampled, fp32 on both sides, so
+plugin's Megatron logits hook), then troll at TP=2 (the projection on rows gathered across the two ranks); a
+Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert names on the shim's SequentialMLP). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
 Megatron update. Skipped where megatron-core or mbridge is not installed.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -32,6 +35,8 @@ pytestmark = [
 
 MEGATRON = ("model_engine=megatron",)
 TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
+       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20)."""
 SYNC_TV = 1e-4
@@ -45,8 +50,16 @@ def _lanes() -> list[list[loop.Run]]:
     restart = loop.Run("megatron-binary_tv-restarted", "dppo_binary_tv", steps=3, folder_of=kill.name, via_cli=True,
                        overrides=(*MEGATRON, "trainer.save_freq=2"))
     topk = loop.Run("megatron-topk_tv-tp2", "dppo_topk_tv", via_cli=True, overrides=(*MEGATRON, *TP2))
-    troll = loop.Run("megatron-troll-tp2", "troll", via_cli=True, overrides=(*MEGATRON, *TP2))
-    return [[kill, restart], [topk, troll]]
+    # cpu_tiny's own updates (4 epochs of 4 mini-batches: the later ones off-policy) on its warm-started model, so
+    # that the projection has something to act on (one update on the policy that sampled never leaves the region)
+    troll = loop.Run("megatron-troll-tp2", "troll", via_cli=True, warm_model=True,
+                     overrides=(*MEGATRON, *TP2, "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                "actor_rollout_ref.actor.ppo_epochs=4"))
+    # A Qwen3-MoE of 4 experts over two expert-parallel ranks (random init: the harness's reward varies anyway)
+    moe = loop.Run("megatron-moe-ep2", "dppo_binary_tv", via_cli=True,
+                   overrides=(*MEGATRON, *MOE, "trainer.n_gpus_per_node=2",
+                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2"))
+    return [[kill, restart, moe], [topk, troll]]
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +109,8 @@ def test_topk_tv_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs
 
 
 def test_troll_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs):
-    """troll on Megatron with TP=2 (the command the README names): its projection acts on some tokens, the gradient
-    reaches both shards' model, the rows' mass at every step, the export exact."""
+    """troll on Megatron with TP=2 (the command the README names), 16 updates a step: its projection acts on some
+    tokens (those later updates leave the trust region), the rows' mass at every step, an update."""
     run = megatron_runs["megatron-troll-tp2"]
     loop.finished(run, run.steps)
     _on_megatron(run)
@@ -105,5 +118,46 @@ def test_troll_trains_on_megatron_with_two_tensor_parallel_ranks(megatron_runs):
     assert max(run.values("actor/troll/projected_frac")) > 0, loop._fail(run, "no token projected")
     mass = run.values("actor/troll/rollout_topk_mass_mean")
     assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
+    assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(str(path)))
+    return found
+
+
+def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks(megatron_runs):
+    """Qwen3-MoE with EP=2: 2 steps with an update, the export exact after it (every expert reaches the rollout from
+    the rank that holds it), and the step-2 checkpoint's experts differ from the initial model's in every layer: the
+    gradient went through the experts of both ranks."""
+    run = megatron_runs["megatron-moe-ep2"]
+    loop.finished(run, run.steps)
+    _on_megatron(run)
+    assert "-moe4" in run.log, loop._fail(run, "the MoE run is not named apart from the dense one")
     _synced(run)
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
+    initial = _tensors(run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random")
+    (exported,) = list((run.folder / "checkpoints").glob("global_step_2/actor/model/huggingface"))
+    trained = _tensors(exported)
+    experts = [name for name in trained if ".mlp.experts." in name]
+    assert len(experts) == 2 * 4 * 3, sorted(trained)[:10]  # 2 layers x 4 experts x (gate, up, down), per expert
+    moved = {name for name in experts if not torch.equal(trained[name], _initial_expert(initial, name))}
+    for layer in (0, 1):
+        for expert in range(4):
+            assert any(f"layers.{layer}.mlp.experts.{expert}." in name for name in moved), (layer, expert, moved)
+
+
+def _initial_expert(initial: dict, name: str):
+    """The initial model's tensor for a per-expert name (transformers may have saved the experts fused)."""
+    if name in initial:
+        return initial[name]
+    prefix, expert, kind = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight", name).groups()
+    if kind == "down":
+        return initial[f"{prefix}.down_proj"][int(expert)]
+    gate_up = initial[f"{prefix}.gate_up_proj"][int(expert)]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if kind == "gate" else gate_up[half:]

@@ -117,8 +117,24 @@ def select_platform(config: Any, here: bool = False) -> None:
         from verl_dppo.cli.megatron_cpu import megatron_cpu_settings
 
         megatron_cpu_settings(config)
+    _moe_suffix(config)
     if here:
         select_cpu_platform()
+
+
+def _moe_suffix(config: Any) -> None:
+    """A cpu_tiny Qwen3-MoE's expert count in the run's experiment name (`-moe4`), so that it never resumes the dense
+    model's checkpoint of the same method (nor the other way round)."""
+    dppo = config.get("dppo", {})
+    experts = int((dppo.get("tiny_model", {}) or {}).get("num_experts", 0) or 0)
+    if experts <= 0 or dppo.get("rollout_suffix") is None:
+        return
+    from omegaconf import open_dict
+
+    with open_dict(config.dppo):
+        suffix = str(config.dppo.rollout_suffix)
+        if f"-moe{experts}" not in suffix:
+            config.dppo.rollout_suffix = f"{suffix}-moe{experts}"
 
 
 def check_engine(config: Any) -> None:

@@ -106,5 +106,5 @@ def megatron_cpu_settings(config: Any) -> None:
     if config.get("dppo", {}).get("rollout_suffix") is not None:
         with open_dict(config.dppo):
             suffix = str(config.dppo.rollout_suffix)
-            if not suffix.endswith("-megatron"):
+            if "-megatron" not in suffix:
                 config.dppo.rollout_suffix = suffix + "-megatron"

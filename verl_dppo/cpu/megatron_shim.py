@@ -15,7 +15,8 @@ below targets their internals by name. Each piece, and why:
    expert-parallel ranks disagree).
 3. `local_spec`: verl (models/mcore/model_initializer.py) and mbridge (core/llm_bridge.py) build the decoder with
    `get_gpt_decoder_block_spec(config, use_transformer_engine=True)`; without TransformerEngine, the local spec
-   (torch modules) is used whatever they ask.
+   (torch modules) is used whatever they ask, and a MoE layer's experts are `cpu_grouped_mlp()`: SequentialMLP with
+   its weights under TEGroupedMLP's names, the only expert names mbridge maps.
 4. `norm_names`: mbridge maps TransformerEngine's fused-norm names (`linear_qkv.layer_norm_weight`); the local
    spec's norms are `input_layernorm` / `pre_mlp_layernorm`, mapped here to transformers' names.
 5. `bshd_mask`: verl's unpacked (BSHD) batches carry a [B, S] mask of valid tokens (TransformerEngine's format);
@@ -98,13 +99,14 @@ def _target(module: str, name: str) -> Any:
 
 
 class _Null:
-    """A CUDA stream or event on the CPU: every call does nothing."""
+    """A CUDA stream or event on the CPU: every call does nothing and returns another (a stream's `record_event()`
+    is an event to `synchronize()`)."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _Null()
 
     def __enter__(self):
         return self
@@ -160,9 +162,46 @@ def _piece_local_spec() -> None:
 
     @functools.wraps(original)
     def get_gpt_decoder_block_spec(config, use_transformer_engine, *args, **kwargs):
-        return original(config, False, *args, **kwargs)
+        block = original(config, False, *args, **kwargs)
+        for layer in block.layer_specs:
+            mlp = getattr(layer.submodules, "mlp", None)
+            experts = getattr(getattr(mlp, "submodules", None), "experts", None)
+            if experts is not None:
+                experts.module = cpu_grouped_mlp()
+        return block
 
     specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_grouped_mlp() -> type:
+    """megatron-core's SequentialMLP (one torch MLP per local expert: what runs without TransformerEngine or
+    grouped_gemm) whose expert weights also answer to TEGroupedMLP's names, the only ones mbridge 0.15.1 maps
+    (`mlp.experts.linear_fc1.weight{i}`, i the local expert, which mbridge turns into the global index by the EP rank):
+    the same Parameter objects (their expert-parallel attributes kept), registered there instead of under
+    `local_experts.{i}`; the forward is SequentialMLP's."""
+    experts = importlib.import_module("megatron.core.transformer.moe.experts")
+    sequential = _target(experts.__name__, "SequentialMLP")
+
+    class CpuGroupedMLP(sequential):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            local = list(self._modules.pop("local_experts"))
+            self.__dict__["_local_experts"] = local  # not a submodule: the parameters live under TE's names
+            self.linear_fc1, self.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+            for index, expert in enumerate(local):
+                self.linear_fc1.register_parameter(f"weight{index}", expert.linear_fc1.weight)
+                self.linear_fc2.register_parameter(f"weight{index}", expert.linear_fc2.weight)
+                for name in ("linear_fc1", "linear_fc2"):
+                    if getattr(getattr(expert, name), "bias", None) is not None:
+                        raise MegatronShimError("verl-dppo's Megatron CPU shim: experts with biases are not mapped")
+
+        @property
+        def local_experts(self):
+            local = self.__dict__.get("_local_experts")
+            return self._modules["local_experts"] if local is None else local
+
+    return CpuGroupedMLP
 
 
 # ----------------------------------------------------------------------------------------------- 4. norm_names
