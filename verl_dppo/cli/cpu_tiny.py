@@ -170,8 +170,8 @@ def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional
     elif strategy not in ("fsdp2", "megatron"):
         problems.append(
             f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) verl's FSDP2 and Megatron "
-            f"engines run ({strategy} does not): set actor_rollout_ref.actor.strategy=fsdp2 (or model_engine=megatron), "
-            "or run on GPUs (trainer.device=cuda)"
+            f"engines run ({strategy} does not run on CPU): set actor_rollout_ref.actor.strategy=fsdp2 (or "
+            "model_engine=megatron), or run on GPUs (trainer.device=cuda)"
         )
     rollout = config.actor_rollout_ref.rollout
     name = str(rollout.get("name"))
