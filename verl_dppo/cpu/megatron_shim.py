@@ -3,7 +3,8 @@
 Active only on the CPU platform (`VERL_PLATFORM=cpu`) with a torch that has no CUDA, and only in a process that
 imports `megatron.core` (the plugin's entry registers `install` on that import). Read against **megatron-core
 0.16.1** and **mbridge 0.15.1**; `install` raises, naming this module, under any other version, since every piece
-below targets their internals by name. Each piece, and why:
+below targets their internals by name. Each piece, and why (1, 2, 6 and 7, torch's CUDA surface, live in
+`megatron_device`):
 
 1. `cuda`: `torch.cuda` answers as a device that is the CPU. megatron-core calls `torch.cuda.current_device()`
    (rotary embeddings), `synchronize`, `empty_cache`, streams and events, memory counters throughout (~600 uses);
@@ -42,21 +43,23 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import sys
-import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from verl_dppo.cpu.megatron_device import (
+    MegatronShimError,
+    piece_cuda,
+    piece_cuda_factories,
+    piece_rng,
+    piece_tensor_type,
+    target,
+)
 
 __all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "installed_pieces"]
 
 KNOWN_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
 _INSTALLED: list[str] = []
-_CUDA_DEVICE_ARGS = ("cuda",)
-
-
-class MegatronShimError(RuntimeError):
-    """The installed megatron-core or mbridge is not the version a piece was read against, or a piece's target moved."""
 
 
 def applies() -> bool:
@@ -88,77 +91,12 @@ def check_versions() -> None:
             )
 
 
-def _target(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as error:
-        raise MegatronShimError(f"verl-dppo's Megatron CPU shim: {module}.{name} is gone ({error})") from error
-
-
-# ----------------------------------------------------------------------------------------------------- 1. cuda
-
-
-class _Null:
-    """A CUDA stream or event on the CPU: every call does nothing and returns another (a stream's `record_event()`
-    is an event to `synchronize()`)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: _Null()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _piece_cuda() -> None:
-    cuda = torch.cuda
-    cuda.current_device = lambda: "cpu"
-    for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats", "ipc_collect"):
-        setattr(cuda, name, lambda *args, **kwargs: None)
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        setattr(cuda, name, lambda *args, **kwargs: 0)
-    cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
-    cuda.Stream = cuda.Event = _Null
-    cuda.current_stream = cuda.default_stream = lambda *args, **kwargs: _Null()
-    cuda.stream = lambda *args, **kwargs: _Null()
-    torch.Tensor.record_stream = lambda self, *args, **kwargs: None
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
-
-
-# ------------------------------------------------------------------------------------------------------ 2. rng
-
-
-def _piece_rng() -> None:
-    def get_rng_state(device: Any = "cuda", *args, **kwargs) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
-        torch.set_rng_state(state)
-
-    def manual_seed(seed: int) -> None:
-        torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls cuda's seeding back
-
-    for owner in (torch.cuda, torch.cuda.random):
-        owner.get_rng_state, owner.set_rng_state = get_rng_state, set_rng_state
-        owner.manual_seed = owner.manual_seed_all = manual_seed
-    random = importlib.import_module("megatron.core.tensor_parallel.random")
-    _target(random.__name__, "_get_cuda_rng_state")
-    random._get_cuda_rng_state = get_rng_state
-    random._set_cuda_rng_state = set_rng_state
-
-
 # ----------------------------------------------------------------------------------------------- 3. local_spec
 
 
 def _piece_local_spec() -> None:
     specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    original = _target(specs.__name__, "get_gpt_decoder_block_spec")
+    original = target(specs.__name__, "get_gpt_decoder_block_spec")
 
     @functools.wraps(original)
     def get_gpt_decoder_block_spec(config, use_transformer_engine, *args, **kwargs):
@@ -181,7 +119,7 @@ def cpu_grouped_mlp() -> type:
     the same Parameter objects (their expert-parallel attributes kept), registered there instead of under
     `local_experts.{i}`; the forward is SequentialMLP's."""
     experts = importlib.import_module("megatron.core.transformer.moe.experts")
-    sequential = _target(experts.__name__, "SequentialMLP")
+    sequential = target(experts.__name__, "SequentialMLP")
 
     class CpuGroupedMLP(sequential):
         def __init__(self, *args, **kwargs):
@@ -215,7 +153,7 @@ def _piece_norm_names() -> None:
         bridge = importlib.import_module("mbridge.core.bridge")
     except ImportError:
         return  # no mbridge: verl's Megatron engine cannot load a model anyway (verl says so)
-    owner = _target(bridge.__name__, "Bridge")
+    owner = target(bridge.__name__, "Bridge")
     original = owner._weight_name_mapping_mcore_to_hf
 
     @functools.wraps(original)
@@ -240,7 +178,7 @@ def bshd_attention_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
 
 def _piece_bshd_mask() -> None:
     attention = importlib.import_module("megatron.core.transformer.dot_product_attention")
-    owner = _target(attention.__name__, "DotProductAttention")
+    owner = target(attention.__name__, "DotProductAttention")
     original = owner.forward
 
     @functools.wraps(original)
@@ -252,92 +190,6 @@ def _piece_bshd_mask() -> None:
     owner.forward = forward
 
 
-# ---------------------------------------------------------------------------------------------- 6. tensor_type
-
-
-def _piece_tensor_type() -> None:
-    original = torch.Tensor.type
-
-    @functools.wraps(original)
-    def tensor_type(self, *args, **kwargs):
-        answer = original(self, *args, **kwargs)
-        if args or kwargs or not isinstance(answer, str) or not answer.startswith("torch."):
-            return answer
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("megatron.core") and not answer.startswith("torch.cuda."):
-            return "torch.cuda." + answer[len("torch."):]
-        return answer
-
-    torch.Tensor.type = tensor_type
-
-
-# ------------------------------------------------------------------------------------------ 7. cuda_factories
-
-FACTORY_MODULES = (
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.grad_scaler", "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer", "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
-    "megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings", "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.transformer.utils", "megatron.core.utils", "megatron.core.rerun_state_machine",
-)
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "zeros_like",
-              "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye", "linspace", "empty_strided",
-              "scalar_tensor", "as_tensor")
-
-
-def _on_cpu(device: Any) -> Any:
-    if device == "cuda" or (isinstance(device, str) and device.startswith("cuda:")) or isinstance(device, int):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return "cpu"
-    return device
-
-
-class _TorchOnCpu(types.ModuleType):
-    """`torch` as a megatron-core module sees it: factories and `torch.device` with a CUDA device create on the CPU;
-    everything else is torch's own."""
-
-    def __init__(self):
-        super().__init__("torch")
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        if name in _FACTORIES:
-            return _cpu_factory(value)
-        if name == "device":
-            return _cpu_device
-        return value
-
-
-def _cpu_factory(factory: Callable) -> Callable:
-    @functools.wraps(factory)
-    def on_cpu(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
-        return factory(*args, **kwargs)
-
-    return on_cpu
-
-
-def _cpu_device(*args, **kwargs) -> torch.device:
-    if args and not isinstance(args[0], torch.device):
-        args = (_on_cpu(args[0]),) + args[1:]
-    return torch.device(*args, **kwargs)
-
-
-_PROXY = _TorchOnCpu()
-
-
-def _piece_cuda_factories() -> None:
-    for name in FACTORY_MODULES:
-        module = importlib.import_module(name)
-        if getattr(module, "torch", None) is not torch:
-            raise MegatronShimError(f"verl-dppo's Megatron CPU shim: {name} no longer imports torch as `torch`")
-        module.torch = _PROXY
-
-
 # -------------------------------------------------------------------------------------------------------- 8. moe
 
 
@@ -345,7 +197,7 @@ def _piece_moe() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    original = _target(moe_utils.__name__, "maybe_move_tensor_to_cpu")
+    original = target(moe_utils.__name__, "maybe_move_tensor_to_cpu")
 
     @functools.wraps(original)
     def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -363,7 +215,7 @@ def _piece_moe() -> None:
 
 def _piece_resume_optimizer() -> None:
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    owner = _target(distrib.__name__, "DistributedOptimizer")
+    owner = target(distrib.__name__, "DistributedOptimizer")
     original = owner.sharded_state_dict
 
     @functools.wraps(original)
@@ -386,9 +238,9 @@ def _piece_resume_optimizer() -> None:
     owner._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
-PIECES = (("cuda", _piece_cuda), ("rng", _piece_rng), ("local_spec", _piece_local_spec),
-          ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", _piece_tensor_type),
-          ("cuda_factories", _piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer))
+PIECES = (("cuda", piece_cuda), ("rng", piece_rng), ("local_spec", _piece_local_spec),
+          ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", piece_tensor_type),
+          ("cuda_factories", piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer))
 
 
 def install(_module: Any = None, force: bool = False) -> list[str]:
