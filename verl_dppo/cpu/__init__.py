@@ -1,5 +1,6 @@
 """The CPU rehearsal: what exists so that verl's whole trainer runs on this machine's CPUs, and nothing a GPU
-cluster's run loads (`trainer.device=cuda` never imports it).
+cluster's run uses (the plugin's entry registers these hooks in every process; off the CPU platform, and for
+engines a run does not name, each is a pass-through that imports nothing heavy).
 
 - `platform`: the plugin's CPU platform for verl (`VERL_PLATFORM=cpu`): gloo, no pinning, one CPU per worker.
 - `hf_rollout`: the `hf` rollout, a transformers stand-in for vLLM behind verl's server interface (verl's agent
