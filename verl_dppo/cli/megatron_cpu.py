@@ -13,7 +13,8 @@ config must say there, each for a reason met on this CPU (docs/megatron-cpu.md):
 | `model.use_remove_padding`, `*.megatron.use_remove_padding` | False | packed (THD) sequences need TransformerEngine's attention; verl copies the model's key over the engine's |
 | `*.megatron.override_transformer_config.attention_backend` | local | verl's default is flash |
 | `*.megatron.sequence_parallel` (and in `override_transformer_config`) | False | torch's norms refuse sequence parallelism; mbridge sets it from TP>1 unless overridden |
-| MoE models: `moe_grouped_gemm`, `persist_layer_norm`, `bias_activation_fusion`, `bias_dropout_fusion` | False | TransformerEngine's or Apex's kernels |
+| `*.megatron.use_distributed_optimizer` | True | verl's weight export reads the distributed optimizer's parameter buffer (without it: "'NoneType' object has no attribute 'storage'" at the first sync) |
+| MoE models (cpu_tiny's `dppo.tiny_model.num_experts` > 0): `moe_grouped_gemm`, `persist_layer_norm`, `bias_activation_fusion`, `bias_dropout_fusion` | False | TransformerEngine's or Apex's kernels |
 | MoE models: `moe_token_dispatcher_type` | alltoall | the dispatcher that runs over gloo |
 
 Values a user set on the command line for other keys (TP, EP, the optimizer's lr) are kept.
