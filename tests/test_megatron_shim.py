@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from verl_dppo.cli.megatron_cpu import megatron_cpu_problems, megatron_cpu_settings
+from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
 from verl_dppo.cpu import megatron_shim
 
 needs_megatron = pytest.mark.skipif(bool(megatron_cpu_problems(None)),
@@ -139,8 +139,10 @@ def test_the_bshd_mask_masks_later_and_padding_keys():
 def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
     from verl_dppo.cli.compose import compose_recipe
 
+    from verl_dppo.cli.cpu_engines import engine_settings
+
     config = compose_recipe("cpu_tiny", "dppo_binary_tv", overrides=["model_engine=megatron"])
-    megatron_cpu_settings(config)
+    engine_settings(config)
     actor = config.actor_rollout_ref.actor
     assert actor.strategy == "megatron" and "fsdp_config" not in actor
     assert "lr_scheduler_type" not in actor.optim
@@ -148,7 +150,13 @@ def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
     assert actor.megatron.override_transformer_config.attention_backend == "local"
     assert not config.actor_rollout_ref.model.use_remove_padding
     assert config.actor_rollout_ref.ref.megatron.dtype == "float32"
-    assert config.dppo.rollout_suffix == "-megatron"
+    assert config.dppo.rollout_suffix == "-megatron"  # never resumes an FSDP run's checkpoint
+    moe = compose_recipe("cpu_tiny", "dppo_binary_tv", overrides=["model_engine=megatron", "dppo.tiny_model.num_experts=4",
+                                                                  "actor_rollout_ref.rollout.name=vllm"])
+    engine_settings(moe)
+    engine_settings(moe)  # once per launch stage: the name is computed, not appended
+    assert moe.dppo.rollout_suffix == "-vllm-megatron-moe4"
+    assert moe.actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type == "alltoall"
 
 
 def test_megatron_on_cpu_without_the_packages_is_one_line_naming_the_pins(monkeypatch):

@@ -3,7 +3,7 @@ group are two tensor-parallel ranks (megatron-core's own parallel state and all-
 
 verl's Megatron engine calls the loss as a logits hook, `ppo_loss(student_logits=<this rank's vocabulary shard>,
 data=..., data_format="bshd")`. Its TROLL terms (log p(a_t), the regression KL, the diagnostics) and the gradient
-they send to each rank's shard must equal the FSDP path's (`fsdp_logits_hook.troll_outputs` on the full rows, the
+they send to each rank's shard must equal the FSDP path's (`troll_mode.troll_outputs` on the full rows, the
 same projection) at TP=1 and TP=2, with Megatron's padded LM-head columns left out (zero gradient there).
 """
 
@@ -50,7 +50,7 @@ def _check(tp_rank: int, tp: int, where: str) -> None:
     from helpers import actor_config
     from test_topk_megatron import K, VOCAB, _micro_batch, _nested
 
-    from verl_dppo.patches.fsdp_logits_hook import troll_outputs
+    from verl_dppo.plugin.troll_mode import troll_outputs
     from verl_dppo.patches.megatron_logits_hook import LAYOUT_KEY, _Local
     from verl_dppo.plugin import troll_mode
 

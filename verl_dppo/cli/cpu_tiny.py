@@ -6,8 +6,8 @@ What `run` does for it, before anything slow starts:
   (verl_dppo.cpu.platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
   Ray process, on every node) and, at launch, in the driver before verl's first `get_platform()` (local Ray workers
   inherit it). `size_local_ray(config)`: a new local Ray instance gets the logical CPUs the run holds.
-- `check_engine(config)`, `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray starts: an engine
-  other than FSDP2 or Megatron (which needs megatron-core and mbridge at the shim's versions, `megatron_cpu`), FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
+- `check_engine(config)` (`cpu_engines`), `cpu_problems(config, ...)`: what cannot run on CPU, refused before Ray
+  starts: an engine other than FSDP2 or Megatron (which needs megatron-core and mbridge at the shim's versions), FSDP1, a GPU-only rollout engine, more worker processes than cores (or than the cluster's
   CPUs), and a run verl would resume at its last step (it would start Ray only to stop).
 - `build_assets(config)`: the cpu_tiny setup's model and data, built once under $DPPO_ROOT: a Qwen3 from a
   transformers config (no download), warm-started (cpu_tiny_warmup) to a reward of about 0.5, with a ChatML
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from verl_dppo.cli.cpu_engines import CpuRunError, check_engine, engine_settings, is_cpu_run, strategy_problem
 from verl_dppo.cli.cpu_tiny_warmup import ITEMS, NAMES, QUESTIONS, WarmUp, synthetic_problems, warm_up
-from verl_dppo.cli.errors import UsageError
 
 __all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
            "cpu_problems", "is_cpu_run", "select_platform", "size_local_ray", "synthetic_problems", "vocabulary"]
@@ -51,10 +51,6 @@ MANIFEST = "cpu_tiny.json"
 BUILD_FORMAT = 3
 """In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt (2: the
 model is warm-started, the problems' operands are 2..5; 3: head_dim 32, what vLLM-CPU's attention accepts)."""
-
-class CpuRunError(UsageError, ValueError):
-    """A CPU run or the cpu_tiny build cannot go ahead; the message names the setting or path to change."""
-
 
 @dataclass(frozen=True)
 class TinyModel:
@@ -84,10 +80,6 @@ class TinyModel:
 # ------------------------------------------------------------------------------------------ the CPU platform
 
 
-def is_cpu_run(config: Any) -> bool:
-    return str(config.trainer.get("device", "cuda")) == "cpu"
-
-
 def select_platform(config: Any, here: bool = False) -> None:
     """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run, and one TransferQueue
     thread per call (the runtime_env of `ray.init`, which the dry run's YAML carries too); `here`: in this driver as
@@ -109,70 +101,18 @@ def select_platform(config: Any, here: bool = False) -> None:
             # physical cores with a warning at every call where there are fewer (some 40 lines a step on a laptop).
             # A CPU run's worker processes already share the cores, and its batches are small: one thread.
             runtime_env.env_vars.setdefault("TQ_NUM_THREADS", "1")
-    if str(config.actor_rollout_ref.rollout.get("name")) == "vllm":
-        from verl_dppo.cli.vllm_cpu import vllm_cpu_settings
-
-        vllm_cpu_settings(config)
-    if str(config.get("model_engine", "dp")) == "megatron":
-        from verl_dppo.cli.megatron_cpu import megatron_cpu_settings
-
-        megatron_cpu_settings(config)
-    _moe_suffix(config)
+    engine_settings(config)
     if here:
         select_cpu_platform()
-
-
-def _moe_suffix(config: Any) -> None:
-    """A cpu_tiny Qwen3-MoE's expert count in the run's experiment name (`-moe4`), so that it never resumes the dense
-    model's checkpoint of the same method (nor the other way round)."""
-    dppo = config.get("dppo", {})
-    experts = int((dppo.get("tiny_model", {}) or {}).get("num_experts", 0) or 0)
-    if experts <= 0 or dppo.get("rollout_suffix") is None:
-        return
-    from omegaconf import open_dict
-
-    with open_dict(config.dppo):
-        suffix = str(config.dppo.rollout_suffix)
-        if f"-moe{experts}" not in suffix:
-            config.dppo.rollout_suffix = f"{suffix}-moe{experts}"
-
-
-def check_engine(config: Any) -> None:
-    """A CPU run with an engine group other than verl's `dp` (FSDP) or `megatron` (megatron-core and mbridge at the
-    shim's versions): refused before verl's validation, whose own error would not say why."""
-    engine = str(config.get("model_engine", "dp"))
-    if not is_cpu_run(config) or engine == "dp":
-        return
-    if engine == "megatron":
-        from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
-
-        problems = megatron_cpu_problems(config)
-        if problems:
-            raise CpuRunError("the run cannot start: " + problems[0])
-        return
-    raise CpuRunError(
-        f"the run cannot start: model_engine={engine}: on CPU (trainer.device=cpu) verl's dp (FSDP2) and megatron "
-        f"engines run ({engine} is not supported there): drop the model_engine override, or run on GPUs "
-        "(trainer.device=cuda)"
-    )
 
 
 def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:
     """What a `trainer.device=cpu` run cannot do, each one sentence naming the setting; [] when it can start.
     `cluster_cpus`: the CPUs of the Ray cluster at `ray_address` (None: a local Ray instance, sized here)."""
     problems = []
-    strategy = str(config.actor_rollout_ref.actor.get("strategy"))
-    if strategy == "megatron" and str(config.get("model_engine", "dp")) != "megatron":
-        problems.append(
-            "actor_rollout_ref.actor.strategy=megatron needs verl's megatron engine group: set model_engine=megatron "
-            "(the CPU settings it needs come with it), or actor_rollout_ref.actor.strategy=fsdp2"
-        )
-    elif strategy not in ("fsdp2", "megatron"):
-        problems.append(
-            f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) verl's FSDP2 and Megatron "
-            f"engines run ({strategy} does not run on CPU): set actor_rollout_ref.actor.strategy=fsdp2 (or "
-            "model_engine=megatron), or run on GPUs (trainer.device=cuda)"
-        )
+    strategy = strategy_problem(config)
+    if strategy:
+        problems.append(strategy)
     rollout = config.actor_rollout_ref.rollout
     name = str(rollout.get("name"))
     if name in GPU_ONLY_ROLLOUTS:

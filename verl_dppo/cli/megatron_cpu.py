@@ -75,8 +75,8 @@ def _is_moe(config: Any) -> bool:
 
 
 def megatron_cpu_settings(config: Any) -> None:
-    """The settings above, on a `trainer.device=cpu` run with model_engine=megatron; and `-megatron` in a cpu_tiny
-    run's experiment name, so that it never resumes an FSDP run's checkpoint (nor the other way round)."""
+    """The settings above, on a `trainer.device=cpu` run with model_engine=megatron (the run's name says megatron:
+    `cpu_engines.run_suffix`)."""
     role_config = config.actor_rollout_ref
     transformer = dict(MEGATRON_CPU_TRANSFORMER, **(MOE_TRANSFORMER if _is_moe(config) else {}))
     with open_dict(role_config):
@@ -104,8 +104,3 @@ def megatron_cpu_settings(config: Any) -> None:
                     with open_dict(node.megatron.override_transformer_config):
                         for key, value in transformer.items():
                             node.megatron.override_transformer_config[key] = value
-    if config.get("dppo", {}).get("rollout_suffix") is not None:
-        with open_dict(config.dppo):
-            suffix = str(config.dppo.rollout_suffix)
-            if "-megatron" not in suffix:
-                config.dppo.rollout_suffix = suffix + "-megatron"

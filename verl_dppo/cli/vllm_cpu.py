@@ -100,9 +100,6 @@ def vllm_cpu_settings(config: Any) -> None:
             with open_dict(engine):
                 engine.update_weights_bucket_megabytes = min(
                     int(engine.get("update_weights_bucket_megabytes") or VLLM_CPU_BUCKET_MB), VLLM_CPU_BUCKET_MB)
-    if config.get("dppo", {}).get("rollout_suffix") is not None:
-        with open_dict(config.dppo):
-            config.dppo.rollout_suffix = "-vllm"
 
 
 def vllm_cpu_problems(config: Any) -> list[str]:

@@ -24,13 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from verl_dppo.math.troll import capped_ratio
+from verl_dppo.math.troll import capped_ratio, troll_token_terms
 from verl_dppo.plugin.config import check_troll_options
 from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
 from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk, policy_loss_get
 
 __all__ = ["OUTPUT_KEYS", "DIFFERENTIABLE", "TrollOptions", "troll_options", "troll_from_extras", "troll_loss_matrix",
-           "troll_ratio_parts", "zero_loss", "FAMILY"]
+           "troll_ratio_parts", "zero_loss", "FAMILY", "troll_outputs", "troll_dict"]
 
 
 OUTPUT_KEYS = {
@@ -170,3 +170,30 @@ class TrollFamily(LossFamily):
 FAMILY = TrollFamily((
     LossMode("troll", "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K"),
 ))
+
+
+# ------------------------------------------------------------------ the engines' hooks (FSDP's and Megatron's)
+
+
+def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                  sampled_ids: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TROLL's per-token terms on the packed stream, (1, local_nnz) float32 each, under `troll_mode.OUTPUT_KEYS`.
+
+    Called inside verl's training forward (no `no_grad`), so log p(a_t) and the regression KL stay attached to the
+    logits: verl's engine stores them in model_output as it does the distillation losses, which it back-propagates
+    through. `troll_token_terms` saves the logits themselves (no copy) and reads them again in backward; verl's
+    flash-attn cross entropy for log_probs writes into the logits in place only if a gradient reaches verl's own
+    log_prob, which the troll loss never uses (`verl_dppo.patches.engine_workers` disables that kernel for a run
+    whose ppo_loss adds a KL loss on log_prob). Rows outside `mask` hold 0 and valid = 0."""
+    options = troll_options(config)
+    terms = troll_token_terms(
+        logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
+        eps=options.eps, support_mass=options.support_mass, topk=options.topk,
+    )
+    return troll_dict(terms)
+
+
+def troll_dict(terms) -> dict[str, torch.Tensor]:
+    values = {"log_p": terms.log_p_sampled, "regression_kl": terms.regression_kl, "log_mu": terms.log_mu_sampled,
+              **terms.diagnostics}
+    return {key: values[term].float().unsqueeze(0) for term, key in OUTPUT_KEYS.items()}

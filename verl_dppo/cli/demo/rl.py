@@ -115,7 +115,7 @@ def troll_terms(config, logits, responses, response_mask, rollout_log_probs, top
     """What the plugin's logits hook hands the loss inside verl's engine for troll: TROLL's per-token terms from the
     learner's logits (the hook's own `troll_outputs`), log p(a_t) and the regression KL WITH gradient, in the
     engine's no-padding layout under the model-output keys the `ppo_loss` wrapper reads."""
-    from verl_dppo.patches.fsdp_logits_hook import troll_outputs
+    from verl_dppo.plugin.troll_mode import troll_outputs
 
     n, length = responses.shape
     cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)
