@@ -24,9 +24,9 @@ import torch
 from verl_dppo.math.fused_topk import fused_topk_divergence
 from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import topk_divergence
-from verl_dppo.math.troll import troll_token_terms
 from verl_dppo.patches.topk_fields import local_rollout_fields, packed_rollout_fields, unusable_rows  # noqa: F401
 from verl_dppo.plugin import troll_mode
+from verl_dppo.plugin.troll_mode import troll_outputs
 from verl_dppo.plugin.topk_mode import (
     OUTPUT_KEYS,
     ROLLOUT_SETTINGS,
@@ -114,7 +114,7 @@ def fused_lm_head_outputs(
             hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable, temperature=temperature,
             eps=options.eps, support_mass=options.support_mass, topk=options.topk, entropy=entropy,
         )
-        outputs = _troll_dict(terms)
+        outputs = troll_mode.troll_dict(terms)
         log_p, ent = policy.log_p_sampled, policy.entropy
     else:
         tv, kl, stats = fused_topk_divergence(hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable,
@@ -123,27 +123,3 @@ def fused_lm_head_outputs(
         log_p, ent = stats.log_p_sampled, stats.entropy
     ent = ent if ent is not None else torch.zeros_like(log_p)
     return log_p.float().view(labels.shape), ent.view(labels.shape), outputs
-
-
-def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                  sampled_ids: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """TROLL's per-token terms on the packed stream, (1, local_nnz) float32 each, under `troll_mode.OUTPUT_KEYS`.
-
-    Called inside verl's training forward (no `no_grad`), so log p(a_t) and the regression KL stay attached to the
-    logits: verl's engine stores them in model_output as it does the distillation losses, which it back-propagates
-    through. `troll_token_terms` saves the logits themselves (no copy) and reads them again in backward; verl's
-    flash-attn cross entropy for log_probs writes into the logits in place only if a gradient reaches verl's own
-    log_prob, which the troll loss never uses (`verl_dppo.patches.engine_workers` disables that kernel for a run
-    whose ppo_loss adds a KL loss on log_prob). Rows outside `mask` hold 0 and valid = 0."""
-    options = troll_mode.troll_options(config)
-    terms = troll_token_terms(
-        logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
-        eps=options.eps, support_mass=options.support_mass, topk=options.topk,
-    )
-    return _troll_dict(terms)
-
-
-def _troll_dict(terms) -> dict[str, torch.Tensor]:
-    values = {"log_p": terms.log_p_sampled, "regression_kl": terms.regression_kl, "log_mu": terms.log_mu_sampled,
-              **terms.diagnostics}
-    return {key: values[term].float().unsqueeze(0) for term, key in troll_mode.OUTPUT_KEYS.items()}

@@ -159,13 +159,13 @@ def megatron_troll_processor(
     row gathered across the tensor-parallel ranks with Megatron's own mapping (forward all-gather of the vocabulary
     shards, backward the local shard of the gradient: each rank computes the same loss, as for Megatron's
     vocabulary-parallel cross entropy), cut to the model's vocabulary (Megatron pads its LM head), then the FSDP
-    path's projection (`fsdp_logits_hook.troll_outputs`) on those rows: the same numbers on the same weights. Memory:
+    path's projection (`troll_mode.troll_outputs`) on those rows: the same numbers on the same weights. Memory:
     one full-vocabulary copy of the micro-batch's logits per rank (what FSDP holds per rank), made before verl's
     vocabulary-parallel log-prob, which may work in the logits in place."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from verl_dppo.patches.fsdp_logits_hook import troll_outputs
+    from verl_dppo.plugin.troll_mode import troll_outputs
 
     local = _Local(loss_mode, k, logits, data, data_format)
     if mpu.get_tensor_model_parallel_world_size() > 1:
