@@ -39,6 +39,7 @@ EQUALITY = textwrap.dedent("""
             Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(path)
     import megatron.core
     from verl_dppo.cpu import megatron_shim
+    megatron_shim.install()  # what verl's MegatronEngine.__init__ does first on the CPU platform (install_on_engine)
     print("PIECES", ",".join(megatron_shim.installed_pieces()))
     dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
     dist.barrier()  # rank 0 has written the checkpoint
@@ -112,13 +113,25 @@ def test_a_qwen3_moe_with_two_expert_parallel_ranks_equals_transformers(tmp_path
 
 
 @needs_megatron
-def test_the_shim_stays_out_of_a_process_off_the_cpu_platform():
-    code = ("import verl, megatron.core, torch\nfrom verl_dppo.cpu import megatron_shim\n"
-            "print(megatron_shim.installed_pieces(), type(torch.Tensor.cuda).__name__)")
+@pytest.mark.parametrize("platform", ["cpu", None])
+def test_the_shim_stays_out_of_a_process_that_builds_no_megatron_engine(platform):
+    """verl imports megatron-core (and its engine module) in every process that imports its engines: an FSDP run's
+    processes on the CPU platform, and any process off it, keep torch and megatron-core as they are. Off the CPU
+    platform, building the engine installs nothing either."""
+    code = ("import verl, torch\nimport verl.workers.engine\nimport verl.workers.engine.megatron.transformer_impl as m\n"
+            "from verl_dppo.cpu import megatron_shim\n"
+            "print(megatron_shim.installed_pieces(), type(torch.Tensor.cuda).__name__)\n"
+            "try:\n    m.MegatronEngine.__init__(object.__new__(m.MegatronEngine))\nexcept TypeError:\n    pass\n"
+            "print(megatron_shim.installed_pieces())")
     env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    if platform:
+        env["VERL_PLATFORM"] = platform
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["[]", "method_descriptor"], out.stdout  # torch's own Tensor.cuda
+    first, second = out.stdout.strip().splitlines()[-2:]
+    assert first.split() == ["[]", "method_descriptor"], out.stdout  # torch's own Tensor.cuda: nothing installed
+    built = [name for name, _ in megatron_shim.PIECES] if platform == "cpu" else []
+    assert second == str(built), out.stdout  # the engine's __init__ installs it first, on the CPU platform only
 
 
 def test_a_version_the_shim_was_not_read_against_is_refused(monkeypatch):

@@ -31,8 +31,12 @@ def _rank(rank: int, init_file: str) -> None:
     os.environ["VERL_PLATFORM"] = "cpu"
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)
-    import verl  # noqa: F401  (the plugin, its patches and the shim's import hook)
+    import verl  # noqa: F401  (the plugin and its patches)
     from megatron.core import parallel_state as mpu
+
+    from verl_dppo.cpu import megatron_shim
+
+    megatron_shim.install()  # as verl's MegatronEngine.__init__ does first on the CPU platform
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
     for tp in (1, TP):

@@ -6,7 +6,8 @@ Cut, in the run's Ray processes only (`python -m verl.trainer.main_ppo` keeps ve
   instead, and the dump replaced by one line naming it (the patch in `verl_dppo.patches.main_ppo`);
 - verl's warnings that optional training engines are not installed (torchtitan, veomni, automodel, mindspeed,
   megatron: five per process that imports `verl.workers.engine`, in three processes of a run); `verl-dppo doctor`
-  says which engines this environment has.
+  says which engines this environment has; and megatron-core's and mbridge's warnings that TransformerEngine and Apex
+  are absent, where megatron-core is installed.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from typing import Any, Optional
 
 from verl_dppo.patches.main_ppo import CONFIG_FILE_VARIABLE
 
-__all__ = ["ENGINE_WARNINGS_FILTER", "quiet_launch", "summary_line", "steps_logged"]
+__all__ = ["ENGINE_WARNINGS_FILTER", "MEGATRON_WARNINGS_FILTERS", "quiet_launch", "summary_line", "steps_logged"]
 
 ENGINE_WARNINGS_FILTER = "ignore::UserWarning:verl.workers.engine"
 """A PYTHONWARNINGS entry: the UserWarnings `verl/workers/engine/__init__.py` raises for each optional engine it
 cannot import (that module raises no other)."""
+MEGATRON_WARNINGS_FILTERS = ("ignore:Transformer Engine and Apex are not installed", "ignore:Apex is not installed")
+"""PYTHONWARNINGS entries (a message's start): megatron-core and mbridge, which verl imports in every process that
+imports its engines where they are installed, warn at import that TransformerEngine and Apex are absent (eight
+warnings, 16 lines, per process); `verl-dppo doctor` says what Megatron support this environment has."""
 CHECKPOINT_CONFIG = "verl_config.yaml"
 
 
@@ -51,9 +56,10 @@ def quiet_launch(config: Any) -> list[str]:
     problems = []
     path = config_file(config)
     with open_dict(env_vars):
-        current = env_vars.get("PYTHONWARNINGS") or os.environ.get("PYTHONWARNINGS") or ""
-        if ENGINE_WARNINGS_FILTER not in current.split(","):
-            env_vars["PYTHONWARNINGS"] = ",".join(filter(None, [current, ENGINE_WARNINGS_FILTER]))
+        current = (env_vars.get("PYTHONWARNINGS") or os.environ.get("PYTHONWARNINGS") or "").split(",")
+        added = [entry for entry in (ENGINE_WARNINGS_FILTER, *MEGATRON_WARNINGS_FILTERS) if entry not in current]
+        if added:
+            env_vars["PYTHONWARNINGS"] = ",".join(filter(None, [*current, *added]))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as handle:

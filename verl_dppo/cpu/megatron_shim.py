@@ -1,7 +1,9 @@
 """megatron-core and mbridge on a CPU: what verl 0.9.1's Megatron engine needs to train on the plugin's CPU platform.
 
 Active only on the CPU platform (`VERL_PLATFORM=cpu`) with a torch that has no CUDA, and only in a process that
-imports `megatron.core` (the plugin's entry registers `install` on that import). Read against **megatron-core
+builds verl's Megatron engine (the plugin's entry wraps `MegatronEngine.__init__`: `install_on_engine`). verl imports
+megatron-core in every process that imports its engines, wherever it is installed; an FSDP run's processes are left
+as they are. Read against **megatron-core
 0.16.1** and **mbridge 0.15.1**; `install` raises, naming this module, under any other version, since every piece
 below targets their internals by name. Each piece, and why (1, 2, 6 and 7, torch's CUDA surface, live in
 `megatron_device`):
@@ -43,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from typing import Any
 
 import torch
@@ -56,7 +59,8 @@ from verl_dppo.cpu.megatron_device import (
     target,
 )
 
-__all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "installed_pieces"]
+__all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "install_on_engine",
+           "installed_pieces"]
 
 KNOWN_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
 _INSTALLED: list[str] = []
@@ -108,7 +112,17 @@ def _piece_local_spec() -> None:
                 experts.module = cpu_grouped_mlp()
         return block
 
-    specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+    _rebind(original, get_gpt_decoder_block_spec)  # verl's model_initializer and mbridge imported it by name
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """`replacement` wherever a loaded module holds `original` under the same name (its own module included): the
+    shim is installed when the engine is built, after verl and mbridge imported megatron-core's functions by name."""
+    name = original.__name__
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)  # not getattr(module, name): lazy modules would import on it
+        if isinstance(namespace, dict) and namespace.get(name) is original:
+            setattr(module, name, replacement)
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,9 +219,8 @@ def _piece_moe() -> None:
             return tensor.detach().cpu().numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
-    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    _rebind(original, maybe_move_tensor_to_cpu)
 
 
 # ------------------------------------------------------------------------------------------- 9. resume_optimizer
@@ -262,6 +275,23 @@ def install(_module: Any = None, force: bool = False) -> list[str]:
     warn_once("megatron_shim", "verl-dppo: megatron-core %s and mbridge %s on the CPU platform (the plugin's shim: %s)",
               KNOWN_VERSIONS["megatron-core"], KNOWN_VERSIONS["mbridge"], ", ".join(_INSTALLED))
     return installed_pieces()
+
+
+def install_on_engine(module: Any) -> None:
+    """On the import of verl's Megatron engine module: its engines' `__init__` installs the shim first (where
+    `applies()`), before it builds the parallel state, the model and the optimizer."""
+    owner = module.MegatronEngine
+    original = owner.__init__
+    if getattr(original, "_verl_dppo_shim", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        install()
+        original(self, *args, **kwargs)
+
+    __init__._verl_dppo_shim = True
+    owner.__init__ = __init__
 
 
 class _RngNotice:

@@ -28,7 +28,7 @@ def register_backends() -> None:
     when_imported("verl.workers.rollout.base", hf_rollout.register_adapter)
     when_imported("verl.checkpoint_engine.base", store_engine.register)
     # megatron-core and mbridge on the CPU platform (each a pass-through elsewhere)
-    when_imported("megatron.core", megatron_shim.install)
+    when_imported("verl.workers.engine.megatron.transformer_impl", megatron_shim.install_on_engine)
     when_imported("verl.workers.config.engine", megatron_shim.allow_float32)
     when_imported("verl.utils.distributed", patch_distributed)
     when_imported("verl.workers.engine.fsdp.transformer_impl", patch_offload_policy)
