@@ -1,4 +1,4 @@
-"""Top-K DPPO on verl 0.9.1's Megatron engine: the logits hook with vocabulary-parallel logits.
+"""Top-K DPPO and TROLL on verl 0.9.1's Megatron engine: the logits hook with vocabulary-parallel logits.
 
 `MegatronEngineWithLMHead._lm_head_logits_processor` calls the worker's loss function as
 `loss_fn(student_logits=logits, data=micro_batch, data_format="thd" | "bshd")` when the micro-batch carries
@@ -12,6 +12,9 @@ So, like verl's own Megatron distillation loss (`trainer/distillation/megatron/l
 fields out on each full sequence, split them with the very functions that split the input ids
 (`preprocess_thd_engine` / `preprocess_bshd_engine`), and reduce across the tensor-parallel group
 (`verl_dppo.math.topk.vocab_parallel_topk_divergence`: all-reduced max and sum of exp, each id's logit from its owner).
+
+TROLL (`megatron_troll_processor`) projects each token's row gathered across the tensor-parallel ranks with
+megatron-core's own mapping (backward: the local shard of the gradient), the FSDP path's projection on the same rows.
 
 Why no extension point, and what would make this unnecessary: as for `fsdp_logits_hook` (verl's logits hook exists
 for top-K distillation only); a logits-processor slot on the policy loss would serve both engines.
