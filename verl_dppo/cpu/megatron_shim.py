@@ -33,6 +33,9 @@ below targets their internals by name. Each piece, and why (1, 2, 6 and 7, torch
 8. `moe`: megatron-core 0.16.1 without TransformerEngine leaves `te_general_gemm` undefined in
    transformer/moe/moe_utils.py (NameError in the router), and the all-to-all's split sizes become numpy only for
    CUDA tensors (`maybe_move_tensor_to_cpu`), which gloo's `all_to_all_single` needs as lists.
+9. `resume_optimizer`: resuming megatron-core's distributed optimizer without Apex or TransformerEngine (below).
+10. `r3_bshd`: verl lays R3's rollout routes out for packed (THD) batches only; on the CPU's unpacked (BSHD)
+   batches the router reads them [S, B], padding included (`verl_dppo.cpu.megatron_r3`).
 
 What verl's own config needs (the plugin's cpu_tiny settings, `verl_dppo.cli.cpu_tiny.MEGATRON_CPU_OVERRIDES`):
 mbridge (`vanilla_mbridge=True`: Megatron-Bridge needs Python 3.12 or TransformerEngine), float32 (verl's
@@ -58,6 +61,7 @@ from verl_dppo.cpu.megatron_device import (
     piece_tensor_type,
     target,
 )
+from verl_dppo.cpu.megatron_r3 import piece_r3_bshd
 
 __all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "install_on_engine",
            "installed_pieces"]
@@ -253,7 +257,8 @@ def _piece_resume_optimizer() -> None:
 
 PIECES = (("cuda", piece_cuda), ("rng", piece_rng), ("local_spec", _piece_local_spec),
           ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", piece_tensor_type),
-          ("cuda_factories", piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer))
+          ("cuda_factories", piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer),
+          ("r3_bshd", piece_r3_bshd))
 
 
 def install(_module: Any = None, force: bool = False) -> list[str]:

@@ -18,6 +18,7 @@ def register_backends() -> None:
     from verl_dppo.patches.cpu_distributed import patch_distributed, patch_offload_policy
     from verl_dppo.patches.cpu_resources import patch_resource_check
     from verl_dppo.patches.file_logger import patch_file_logger
+    from verl_dppo.patches import vllm_cpu_moe
     from verl_dppo.patches.vllm_cpu import patch_accelerator_ids, patch_cpu_gemm_dispatch, quiet_torchvision_fallback
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this plugin) right now, the module is still partial here and finishes the registration itself.
@@ -38,6 +39,10 @@ def register_backends() -> None:
     when_imported("ray.runtime_context", patch_accelerator_ids)
     when_imported("vllm.model_executor.layers.utils", patch_cpu_gemm_dispatch)
     when_imported("vllm", quiet_torchvision_fallback)
+    # vLLM-CPU's MoE kernel: verl's weight sync into it, R3's routed experts out of it (patches/vllm_cpu_moe.py)
+    when_imported("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", vllm_cpu_moe.patch_method)
+    when_imported("vllm.v1.worker.gpu_model_runner", vllm_cpu_moe.patch_bind_capturer)
+    when_imported("vllm.model_executor.layers.fused_moe.cpu_fused_moe", vllm_cpu_moe.patch_cpu_select_experts)
 
 
 def load() -> None:
