@@ -29,10 +29,48 @@ EQUALITY = textwrap.dedent("""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     kind, rank, world, path, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.manual_seed(0)
+
+    def r3_replay(model, ids, mask):
+        # R3 as verl's engine runs it on a BSHD batch: the rollout's routes (here: drawn, unlike the router's own
+        # choice) and verl's replay mask through verl's set_router_replay_data (the shim's r3_bshd piece in place),
+        # then the forward; returns the replayed rows on which the router used the drawn experts, and all of them.
+        import verl.workers.engine.megatron.transformer_impl as engine
+        from megatron.core.transformer.moe.router import TopKRouter
+        from verl.utils.megatron.router_replay_patch import RouterReplayAction
+        from verl.utils.megatron.router_replay_utils import build_r3_replay_mask, set_model_router_replay_action
+        lengths = mask.sum(-1).tolist()
+        nested = lambda parts: torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+        draw = torch.Generator().manual_seed(2)
+        routes = [torch.stack([torch.stack([torch.randperm(4, generator=draw)[:2] for _ in range(2)])
+                               for _ in range(n)]) for n in lengths]  # [tokens, layers, k] per sequence
+        response_mask = torch.zeros(len(lengths), 8, dtype=torch.bool)
+        response_mask[0, :8], response_mask[1, :5] = True, True
+        replay = build_r3_replay_mask(nested([ids[b, :n] for b, n in enumerate(lengths)]), response_mask)
+        set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+        engine.set_router_replay_data(nested(routes), None, model.config, 0, replay_mask=replay, model=model)
+        used = []
+        hooks = [m.register_forward_hook(lambda _m, _i, out: used.append(out[1]))
+                 for m in model.modules() if isinstance(m, TopKRouter)]
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None].expand(len(lengths), -1),
+                  attention_mask=mask)
+        for hook in hooks:
+            hook.remove()
+        same = total = 0
+        for layer, routing_map in enumerate(used):  # [S * B, experts], S-major
+            for b, n in enumerate(lengths):
+                rows = replay.unbind()[b]
+                for t in range(n):
+                    if rows[t]:
+                        chosen = routing_map[t * len(lengths) + b].nonzero().flatten().tolist()
+                        same += chosen == sorted(routes[b][t, layer].tolist())
+                        total += 1
+        return same, total
+
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
     if rank == 0:
-        if kind == "moe":  # the MoE recipes' Qwen3-MoE in miniature: 4 experts, 2 routed per token
+        if kind.startswith("moe"):  # the MoE recipes' Qwen3-MoE in miniature: 4 experts, 2 routed per token
             Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                                                norm_topk_prob=True, router_aux_loss_coef=0.0)).save_pretrained(path)
         else:
@@ -50,9 +88,13 @@ EQUALITY = textwrap.dedent("""
     from verl.utils.megatron_utils import get_hf_rope_theta
     bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
     bridge.hf_config.rope_theta = get_hf_rope_theta(bridge.hf_config)  # as verl's engine supplies it
-    if kind == "moe":  # what verl-dppo's CPU settings give a MoE model (verl_dppo/cli/megatron_cpu.py)
+    if kind.startswith("moe"):  # what verl-dppo's CPU settings give a MoE model (verl_dppo/cli/megatron_cpu.py)
         bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, bias_activation_fusion=False,
                               bias_dropout_fusion=False, moe_token_dispatcher_type="alltoall")
+    if kind == "moe_r3":  # what verl's MegatronEngine does with router_replay.mode=R3
+        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+        apply_router_replay_patch()
+        bridge.config.moe_enable_routing_replay = True
     model = bridge.get_model(fp16=False, bf16=False, wrap_with_ddp=False)
     bridge.load_weights(model, path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -63,6 +105,9 @@ EQUALITY = textwrap.dedent("""
         ref = hf(input_ids=ids, attention_mask=mask.long()).logits
         out = model[0](input_ids=ids, position_ids=torch.arange(20)[None].expand(2, -1), attention_mask=mask)
     print("DIFF", float((out - ref)[mask].abs().max()), float(ref[mask].abs().max()))
+    if kind == "moe_r3":
+        # the padded batch, then one without padding (as many rows as packed: in another order all the same)
+        print("R3", *r3_replay(model[0], ids, mask), *r3_replay(model[0], ids, torch.ones_like(mask)))
     if kind == "dense":
         exported = dict(bridge.export_weights(model))
         state = hf.state_dict()
@@ -83,7 +128,7 @@ def _equality(kind: str, world: int, tmp_path) -> list[dict]:
         stdout, stderr = process.communicate(timeout=600)
         assert process.returncode == 0, stderr[-3000:]
         found.append({line.split()[0]: line.split()[1:] for line in stdout.splitlines()
-                      if line.split()[:1] and line.split()[0] in ("PIECES", "DIFF", "EXPORT", "EXPERTS")})
+                      if line.split()[:1] and line.split()[0] in ("PIECES", "DIFF", "EXPORT", "EXPERTS", "R3")})
     return found
 
 
@@ -110,6 +155,29 @@ def test_a_qwen3_moe_with_two_expert_parallel_ranks_equals_transformers(tmp_path
     for lines in _equality("moe", 2, tmp_path):
         _same_logits(lines)
         assert lines["EXPERTS"] == ["4"], lines
+
+
+@needs_megatron
+def test_r3_replays_the_rollout_routes_on_the_rows_a_bshd_batch_routes(tmp_path):
+    """R3 on the CPU's unpacked batches (the shim's r3_bshd piece): routes unlike the router's own choice, handed to
+    verl's set_router_replay_data in verl's packed layout with verl's R3 replay mask, are the experts every
+    replayed row of a padded [B, S] batch is routed to, in both MoE layers. Without the piece verl stops at its
+    alignment check; with the rows laid out batch-major instead, about 1 row in 4 matched. A batch without padding
+    has as many rows as verl packs, in another order: it is laid out too."""
+    (lines,) = _equality("moe_r3", 1, tmp_path)
+    _same_logits(lines)
+    same, total, same_unpadded, total_unpadded = map(int, lines["R3"])
+    assert total == 2 * (19 + 12) and same == total, lines["R3"]  # each sequence's last row routes natively
+    assert total_unpadded == 2 * (19 + 19) and same_unpadded == total_unpadded, lines["R3"]
+
+
+def test_bshd_rows_lays_packed_rows_out_s_major_with_zeros_at_padding():
+    from verl_dppo.cpu.megatron_r3 import bshd_rows
+
+    rows = torch.tensor([[1], [2], [3], [4], [5]])  # a sequence of 3 tokens, then one of 2
+    assert bshd_rows(rows, [3, 2], 4).flatten().tolist() == [1, 4, 2, 5, 3, 0, 0, 0]
+    with pytest.raises(megatron_shim.MegatronShimError, match="5 route rows"):
+        bshd_rows(rows, [3, 3], 4)
 
 
 @needs_megatron

@@ -19,6 +19,10 @@ The piece keeps verl's packing and moves the rows where the router reads them, o
   batch is (a sequence's token t at row t*B + b; padding rows are not replayed: the mask is False there, so they
   keep the router's own choice), then verl's replay runs as written.
 
+The first replay in a process logs one line: the rows replayed, and on how many of them the router's own choice
+equals the rollout's (the Megatron tier reads it: at the first update, on the weights that sampled, in float32 on
+both sides, the two agree on nearly every row when the rows line up, and by chance when they do not).
+
 Any other shape (sequence parallelism splits the rows across TP ranks, context parallelism) is refused by name:
 the CPU settings turn both off.
 """
@@ -35,6 +39,7 @@ from verl_dppo.cpu.megatron_device import MegatronShimError, target
 __all__ = ["bshd_rows", "piece_r3_bshd"]
 
 _LENGTHS = "_dppo_bshd_lengths"
+_REPORTED: list = []
 
 
 def bshd_rows(rows: torch.Tensor, lengths: list[int], padded: int) -> torch.Tensor:
@@ -50,17 +55,21 @@ def bshd_rows(rows: torch.Tensor, lengths: list[int], padded: int) -> torch.Tens
 
 
 def _to_bshd(router, scores: torch.Tensor) -> None:
-    """Lay out the targets `router` is about to replay as `scores`' rows are laid out (see the module's docstring)."""
-    backward = router.router_replay_action.name == "REPLAY_BACKWARD"
+    """Lay out the targets `router` is about to replay as `scores`' rows are laid out (see the module's docstring);
+    returns them and their mask where it did, else None."""
+    action = getattr(router.router_replay_action, "name", None)  # None or RECORD: nothing is replayed
+    backward = action == "REPLAY_BACKWARD"
     if backward:
         if not router.replay_backward_list:
-            return
+            return None
         indices, mask = router.replay_backward_list[0], router.replay_backward_mask_list[0]
-    else:
+    elif action == "REPLAY_FORWARD":
         indices, mask = router.target_topk_idx, router.target_replay_mask
+    else:
+        return None
     lengths = getattr(indices, _LENGTHS, None)
-    if lengths is None or indices.shape[0] == scores.shape[0]:
-        return
+    if lengths is None:  # not tagged by set_router_replay_data, or laid out already
+        return None
     rows, count = scores.shape[0], len(lengths)
     if rows % count:
         raise MegatronShimError(f"verl-dppo's Megatron CPU shim (r3_bshd): the router routes {rows} tokens, not a "
@@ -72,6 +81,20 @@ def _to_bshd(router, scores: torch.Tensor) -> None:
         router.replay_backward_list[0], router.replay_backward_mask_list[0] = indices, mask
     else:
         router.target_topk_idx, router.target_replay_mask = indices, mask
+    return indices, mask
+
+
+def _report(scores, topk, replayed, mask, compute_topk) -> None:
+    """Once per process, at the first replay: how many rows the router replays, and on how many of them its own
+    choice (the trainer's weights) equals the rollout's. On the policy that sampled, with the same weights and dtype
+    on both sides, the two agree wherever the rows line up (near-ties aside); rows out of line agree by chance."""
+    from verl_dppo.plugin.log_once import warn_once
+
+    _, native = compute_topk(scores, topk)
+    rows = mask.bool() if mask is not None else torch.ones(scores.shape[0], dtype=torch.bool)
+    same = (native.sort(-1).values == replayed.to(native.device).sort(-1).values).all(-1)[rows.to(native.device)]
+    warn_once("r3_bshd", "verl-dppo: R3 on the CPU's BSHD batches: the router replays the rollout's experts on %d of "
+              "%d rows; its own choice agrees on %d of them", int(rows.sum()), rows.numel(), int(same.sum()))
 
 
 def piece_r3_bshd() -> None:
@@ -97,8 +120,13 @@ def piece_r3_bshd() -> None:
     original_get = replay.get_replay_topk
 
     @functools.wraps(original_get)
-    def get_replay_topk(self, scores, *args, **kwargs):
-        _to_bshd(self, scores)
-        return original_get(self, scores, *args, **kwargs)
+    def get_replay_topk(self, scores, topk, *args, **kwargs):
+        laid_out = _to_bshd(self, scores)
+        if laid_out is not None and not _REPORTED and kwargs.get("default_compute_topk") is not None:
+            _REPORTED.append(True)  # verl passes its routing (and the group settings) by keyword
+            compute = functools.partial(kwargs["default_compute_topk"], num_groups=kwargs.get("num_groups"),
+                                        group_topk=kwargs.get("group_topk"))
+            _report(scores, topk, *laid_out, compute)
+        return original_get(self, scores, topk, *args, **kwargs)
 
     replay.get_replay_topk = get_replay_topk

