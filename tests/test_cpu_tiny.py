@@ -371,6 +371,23 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
     assert pooled.ray_kwargs.ray_init.num_cpus == max(_local_cpus(), 4)
 
 
+def test_r3_on_the_cpu_gets_one_line_for_each_setting_it_lacks():
+    from verl_dppo.cli.cpu_engines import r3_problems
+
+    r3 = ["model_engine=megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    moe, vllm = "dppo.tiny_model.num_experts=4", "actor_rollout_ref.rollout.name=vllm"
+    assert r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", [*r3, moe, vllm])) == []  # the Megatron tier's
+    assert r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"])) == []
+    cases = {"takes two settings": [*r3[:2], moe, vllm], "needs the vllm rollout": [*r3, moe],
+             "num_experts=4": [*r3, vllm],
+             "tensor_model_parallel_size=1": [*r3, moe, vllm, "trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]}
+    for expected, overrides in cases.items():
+        (problem,) = r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", overrides))
+        assert expected in problem, (overrides, problem)
+
+
 def test_a_run_already_at_its_last_step_is_refused_instead_of_starting_ray_for_nothing(monkeypatch, tmp_path):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     config = compose_recipe("cpu_tiny", "dppo_binary_tv", [f"trainer.default_local_dir={tmp_path}"])

