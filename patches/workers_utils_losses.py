@@ -86,6 +86,9 @@ def _wrap(original: Callable) -> Callable:
             return original(config, model_output, data, dp_group)
         with bind_extras(_extract(model_output, data)) as extras:
             loss, metrics = original(config, model_output, data, dp_group)
+        from verl_dppo.plugin.mismatch_dump import dump
+
+        dump(model_output, data, extras)  # `verl-dppo mismatch` only (its environment variable)
         from verl_dppo.plugin.metrics import finalize_metrics
 
         return loss, finalize_metrics(metrics, extras.ratio_parts)

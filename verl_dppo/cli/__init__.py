@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "verl_dppo.cli.plot",  # plot
     "verl_dppo.cli.launch",  # recipes, run, data
     "verl_dppo.cli.check",  # check
+    "verl_dppo.cli.real_model",  # real-model
+    "verl_dppo.cli.mismatch",  # mismatch
 )
 
 

@@ -361,6 +361,13 @@ def build_assets(config: Any) -> list[str]:
                            lambda tmp: _write_model(tmp, spec, warmup))
         if line is not None:
             built.append(line.format(at=model_dir))
+    real = config.dppo.get("real_model")
+    if real is not None and _path(config.actor_rollout_ref.model.path) == _path(real.path):
+        from verl_dppo.cli.real_model import build_real_model  # the smollm2 setup's model, from its package
+
+        line = build_real_model(_path(real.path))[1]
+        if line is not None:
+            built.append(line)
     data = config.dppo.tiny_data
     folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
     read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}
