@@ -65,17 +65,27 @@ def thresholds(setup: str, config_dir: list) -> dict[str, tuple[float, float]]:
     return found
 
 
+def _dtype(name: Any):
+    import torch
+
+    return getattr(torch, str(name).replace("torch.", "")) if name else torch.float32
+
+
 def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[dict]:
     """Per bucket of mu(a_t): counts, deviations and the fraction each region acts on (see the module's docstring)."""
     import torch
 
-    from verl_dppo.math.divergence import binary_kl, binary_tv
+    from verl_dppo.math.divergence import binary_kl, binary_tv, rounding_radius, within_rounding
 
-    mu_lp, pi_lp = tokens["mu"].double(), tokens["pi"].double()
-    mu, pi = mu_lp.exp(), pi_lp.exp()
-    ratio = (pi_lp - mu_lp).exp()
-    measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_lp, pi_lp).double(),
-                "binary_kl": binary_kl(mu_lp, pi_lp).double()}
+    mu_lp, pi_lp = tokens["mu"].float(), tokens["pi"].float()
+    mu, pi = mu_lp.double().exp(), pi_lp.double().exp()
+    ratio = (pi_lp.double() - mu_lp.double()).exp()
+    # as the loss measures them (losses._measure): the binary divergences at the pi nearest mu within the rounding of
+    # the dtypes the two log-probs were computed in, the ratio at pi as given
+    radius = (rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype"))) + rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))))
+    resolved = within_rounding(mu_lp, pi_lp, radius)
+    measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_lp, resolved).double(),
+                "binary_kl": binary_kl(mu_lp, resolved).double()}
     for name in ("topk_tv", "topk_kl"):
         if name in tokens:
             measures[name] = tokens[name].double()
@@ -100,7 +110,7 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
                 if kind == "ratio":
                     out = (ratio[inside] < 1 - lower) | (ratio[inside] > 1 + upper)
                 else:  # a DPPO mode blocks pi moving up past delta_high or down past delta_low
-                    signed = torch.where(pi[inside] > mu[inside], measures[kind][inside], -measures[kind][inside])
+                    signed = torch.where(pi_lp[inside] > mu_lp[inside], measures[kind][inside], -measures[kind][inside])
                     out = (signed > upper) | (-signed > lower)
                 acted[method] = float(out.double().mean())
             row["acted_frac"] = acted
@@ -141,10 +151,17 @@ def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) ->
 
 
 def _tokens(folder: Path) -> dict:
+    """The run's token records, concatenated; the dtypes (one per run) as strings."""
     import torch
 
     parts = [torch.load(path) for path in sorted(folder.glob("tokens-*.pt"))]
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0] if all(key in p for p in parts)}
+    merged = {key: torch.cat([part[key] for part in parts]) for key in parts[0]
+              if all(key in p for p in parts) and torch.is_tensor(parts[0][key])}
+    for key in ("mu_dtype", "pi_dtype"):
+        found = {part.get(key) for part in parts}
+        if len(found) == 1 and None not in found:
+            merged[key] = found.pop()
+    return merged
 
 
 def _table(label: str, rows: list[dict]) -> str:

@@ -95,13 +95,28 @@ def list_recipes() -> dict[str, list[RecipeInfo]]:
 
 
 def register_resolvers() -> None:
-    """The recipes' own interpolation: `${dppo_div:A,B}` = A / B, a whole number (separate_async's
-    parameter_sync_step = train_batch_size / ppo_mini_batch_size). Registered before composing; a dry run prints
+    """The recipes' own interpolations: `${dppo_div:A,B}` = A / B, a whole number (separate_async's
+    parameter_sync_step = train_batch_size / ppo_mini_batch_size); `${dppo_module_file:M}`, a plugin module's file. Registered before composing; a dry run prints
     the resolved YAML, which plain `main_ppo` then reads without it."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("dppo_div"):
         OmegaConf.register_new_resolver("dppo_div", _whole_division)
+    if not OmegaConf.has_resolver("dppo_module_file"):
+        OmegaConf.register_new_resolver("dppo_module_file", _module_file)
+
+
+def _module_file(module: str) -> str:
+    """`${dppo_module_file:verl_dppo.plugin.rewards}`: the installed file of a plugin module (verl's
+    custom_reward_function takes a path)."""
+    import importlib.util
+
+    if not module.startswith("verl_dppo."):
+        raise ValueError(f"dppo_module_file: {module} is not a module of verl-dppo")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise ValueError(f"dppo_module_file: no module {module}")
+    return spec.origin
 
 
 def _whole_division(numerator: Any, denominator: Any) -> int:

