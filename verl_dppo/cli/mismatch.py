@@ -82,7 +82,8 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
     ratio = (pi_lp.double() - mu_lp.double()).exp()
     # as the loss measures them (losses._measure): the binary divergences at the pi nearest mu within the rounding of
     # the dtypes the two log-probs were computed in, the ratio at pi as given
-    radius = (rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype"))) + rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))))
+    radius = (rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype")))
+              + rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))))
     resolved = within_rounding(mu_lp, pi_lp, radius)
     measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_lp, resolved).double(),
                 "binary_kl": binary_kl(mu_lp, resolved).double()}
@@ -118,12 +119,16 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
     return rows
 
 
-def _labels(setup: str) -> dict[str, tuple]:
-    """The trainer dtypes to measure: fp32 and bf16 for a CPU setup, the setup's own dtype elsewhere."""
+def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tuple], str]:
+    """The trainer dtypes to measure (fp32 and bf16 for a CPU setup, the setup's own dtype elsewhere), and the
+    rollout engine as the runs use it."""
     from verl_dppo.cli.compose import compose_recipe
     from verl_dppo.cli.cpu_engines import is_cpu_run
 
-    return dict(CPU_TRAINER_DTYPES) if is_cpu_run(compose_recipe(setup, "dppo_topk_tv", [])) else {"trainer": ()}
+    config = compose_recipe(setup, "dppo_topk_tv", overrides, config_dir)
+    rollout = config.actor_rollout_ref.rollout
+    engine = f"{rollout.name} ({rollout.get('dtype')})"
+    return (dict(CPU_TRAINER_DTYPES) if is_cpu_run(config) else {"trainer": ()}), engine
 
 
 def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) -> tuple[str, float]:
@@ -135,7 +140,8 @@ def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) ->
                "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
                "trainer.val_before_train=false", "trainer.resume_mode=disable",
                # one update, on the policy that sampled: every token's pi is the sampling weights'
-               "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}",
+               "actor_rollout_ref.actor.ppo_epochs=1",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}",
                f"trainer.experiment_name=mismatch-{setup}-{label}", f"trainer.default_local_dir={out / 'runs' / label}",
                f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={tokens}", *extra, *overrides]
     log = out / "runs" / f"{label}.log"
@@ -176,13 +182,14 @@ def _table(label: str, rows: list[dict]) -> str:
             lines.append(f"{row['bucket']:<14}{0:>7}")
             continue
         acted = " ".join(f"{100 * row['acted_frac'][m]:>5.1f}" for m in methods)
-        lines.append(f"{row['bucket']:<14}{row['tokens']:>7}  {row['ratio_dev_mean']:>14.2e} {row['ratio_dev_max']:>8.1e}"
+        lines.append(f"{row['bucket']:<14}{row['tokens']:>7}  {row['ratio_dev_mean']:>14.2e} "
+                     f"{row['ratio_dev_max']:>8.1e}"
                      f"  {row['abs_diff_mean']:>12.2e} {row['abs_diff_max']:>8.1e}  {row['binary_kl_mean']:>8.1e} "
                      f"{row.get('topk_tv_mean', math.nan):>8.1e}  {'':14}{acted}")
     return "\n".join(lines)
 
 
-def _figure(results: dict, path: Path, setup: str) -> None:
+def _figure(results: dict, path: Path, setup: str, engine: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,7 +207,8 @@ def _figure(results: dict, path: Path, setup: str) -> None:
         axis.set_title(title, fontsize=10)
         axis.tick_params(axis="x", labelrotation=30, labelsize=8)
         axis.legend(fontsize=8)
-    figure.suptitle(f"{setup}: the same weights in the rollout engine (mu) and the trainer (pi)", fontsize=11)
+    figure.suptitle(f"{setup}: the same weights in the rollout engine, {engine} (mu), and the trainer (pi)",
+                    fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -208,11 +216,11 @@ def _figure(results: dict, path: Path, setup: str) -> None:
 
 def cmd_mismatch(args) -> int:
     out = Path(writable_folder(args.out, "--out")).resolve()
-    labels = _labels(args.setup)
+    labels, engine = _labels(args.setup, args.config_dir, args.overrides)
     bounds = thresholds(args.setup, args.config_dir)
     results, runs = {}, {}
     for label, extra in labels.items():
-        print(f"verl-dppo: mismatch: sampling with the rollout engine, scoring with the trainer ({label})...",
+        print(f"verl-dppo: mismatch: sampling with {engine}, scoring with the trainer ({label})...",
               file=sys.stderr, flush=True)
         command, seconds = _launch(args.setup, label, extra, out, args.overrides)
         tokens = _tokens(out / "tokens" / label)
@@ -222,9 +230,10 @@ def cmd_mismatch(args) -> int:
         print(_table(label, results[label]))
         print(f"({runs[label]['tokens']} tokens, {seconds:.0f} s)\n", flush=True)
     (out / "mismatch.json").write_text(json.dumps(
-        {"setup": args.setup, "buckets": list(BUCKETS), "thresholds": bounds, "runs": runs, "rows": results},
+        {"setup": args.setup, "rollout": engine, "buckets": list(BUCKETS), "thresholds": bounds, "runs": runs,
+         "rows": results},
         indent=1))
-    _figure(results, out / "mismatch.png", args.setup)
+    _figure(results, out / "mismatch.png", args.setup, engine)
     print(f"verl-dppo: mismatch: wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}", file=sys.stderr)
     return 0
 

@@ -1,12 +1,12 @@
 """The tokens `verl-dppo mismatch` measures, written by the training worker as the loss sees them.
 
 With `VERL_DPPO_MISMATCH_DUMP=DIR` in a training worker's environment (the `mismatch` command sets it in its run's
-Ray environment; nothing else does), every call of the plugin's `ppo_loss` wrapper for a DPPO mode appends the
+Ray environment, as does the real-model test), every call of the plugin's `ppo_loss` wrapper for a DPPO mode appends the
 micro-batch's response tokens to `DIR/tokens-<pid>-<n>.pt`: mu (the rollout engine's log-prob of each sampled token,
 `rollout_log_probs`), pi (the training engine's log-prob of it, from the update's own forward: the pi the trust
 region compares with mu), and, for the Top-K modes, the Top-K TV and KL over mu's top-K rows that the engine's logits
-hook computed and the mass of mu's top-K row. The command's run makes one update per step on the policy that sampled, so every call is on the
-weights vLLM sampled with: pi and mu differ by the two engines alone.
+hook computed and the mass of mu's top-K row. The command's run makes one update per step on the policy that
+sampled, so every call is on the weights vLLM sampled with: pi and mu differ by the two engines alone.
 """
 
 from __future__ import annotations
