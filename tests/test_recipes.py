@@ -55,7 +55,7 @@ def options(config):
 def test_the_issue_lists_every_setup_and_method():
     assert set(SETUPS) == {
         "moe_base", "moe_base_r3", "moe_thinking", "dense_8b", "moe_base_lora", "sanity_1p5b", "efficiency_1p7b",
-        "cpu_tiny",
+        "cpu_tiny", "smollm2",
     }
     assert set(METHODS) >= {
         "grpo_clip_higher", "cispo", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl", "pg_is",

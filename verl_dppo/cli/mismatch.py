@@ -153,7 +153,7 @@ def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) ->
     if done.returncode != 0 or not any(tokens.glob("tokens-*.pt")):
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise UsageError(f"the {label} run exited {done.returncode} without the tokens (its log: {log}):\n{tail}")
-    return " ".join(command[1:]).replace(sys.executable, "python"), seconds
+    return " ".join(["verl-dppo", *command[3:]]), seconds
 
 
 def _tokens(folder: Path) -> dict:
