@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import Optional
 
 import torch
 
@@ -54,7 +55,7 @@ def bshd_rows(rows: torch.Tensor, lengths: list[int], padded: int) -> torch.Tens
     return out.reshape(padded * len(lengths), *rows.shape[1:])
 
 
-def _to_bshd(router, scores: torch.Tensor) -> None:
+def _to_bshd(router, scores: torch.Tensor) -> Optional[tuple]:
     """Lay out the targets `router` is about to replay as `scores`' rows are laid out (see the module's docstring);
     returns them and their mask where it did, else None."""
     action = getattr(router.router_replay_action, "name", None)  # None or RECORD: nothing is replayed
