@@ -142,6 +142,13 @@ def capabilities(engines: dict, missing_modules: list[str]) -> list[str]:
     else:
         lines.append(f"    CPU, model_engine=megatron: yes: {found_megatron} (TP, EP over gloo; no TransformerEngine, "
                      "so BSHD batches only, no LoRA)")
+    from verl_dppo.cli.real_model import NAME, PINS, real_model_problems
+
+    if real_model_problems():
+        lines.append(f"    CPU, the real model (smollm2, verl-dppo mismatch): no: {real_model_problems()[0]}")
+    else:
+        lines.append(f"    CPU, the real model (smollm2, verl-dppo mismatch): yes: {NAME} from "
+                     + ", ".join(f"{name} {version}" for name, version in PINS.items()))
     gpu_engines = [f"{engine} {found}" for engine, found in engines.items()
                    if found and not (engine == "vllm" and cpu_vllm is not None)]
     gpus = _cuda_devices()
