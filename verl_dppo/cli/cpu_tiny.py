@@ -368,6 +368,15 @@ def build_assets(config: Any) -> list[str]:
         line = build_real_model(_path(real.path))[1]
         if line is not None:
             built.append(line)
+    real_data = config.dppo.get("real_data")
+    if real_data is not None and _path(real_data.dir) in {_path(path).parent for key in ("train_files", "val_files")
+                                                          for path in _as_list(config.data.get(key))}:
+        from verl_dppo.cli.real_model import write_arithmetic  # the smollm2 setup's sums
+
+        folder, problems, seed = _path(real_data.dir), int(real_data.problems), int(real_data.seed)
+        if _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+                       lambda tmp: write_arithmetic(tmp, problems, seed)) is not None:
+            built.append(f"wrote {problems} sums to {folder / 'arithmetic.parquet'}")
     data = config.dppo.tiny_data
     folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
     read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}

@@ -25,8 +25,8 @@ from typing import Optional
 
 from verl_dppo.cli.errors import UsageError
 
-__all__ = ["GGUF", "NAME", "PINS", "RealModelError", "build_real_model", "default_path", "gguf_file",
-           "real_model_problems"]
+__all__ = ["ARITHMETIC_PROMPT", "GGUF", "NAME", "PINS", "RealModelError", "build_real_model", "default_path",
+           "gguf_file", "real_model_problems", "write_arithmetic"]
 
 NAME = "SmolLM2-135M-Instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,6 +117,33 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
     parameters = sum(p.numel() for p in model.parameters())
     return target, (f"built {NAME} ({parameters / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}) from "
                     f"{source.name} at {target} in {time.monotonic() - start:.0f} s")
+
+
+ARITHMETIC_PROMPT = "What is {a} + {b}? Answer with a number."
+"""The smollm2 setup's task: sums of two numbers from 2 to 9. SmolLM2-135M-Instruct answers greedily ("7 + 5 = 12")
+and, sampled at temperature 1, gets about a third of them right in 64 tokens: rewards vary within a prompt's group."""
+
+
+def write_arithmetic(folder: Path, problems: int, seed: int) -> Path:
+    """`folder/arithmetic.parquet`: `problems` sums in the schema of verl's RL dataset (the `data` command's),
+    rewarded by the plugin's `last_number` (verl_dppo/plugin/rewards.py) through verl's custom_reward_function."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    draw = random.Random(seed)
+    rows = []
+    for index in range(problems):
+        a, b = draw.randint(2, 9), draw.randint(2, 9)
+        rows.append({"data_source": "verl_dppo/arithmetic", "ability": "math",
+                     "prompt": [{"role": "user", "content": ARITHMETIC_PROMPT.format(a=a, b=b)}],
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"index": index, "split": "train", "source_id": f"verl-dppo arithmetic seed {seed}"}})
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "arithmetic.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
 
 
 def cmd_real_model(args) -> int:
