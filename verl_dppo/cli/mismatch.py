@@ -35,6 +35,8 @@ __all__ = ["BUCKETS", "bucket_rows", "add_command"]
 
 BUCKETS = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0 + 1e-9)
 """Edges of mu(a_t)'s buckets: [0, 1e-4), [1e-4, 1e-3), ..., [0.9, 1]."""
+CPU_PROMPTS = 16
+"""Prompts per run on a CPU setup (x its samples per prompt: smollm2's 4 give about 2,500 response tokens)."""
 CPU_TRAINER_DTYPES = {"fp32": (), "bf16": ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",)}
 REGIONS = {  # method -> how its region is read off the tokens
     "grpo_clip_higher": "ratio", "dppo_binary_tv": "binary_tv", "dppo_binary_kl": "binary_kl",
@@ -119,16 +121,20 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
     return rows
 
 
-def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tuple], str]:
-    """The trainer dtypes to measure (fp32 and bf16 for a CPU setup, the setup's own dtype elsewhere), and the
-    rollout engine as the runs use it."""
+def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tuple], str, list]:
+    """The trainer dtypes to measure (fp32 and bf16 for a CPU setup, the setup's own dtype elsewhere), the rollout
+    engine as the runs use it, and the runs' batch: a CPU setup's step samples CPU_PROMPTS prompts (unless the
+    command line says otherwise), a cluster setup's its own."""
     from verl_dppo.cli.compose import compose_recipe
     from verl_dppo.cli.cpu_engines import is_cpu_run
 
     config = compose_recipe(setup, "dppo_topk_tv", overrides, config_dir)
     rollout = config.actor_rollout_ref.rollout
     engine = f"{rollout.name} ({rollout.get('dtype')})"
-    return (dict(CPU_TRAINER_DTYPES) if is_cpu_run(config) else {"trainer": ()}), engine
+    if not is_cpu_run(config):
+        return {"trainer": ()}, engine, []
+    chosen = any(override.lstrip("+").startswith("data.train_batch_size=") for override in overrides)
+    return dict(CPU_TRAINER_DTYPES), engine, [] if chosen else [f"data.train_batch_size={CPU_PROMPTS}"]
 
 
 def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) -> tuple[str, float]:
@@ -216,13 +222,13 @@ def _figure(results: dict, path: Path, setup: str, engine: str) -> None:
 
 def cmd_mismatch(args) -> int:
     out = Path(writable_folder(args.out, "--out")).resolve()
-    labels, engine = _labels(args.setup, args.config_dir, args.overrides)
+    labels, engine, batch = _labels(args.setup, args.config_dir, args.overrides)
     bounds = thresholds(args.setup, args.config_dir)
     results, runs = {}, {}
     for label, extra in labels.items():
         print(f"verl-dppo: mismatch: sampling with {engine}, scoring with the trainer ({label})...",
               file=sys.stderr, flush=True)
-        command, seconds = _launch(args.setup, label, extra, out, args.overrides)
+        command, seconds = _launch(args.setup, label, extra, out, [*batch, *args.overrides])
         tokens = _tokens(out / "tokens" / label)
         results[label] = bucket_rows(tokens, bounds)
         runs[label] = {"command": command, "seconds": round(seconds, 1), "tokens": int(tokens["mu"].numel()),
