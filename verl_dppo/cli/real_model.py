@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -88,7 +89,8 @@ def built(target: Path) -> bool:
 
 def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]]:
     """The checkpoint at `target` (default `default_path()`), built once: returns it and what was done (None when it
-    was there already). Written beside and moved into place, so an interrupted build leaves nothing half-written."""
+    was there already). Written in a folder of its own beside it and renamed into place, so an interrupted build leaves
+    nothing half-written and launches that start together share one build."""
     target = Path(target or default_path())
     if built(target):
         return target, None
@@ -97,23 +99,27 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     start = time.monotonic()
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     try:
-        partial.mkdir(parents=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     except OSError as error:
-        raise RealModelError(f"cannot write the real model's checkpoint at {partial}: {error.strerror or error}; "
-                             "set DPPO_ROOT to a writable folder") from error
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    tokenizer.save_pretrained(partial)
-    model.save_pretrained(partial)
-    eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
-    GenerationConfig(eos_token_id=sorted(set(eos)), pad_token_id=tokenizer.pad_token_id,
-                     bos_token_id=tokenizer.bos_token_id).save_pretrained(partial)
-    (partial / _MANIFEST).write_text(json.dumps(_manifest()))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+        raise RealModelError(f"cannot write the real model's checkpoint in {target.parent}: "
+                             f"{error.strerror or error}; set DPPO_ROOT to a writable folder") from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        tokenizer.save_pretrained(partial)
+        model.save_pretrained(partial)
+        eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
+        GenerationConfig(eos_token_id=sorted(set(eos)), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id).save_pretrained(partial)
+        (partial / _MANIFEST).write_text(json.dumps(_manifest()))
+        if built(target):  # a concurrent launch finished first
+            return target, None
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     parameters = sum(p.numel() for p in model.parameters())
     return target, (f"built {NAME} ({parameters / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}) from "
                     f"{source.name} at {target} in {time.monotonic() - start:.0f} s")

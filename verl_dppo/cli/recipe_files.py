@@ -96,8 +96,8 @@ def list_recipes() -> dict[str, list[RecipeInfo]]:
 
 def register_resolvers() -> None:
     """The recipes' own interpolations: `${dppo_div:A,B}` = A / B, a whole number (separate_async's
-    parameter_sync_step = train_batch_size / ppo_mini_batch_size); `${dppo_module_file:M}`, a plugin module's file. Registered before composing; a dry run prints
-    the resolved YAML, which plain `main_ppo` then reads without it."""
+    parameter_sync_step = train_batch_size / ppo_mini_batch_size); `${dppo_module_file:M}`, a plugin module's file.
+    Registered before composing; a dry run prints the resolved YAML, which plain `main_ppo` then reads without it."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("dppo_div"):
