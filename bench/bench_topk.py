@@ -1,11 +1,12 @@
 """Benchmark of the Top-K divergence (Eq. 15/16) and of the vLLM top-K extraction.
 
     .venv/bin/python bench/bench_topk.py                     # N=2048, V=151,936 (Qwen3's vocabulary), bf16, CPU
-    .venv/bin/python bench/bench_topk.py --device cuda --n 16384
+    python3 bench/bench_topk.py --device cuda --n 16384 --skip-extraction
 
 Part 1, the Top-K modes' per-token work against baselines on the same inputs, in the same run. Each method's extra
-peak memory is measured in its own child process (peak_memory.py says why), as a fraction of the bf16 logits; its
-time is the median of interleaved repeats in this process.
+peak memory is measured in its own child process on CPU (peak_memory.py says why), in this process on CUDA (the
+allocator's peak counter is exact there), as a fraction of the bf16 logits; its time is the median of interleaved
+repeats in this process. The inputs are drawn on the device itself (on CUDA: a CUDA generator, seed 0).
   Forward (what the logits hook adds): `topk_divergence` against the naive `log_softmax(logits.float())` + gather
   (the straightforward implementation); target <= 0.25x the logits, ideally 0.1x, time <= 1x the naive one.
   Forward + backward to the logits (what a training step pays): `dppo_topk_*` = verl's `logprobs_from_logits_v2`
@@ -35,15 +36,23 @@ from verl_dppo.math.topk import topk_divergence
 
 
 def make_inputs(n: int, vocab: int, k: int, device: torch.device):
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(n, vocab, generator=generator) * 2).to(dtype=torch.bfloat16)
-    mu_logp = torch.log_softmax(logits.float() + 0.1 * torch.randn(n, vocab, generator=generator), dim=-1)
+    """Drawn on `device` by a generator of that device (seed 0): on CUDA at N=16,384 the [N, V] draws take well under
+    a second there, against minutes on one CPU thread followed by a 5 GB copy. The CPU path draws what it always
+    drew; the CUDA path draws other (equally distributed) numbers."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(n, vocab, generator=generator, device=device) * 2).to(dtype=torch.bfloat16)
+    mu_logp = torch.log_softmax(
+        logits.float() + 0.1 * torch.randn(n, vocab, generator=generator, device=device), dim=-1
+    )
     topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
     sampled_ids = torch.multinomial(mu_logp.exp(), 1, generator=generator).squeeze(1)
     sampled_lp = mu_logp.gather(1, sampled_ids.unsqueeze(1)).squeeze(1)
-    advantages = torch.randn(n, generator=generator)
+    advantages = torch.randn(n, generator=generator, device=device)
     del mu_logp
-    return [t.to(device) for t in (logits, topk_ids, topk_lp, sampled_ids, sampled_lp, advantages)]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the draws' temporaries (about 8x the logits) go back before anything is measured
+    return [logits, topk_ids, topk_lp, sampled_ids, sampled_lp, advantages]
 
 
 def methods(inputs) -> dict:
@@ -105,11 +114,14 @@ def run_once(fn, backward: bool, base: torch.Tensor, device: torch.device, memor
     return (probe.extra if probe is not None else None), elapsed
 
 
-def memory_of(args, name: str) -> dict:
-    """One method's extra peak memory, in a fresh process: a warm-up call, then the largest of two measured calls."""
+def memory_of(args, name: str, inputs=None) -> dict:
+    """One method's extra peak memory: a warm-up call, then the largest of two measured calls. On CPU in a fresh
+    process (the child's entry point); on CUDA the allocator's peak counter is exact within a process, so the parent
+    passes its own `inputs` (a child per method would spend its time starting CUDA and importing verl)."""
     device = torch.device(args.device)
     check_allocator(device)
-    inputs = make_inputs(args.n, args.vocab, args.k, device)
+    if inputs is None:
+        inputs = make_inputs(args.n, args.vocab, args.k, device)
     backward, fn = methods(inputs)[name]
     run_once(fn, backward, inputs[0], device, memory=False)
     peak = max(run_once(fn, backward, inputs[0], device, memory=True)[0] for _ in range(2))
@@ -121,7 +133,10 @@ def bench_divergence(args) -> dict:
     inputs = make_inputs(args.n, args.vocab, args.k, device)
     logits_bytes = inputs[0].numel() * inputs[0].element_size()
     table = methods(inputs)
-    memory = {name: child_json(["--memory-of", name], args.device)["extra_peak_bytes"] for name in table}
+    if device.type == "cuda":
+        memory = {name: memory_of(args, name, inputs)["extra_peak_bytes"] for name in table}
+    else:
+        memory = {name: child_json(["--memory-of", name], args.device)["extra_peak_bytes"] for name in table}
     for backward, fn in table.values():  # warm-up (allocator, kernels)
         run_once(fn, backward, inputs[0], device, memory=False)
     samples = {name: [] for name in table}

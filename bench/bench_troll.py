@@ -1,7 +1,7 @@
 """Benchmark of TROLL's per-token computation (forward + backward to the logits) against what dppo_binary_tv needs.
 
     .venv/bin/python bench/bench_troll.py                    # N=2048, V=151,936, bf16, K=64, CPU (the issue's goal)
-    .venv/bin/python bench/bench_troll.py --device cuda --n 16384
+    python3 bench/bench_troll.py --device cuda --n 16384
 
 dppo_binary_tv needs log pi(a_t) with gradient, which verl computes from the same logits. The baselines, same
 inputs, same run: the naive `log_softmax(logits.float()).gather` and verl's own `logprobs_from_logits_v2` (its
@@ -14,7 +14,8 @@ the same without the [N, V] gradient tensor the method returns (any loss on the 
 the logits themselves), and the median time over interleaved repeats, with ratios to each baseline. On CPU the peak
 is the process's resident-set high-water mark, reset before each block (/proc/self/clear_refs), measured in a child
 process where glibc returns every allocation above 64 KiB to the system on free (MALLOC_MMAP_THRESHOLD_); on CUDA,
-torch.cuda.max_memory_allocated. On CPU the times use one torch thread by default: on a shared 2-core machine
+torch.cuda.max_memory_allocated, in this process. The inputs are drawn on the device itself (a generator of that
+device, seed 0). On CPU the times use one torch thread by default: on a shared 2-core machine
 OpenMP makes every parallel op wait for its descheduled second thread, which penalises TROLL's many chunk-sized
 ops (measured here under load, N=1024: 4.1x the naive baseline with 2 threads, 0.6x with 1).
 
@@ -37,15 +38,22 @@ from verl_dppo.math.troll import TOPK, troll_token_loss, troll_token_terms
 
 
 def make_inputs(n: int, vocab: int, k: int, noise: float, device: torch.device):
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(n, vocab, generator=generator) * 2).to(dtype=torch.bfloat16)
-    mu_logp = torch.log_softmax(logits.float() + noise * torch.randn(n, vocab, generator=generator), dim=-1)
+    """Drawn on `device` by a generator of that device (seed 0), as bench_topk.py draws its inputs: the CPU path
+    draws what it always drew; on CUDA the [N, V] draws take well under a second."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(n, vocab, generator=generator, device=device) * 2).to(dtype=torch.bfloat16)
+    mu_logp = torch.log_softmax(
+        logits.float() + noise * torch.randn(n, vocab, generator=generator, device=device), dim=-1
+    )
     topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
     sampled = torch.multinomial(mu_logp.exp(), 1, generator=generator).squeeze(1)
     sampled_lp = mu_logp.gather(1, sampled[:, None]).squeeze(1)
-    advantages = torch.randn(n, generator=generator)
+    advantages = torch.randn(n, generator=generator, device=device)
     del mu_logp
-    return [t.to(device) for t in (logits, topk_ids, topk_lp, sampled, sampled_lp, advantages)]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the draws' temporaries go back before anything is measured
+    return [logits, topk_ids, topk_lp, sampled, sampled_lp, advantages]
 
 
 def measure(args, part: str) -> dict:
@@ -142,9 +150,15 @@ def main() -> None:
     if args.part != "both":
         print(json.dumps(measure(args, args.part)))
         return
-    # In a child process whose allocator returns freed memory to the system (peak_memory.py says why); the times
-    # are taken in this process, with the ordinary allocator.
-    memory = child_json(["--part", "memory"], args.device)
+    # On CPU in a child process whose allocator returns freed memory to the system (peak_memory.py says why); on
+    # CUDA in this process, whose allocator's peak counter is exact. The times are taken in this process, with the
+    # ordinary allocator.
+    if torch.device(args.device).type == "cuda":
+        memory = measure(args, "memory")
+        gc.collect()
+        torch.cuda.empty_cache()
+    else:
+        memory = child_json(["--part", "memory"], args.device)
     times = measure(args, "time")
     result = {
         "device": str(torch.device(args.device)) if args.device != "cuda" else torch.cuda.get_device_name(),
