@@ -120,3 +120,17 @@ def test_the_smollm2_task_and_its_reward(tmp_path):
     assert last_number("verl_dppo/arithmetic", "It is 1,200.", "1200") == 1.0
     assert last_number("verl_dppo/arithmetic", "no number here", "12") == 0.0
     assert last_number("verl_dppo/arithmetic", "", "12") == 0.0
+
+
+def test_an_override_without_a_setup_is_an_override_of_the_default_setup(tmp_path, monkeypatch):
+    from verl_dppo.cli import main
+
+    seen = {}
+
+    def labels(setup, config_dir, overrides):
+        seen.update(setup=setup, overrides=overrides)
+        raise mismatch.UsageError("stop here")
+
+    monkeypatch.setattr(mismatch, "_labels", labels)
+    assert main(["mismatch", "--out", str(tmp_path), "data.train_batch_size=8", "trainer.seed=1"]) == 2
+    assert seen == {"setup": "smollm2", "overrides": ["data.train_batch_size=8", "trainer.seed=1"]}

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "verl_dppo.cli.check",  # check
     "verl_dppo.cli.real_model",  # real-model
     "verl_dppo.cli.mismatch",  # mismatch
+    "verl_dppo.cli.study",  # study
 )
 
 

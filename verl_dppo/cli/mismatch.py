@@ -221,6 +221,9 @@ def _figure(results: dict, path: Path, setup: str, engine: str) -> None:
 
 
 def cmd_mismatch(args) -> int:
+    from verl_dppo.cli.recipe_files import setup_and_overrides
+
+    args.setup, args.overrides = setup_and_overrides(args.setup, args.overrides, "smollm2")
     out = Path(writable_folder(args.out, "--out")).resolve()
     labels, engine, batch = _labels(args.setup, args.config_dir, args.overrides)
     bounds = thresholds(args.setup, args.config_dir)

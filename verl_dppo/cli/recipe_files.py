@@ -154,3 +154,11 @@ def check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
             f"unknown {group} {name!r}.{hint} Choose one of: {', '.join(names)} (`verl-dppo recipes` lists them "
             "with the paper figure each reproduces; --config-dir DIR adds DIR/setup/*.yaml, DIR/method/*.yaml)."
         )
+
+
+def setup_and_overrides(setup: str, overrides: Sequence[str], default: str) -> tuple[str, list[str]]:
+    """For a command whose SETUP is optional before its overrides: `cmd --out D key=value` gives argparse the override
+    as the setup; it is the first override, and the setup is the default."""
+    if "=" in setup:
+        return default, [setup, *overrides]
+    return setup, list(overrides)

@@ -1,0 +1,132 @@
+"""`verl-dppo study`: methods x seeds through `verl-dppo run`, tabulated and drawn from verl's own JSONL logs.
+
+The launches here are stand-ins that write what verl's file logger writes (a study's real launches take about an
+hour: docs/real-model.md has one); the launch command itself is composed for real, with `--dry-run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from verl_dppo.cli import main, study
+
+
+def _write_log(out: Path, name: str, steps: list[dict]) -> None:
+    path = out / "logs" / "verl-dppo" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        for step, data in enumerate(steps, start=1):
+            handle.write(json.dumps({"step": step, "data": data}) + "\n")
+
+
+def _fake_launch(calls: list, complete: bool = True):
+    def launch(setup, method, seed, steps, out, overrides, config_dir):
+        calls.append((method, seed))
+        shown = steps if complete or method != "troll" else steps - 1
+        rows = []
+        for step in range(shown):
+            row = {"critic/score/mean": 0.25 + 0.1 * step + 0.01 * seed, "timing_s/step": 50.0 + seed,
+                   "response_length/mean": 20.0}
+            if method == "troll":
+                row["actor/troll/projected_frac"] = 0.5
+            else:
+                row["actor/pg_clipfrac"] = 0.01 * (1 + step)
+            if method.startswith("dppo"):
+                row["actor/dppo/mismatch_tv_mean"] = 1e-3
+            if "topk" in method:
+                row["actor/dppo/rollout_topk_mass_mean"] = 0.9
+            rows.append(row)
+        _write_log(out, study.run_name(setup, method, seed), rows)
+        return 0 if shown == steps else 1
+    return launch
+
+
+def test_the_study_runs_every_method_and_seed_then_tabulates_and_draws_them(tmp_path, capsys):
+    calls = []
+    methods = ["grpo_clip_higher", "dppo_topk_tv", "troll"]
+    code = study.run_study("smollm2", methods, [0, 1], 3, tmp_path, ["x=1"], launch=_fake_launch(calls))
+    assert code == 0
+    assert calls == [(m, s) for s in (0, 1) for m in methods]  # seed-major
+    saved = json.loads((tmp_path / "study.json").read_text())
+    summary = saved["summary"]
+    topk = summary["dppo_topk_tv"]
+    # final reward: the last 2 steps (0.35, 0.45) of each seed, seeds 0 and 1 -> 0.40 and 0.41
+    assert topk["final_reward"] == pytest.approx(0.405) and topk["final_reward_sd"] == pytest.approx(0.00707, abs=1e-4)
+    assert topk["first_reward"] == pytest.approx(0.255) and topk["steps"] == 3
+    assert topk["acted"] == pytest.approx(0.02) and topk["topk_mass"] == pytest.approx(0.9)
+    assert summary["troll"]["troll_projected"] == pytest.approx(0.5) and summary["troll"]["acted"] is None
+    assert summary["grpo_clip_higher"]["mismatch_tv"] is None
+    assert saved["overrides"] == ["x=1"] and saved["steps"] == 3
+    printed = capsys.readouterr().out
+    assert "dppo_topk_tv" in printed and "50.00%" in printed  # TROLL's column: the tokens it projected
+    assert (tmp_path / "study.png").stat().st_size > 10_000
+
+    # a second call finds every log complete and launches nothing
+    again = []
+    assert study.run_study("smollm2", methods, [0, 1], 3, tmp_path, [], launch=_fake_launch(again)) == 0
+    assert again == []
+
+
+def test_a_run_that_stops_short_is_named_and_the_rest_still_reported(tmp_path, capsys):
+    code = study.run_study("smollm2", ["dppo_binary_tv", "troll"], [0], 2, tmp_path, [],
+                           launch=_fake_launch([], complete=False))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "incomplete: study-smollm2-troll-seed0 (1 of 2 steps" in err
+    assert json.loads((tmp_path / "study.json").read_text())["summary"]["dppo_binary_tv"]["steps"] == 2
+
+
+def test_a_resumed_run_keeps_each_steps_last_record(tmp_path):
+    name = study.run_name("smollm2", "troll", 0)
+    _write_log(tmp_path, name, [{"critic/score/mean": 0.1}, {"critic/score/mean": 0.2}])
+    _write_log(tmp_path, name, [{"critic/score/mean": 0.3}])  # step 1 again
+    assert [s["critic/score/mean"] for s in study.read_log(tmp_path / "logs" / "verl-dppo" / f"{name}.jsonl")] \
+        == [0.3, 0.2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0,0"], "--seeds 0,0: give one or more distinct"),
+    (["--seeds", "a"], "--seeds a: give whole numbers"),
+    (["--steps", "0"], "--steps 0: give at least 1"),
+    (["--methods", "dppo_tv"], "unknown method 'dppo_tv'"),
+    (["--methods", "troll,troll"], "--methods troll,troll: give one or more distinct"),
+    (["actor_rollout_ref.actor.optim.lr=abc"], "lr"),
+])
+def test_bad_input_is_one_line_before_any_launch(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(study, "run_study", lambda *a, **k: pytest.fail("launched"))
+    assert main(["study", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verl-dppo: error:") and message in err, err
+
+
+def test_the_launch_is_a_real_run_command_with_the_studys_settings_first(tmp_path, monkeypatch):
+    captured = {}
+    monkeypatch.setattr(study, "run_study", lambda *a, **k: captured.update(args=a) or 0)
+    assert main(["study", "--out", str(tmp_path), "--steps", "3", "actor_rollout_ref.actor.optim.lr=2e-5"]) == 0
+    setup, methods, seeds, steps, out, overrides, config_dir = captured["args"]
+    assert (setup, methods, seeds, steps) == ("smollm2", list(study.METHODS), [0, 1, 2], 3)
+    assert overrides == [*study.CPU_SETTINGS, "actor_rollout_ref.actor.optim.lr=2e-5"]  # the user's last: it wins
+
+    commands, real_run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda command, **k: commands.append(command) or
+                        subprocess.CompletedProcess(command, 0))
+    study._launch("smollm2", "dppo_topk_tv", 1, 3, tmp_path, overrides, [])
+    (command,) = commands
+    dry = real_run([*command[:command.index("--method") + 2], "--dry-run", *command[command.index("--method") + 2:]],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "DPPO_ROOT": str(tmp_path / "root")})
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    config = yaml.safe_load(dry.stdout)
+    actor = config["actor_rollout_ref"]["actor"]
+    assert actor["optim"]["lr"] == 2e-5 and actor["policy_loss"]["loss_mode"] == "dppo_topk_tv"
+    assert actor["fsdp_config"]["mixed_precision"]["param_dtype"] == "bf16"
+    assert config["trainer"]["total_training_steps"] == 3 and config["data"]["seed"] == 1
+    assert config["actor_rollout_ref"]["rollout"]["seed"] == 1
+    assert config["trainer"]["experiment_name"] == "study-smollm2-dppo_topk_tv-seed1"
+    assert config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["VERL_FILE_LOGGER_ROOT"] == str(tmp_path / "logs")
