@@ -28,6 +28,7 @@ def test_each_bucket_counts_its_tokens_and_each_region_what_it_would_act_on():
     rare, likely = by["[0, 0.0001)"], by["[0.9, 1]"]
     assert rare["ratio_dev_mean"] == pytest.approx(0.5) and rare["ratio_dev_max"] == pytest.approx(1.0)
     assert rare["abs_diff_max"] == pytest.approx(5e-5)
+    assert rare["binary_tv_mean"] == pytest.approx(2.5e-5, rel=1e-3)  # |pi - mu| of the sampled token, averaged
     assert rare["acted_frac"]["grpo_clip_higher"] == 0.5  # the ratio 2 is clipped
     assert rare["acted_frac"]["dppo_binary_tv"] == 0.0  # |pi - mu| = 5e-5: no DPPO mode acts
     assert by["[0.1, 0.5)"]["acted_frac"]["dppo_binary_tv"] == 1.0  # +0.2 > delta 0.15

@@ -75,9 +75,8 @@ def _dtype(name: Any):
 
 def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[dict]:
     """Per bucket of mu(a_t): counts, deviations and the fraction each region acts on (see the module's docstring)."""
-    import torch
-
     from verl_dppo.math.divergence import binary_kl, binary_tv, rounding_radius, within_rounding
+    from verl_dppo.math.trust_region import trust_region_blocked
 
     mu_lp, pi_lp = tokens["mu"].float(), tokens["pi"].float()
     mu, pi = mu_lp.double().exp(), pi_lp.double().exp()
@@ -102,6 +101,7 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
             gap = (pi[inside] - mu[inside]).abs()
             row.update(ratio_dev_mean=float(deviation.mean()), ratio_dev_max=float(deviation.max()),
                        abs_diff_mean=float(gap.mean()), abs_diff_max=float(gap.max()),
+                       binary_tv_mean=float(measures["binary_tv"][inside].mean()),
                        binary_kl_mean=float(measures["binary_kl"][inside].mean()))
             if "topk_tv" in measures:
                 row["topk_tv_mean"] = float(measures["topk_tv"][inside].mean())
@@ -112,9 +112,9 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
                 lower, upper = bounds[method]
                 if kind == "ratio":
                     out = (ratio[inside] < 1 - lower) | (ratio[inside] > 1 + upper)
-                else:  # a DPPO mode blocks pi moving up past delta_high or down past delta_low
-                    signed = torch.where(pi_lp[inside] > mu_lp[inside], measures[kind][inside], -measures[kind][inside])
-                    out = (signed > upper) | (-signed > lower)
+                else:  # the mode's own rule, with the advantage that would push pi further the way it moved
+                    moved = pi_lp[inside].double() - mu_lp[inside].double()
+                    out = trust_region_blocked(moved.sign(), moved, measures[kind][inside], lower, upper)
                 acted[method] = float(out.double().mean())
             row["acted_frac"] = acted
         rows.append(row)
@@ -181,7 +181,7 @@ def _table(label: str, rows: list[dict]) -> str:
     short = {"grpo_clip_higher": "clip", "dppo_binary_tv": "bTV", "dppo_binary_kl": "bKL", "dppo_topk_tv": "kTV",
              "dppo_topk_kl": "kKL"}
     head = (f"{'mu(a) in':<14}{'tokens':>7}  {'|pi/mu-1| mean':>14} {'max':>8}  {'|pi-mu| mean':>12} {'max':>8}  "
-            f"{'bin. KL':>8} {'TopK TV':>8}  acted on (%): " + " ".join(f"{short[m]:>5}" for m in methods))
+            f"{'bin. TV':>8} {'TopK TV':>8} {'bin. KL':>8}  acted on (%): " + " ".join(f"{short[m]:>5}" for m in methods))
     lines = [f"trainer {label}:", head]
     for row in rows:
         if not row["tokens"]:
@@ -190,8 +190,8 @@ def _table(label: str, rows: list[dict]) -> str:
         acted = " ".join(f"{100 * row['acted_frac'][m]:>5.1f}" for m in methods)
         lines.append(f"{row['bucket']:<14}{row['tokens']:>7}  {row['ratio_dev_mean']:>14.2e} "
                      f"{row['ratio_dev_max']:>8.1e}"
-                     f"  {row['abs_diff_mean']:>12.2e} {row['abs_diff_max']:>8.1e}  {row['binary_kl_mean']:>8.1e} "
-                     f"{row.get('topk_tv_mean', math.nan):>8.1e}  {'':14}{acted}")
+                     f"  {row['abs_diff_mean']:>12.2e} {row['abs_diff_max']:>8.1e}  {row['binary_tv_mean']:>8.1e} "
+                     f"{row.get('topk_tv_mean', math.nan):>8.1e} {row['binary_kl_mean']:>8.1e}  {'':14}{acted}")
     return "\n".join(lines)
 
 
