@@ -40,10 +40,11 @@ def make_inputs(n: int, vocab: int, k: int, device: torch.device):
     a second there, against minutes on one CPU thread followed by a 5 GB copy. The CPU path draws what it always
     drew; the CUDA path draws other (equally distributed) numbers."""
     generator = torch.Generator(device=device).manual_seed(0)
-    logits = (torch.randn(n, vocab, generator=generator, device=device) * 2).to(dtype=torch.bfloat16)
-    mu_logp = torch.log_softmax(
-        logits.float() + 0.1 * torch.randn(n, vocab, generator=generator, device=device), dim=-1
-    )
+    logits = torch.randn(n, vocab, generator=generator, device=device).mul_(2).to(dtype=torch.bfloat16)
+    # In place: a peak of three [N, V] float32 tensors, not five (10 GB each at N=16,384); the same numbers.
+    mu_logits = torch.randn(n, vocab, generator=generator, device=device).mul_(0.1).add_(logits.float())
+    mu_logp = torch.log_softmax(mu_logits, dim=-1)
+    del mu_logits
     topk_lp, topk_ids = mu_logp.topk(k, dim=-1)
     sampled_ids = torch.multinomial(mu_logp.exp(), 1, generator=generator).squeeze(1)
     sampled_lp = mu_logp.gather(1, sampled_ids.unsqueeze(1)).squeeze(1)
