@@ -47,8 +47,13 @@ network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in a
   For the asynchronous comparison, run it twice in the same command, `--json $OUT/sync.json` and
   `--trainer-mode separate_async --json $OUT/separate_async.json`: same device, same rollout, same modes.
 
-  A run takes a few minutes (one rollout of 32 x 1,024 tokens, then per mode a worker build and 3 steps); use
-  --modes to measure a subset (dppo_binary_tv is always added: the ratios are to it).
+  A run takes a few minutes: imports and the model's save, one rollout of 32 x up to 1,024 tokens (on CUDA each
+  token is drawn on the GPU; --rollout-sampling cpu draws them as the CPU suite's driver does, copying [32, 151,936]
+  probabilities to the CPU at every token, which made the rollout slow), then per mode a worker build (verl's
+  init_model) and --warmup + --steps steps. Every phase prints a timestamped line as it ends, and --json is rewritten
+  after each mode ("complete": false until the last), so a run stopped by `timeout` keeps the modes it finished:
+  list the modes that matter first. --modes measures a subset (dppo_binary_tv is always added, first: the ratios are
+  to it); --response-length, --prompts, --steps and --warmup shrink the run (the JSON records the size that ran).
 """
 
 from __future__ import annotations
@@ -171,6 +176,64 @@ class PeakMemory:
             return math.nan
 
 
+def device_sampling_rollout_copy(driver, model_dir, device: str):
+    """driver.RolloutCopy whose token draws run on `device`, with a generator of that device seeded from the run's
+    CPU generator. The driver's copy (the CPU suite's, which must stay reproducible on CPU) moves the [batch, V]
+    probabilities to the CPU at every token and draws there: at 32 x 151,936 per token, 1,024 tokens, that copy and
+    the CPU draw set the rollout's time on a GPU. Same model, same bf16 logits, same float32 log-softmax, same top-K;
+    only the random stream differs."""
+    import torch
+
+    class DeviceSamplingRolloutCopy(driver.RolloutCopy):
+        def _generate(self, prompts, length, generator, topk):
+            from transformers import DynamicCache
+
+            sampler = torch.Generator(device=self.device).manual_seed(
+                int(torch.randint(0, 2**62, (), generator=generator)))
+            batch = len(prompts)
+            width = max(p.numel() for p in prompts)
+            input_ids = torch.zeros(batch, width, dtype=torch.long)
+            attention = torch.zeros(batch, width, dtype=torch.long)
+            for row, prompt in enumerate(prompts):
+                input_ids[row, width - prompt.numel():] = prompt
+                attention[row, width - prompt.numel():] = 1
+            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache()
+            tokens, log_probs, top_ids, top_values = [], [], [], []
+            step_ids, step_positions = input_ids, positions
+            for _ in range(length):
+                out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
+                                 past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+                token = torch.multinomial(logp.exp(), 1, generator=sampler)
+                tokens.append(token[:, 0])
+                log_probs.append(logp.gather(1, token)[:, 0])
+                top = logp.topk(topk, dim=-1)
+                top_ids.append(top.indices)
+                top_values.append(top.values)
+                attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+                step_ids, step_positions = token, step_positions[:, -1:] + 1
+            stack = lambda xs: torch.stack(xs, dim=1).cpu()  # noqa: E731
+            responses, log_probs, top_ids, top_values = (stack(tokens), stack(log_probs), stack(top_ids),
+                                                         stack(top_values))
+            return list(responses), list(log_probs), list(top_ids), list(top_values)
+
+    return DeviceSamplingRolloutCopy(model_dir, device)
+
+
+class Progress:
+    """Timestamped progress lines (seconds since the script started), flushed at once: a run stopped by a time
+    limit still tells where its time went."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", flush=True)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -189,15 +252,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "verl's DetachActorWorker, a weight push (update_weights) after every step and the rollout "
                         "from version 0, so that step i trains on samples i versions old")
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--json", default=None, help="also write the results here (rewritten after each mode, with "
+                        "\"complete\": false until the last, so a run stopped by a time limit keeps what it measured)")
+    parser.add_argument("--rollout-sampling", choices=["device", "cpu"], default="device",
+                        help="where the rollout copy draws each token: device (a generator of the run's device; on "
+                        "CPU the same as cpu) or cpu (the CPU suite's driver: the probabilities copied to the CPU at "
+                        "every token)")
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, progress: Progress = None) -> dict:
+    progress = progress or Progress()
     sys.path.insert(0, str(REPO / "tests" / "e2e"))
     import torch
 
     import driver
+
+    progress("imported torch, verl's driver")
 
     driver.init_distributed(args.device)
     size = driver.TINY_MODEL if args.tiny else driver.GPU_MODEL
@@ -229,20 +300,42 @@ def run(args: argparse.Namespace) -> dict:
         extra = {}
     configs = {mode: driver.compose_config(mode, model_dir, shape, device=args.device, **extra) for mode in modes}
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
+    setup_seconds = time.perf_counter() - progress.start
+    sampling = args.rollout_sampling if args.device != "cpu" else "cpu"
+    progress(f"model saved, {len(configs)} configs composed; sampling the rollout ({shape.batch_size} sequences, "
+             f"responses <= {shape.response_length}, tokens drawn on {sampling})")
     started = time.perf_counter()
-    rollout_copy = driver.RolloutCopy(model_dir, args.device)
+    if sampling == "device":
+        rollout_copy = device_sampling_rollout_copy(driver, model_dir, args.device)
+    else:
+        rollout_copy = driver.RolloutCopy(model_dir, args.device)
     n_params = sum(p.numel() for p in rollout_copy.model.parameters())
     rollout = rollout_copy.sample(shape, torch.Generator().manual_seed(shape.seed), topk)
     rewards = driver.target_token_reward(rollout)
     del rollout_copy
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     rollout_seconds = time.perf_counter() - started
     tokens = sum(p.numel() + r.numel() for p, r in zip(rollout.prompts, rollout.responses))
+    progress(f"rollout sampled in {rollout_seconds:.1f} s: {tokens:,} tokens")
 
     memory = PeakMemory(args.device)
     rows = []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    result = {
+        "device": device_name, "torch": torch.__version__, "trainer_mode": args.trainer_mode, "parameters": n_params,
+        "vocab_size": size.vocab_size, "layers": size.num_layers, "sequences": shape.batch_size, "tokens": tokens,
+        "prompt_length": shape.prompt_length, "response_length": shape.response_length,
+        "token_budget": shape.token_budget, "topk": topk, "setup_seconds": setup_seconds,
+        "rollout_seconds": rollout_seconds, "rollout_sampling": sampling, "warmup": args.warmup,
+        "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
+    }
     for mode, config in configs.items():
+        built = time.perf_counter()
         worker = async_worker.build_worker(config) if separate else driver.build_worker(config)
         trainer = driver.Trainer(config, worker)
+        build_seconds = time.perf_counter() - built
+        progress(f"{mode}: worker built in {build_seconds:.1f} s")
         versions = async_worker.versions(0, len(rollout.responses)) if separate else None
         times, peaks, pushes, first = [], [], [], None
         if separate:
@@ -262,6 +355,8 @@ def run(args: argparse.Namespace) -> dict:
                 times.append(elapsed)
                 peaks.append(memory.peak_bytes())
                 first = first or metrics
+            progress(f"{mode}: step {step + 1}/{args.warmup + args.steps} "
+                     f"({'timed' if step >= args.warmup else 'warm-up'}) {elapsed:.2f} s")
         rows.append({
             "mode": mode,
             "method": driver.method_for_mode(mode),
@@ -274,23 +369,31 @@ def run(args: argparse.Namespace) -> dict:
             "tokens_per_second": tokens / statistics.median(times),
             "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
             "push_seconds": statistics.median(pushes) if pushes else math.nan,
+            "build_seconds": build_seconds,
         })
         del worker, trainer
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+        add_ratios(rows)
+        row = rows[-1]
+        progress(f"{mode}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
+                 f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
+                 f"{BASELINE} {row['memory_vs_binary_tv']:.3f}")
+        if args.json:  # what is measured so far, should a time limit stop the run
+            Path(args.json).write_text(json.dumps(result, indent=1))
+    result["complete"] = True
+    result["total_seconds"] = time.perf_counter() - progress.start
+    return result
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each mode's step time and peak memory as ratios to the baseline's (the first row)."""
     baseline = rows[0]
     for row in rows:
         row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
         peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    return {
-        "device": device_name, "trainer_mode": args.trainer_mode, "parameters": n_params, "vocab_size": size.vocab_size, "layers": size.num_layers,
-        "sequences": shape.batch_size, "tokens": tokens, "response_length": shape.response_length,
-        "token_budget": shape.token_budget, "topk": topk, "rollout_seconds": rollout_seconds,
-        "warmup": args.warmup, "steps": args.steps, "modes": rows,
-    }
 
 
 def print_table(result: dict) -> None:
@@ -299,6 +402,9 @@ def print_table(result: dict) -> None:
           f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
           f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up; "
           f"trainer mode {result['trainer_mode']}")
+    print(f"setup (imports, model saved, configs) {result['setup_seconds']:.1f} s; rollout "
+          f"{result['rollout_seconds']:.1f} s (tokens drawn on {result['rollout_sampling']}); worker builds "
+          + ", ".join(f"{row['build_seconds']:.1f}" for row in result["modes"]) + " s")
     print("every step trains on the one rollout sampled by version 0, so the first timed step's samples (loss, masked "
           "fraction) are --warmup versions old" + ("; separate_async: verl's DetachActorWorker, a weight push "
           "(update_weights, timed apart) after each step, the lag as the plugin logs it"
@@ -315,6 +421,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
+    progress = Progress()
     args = parse_args(argv)
     if args.ray_stand_in or importlib.util.find_spec("ray") is None:
         install_ray_stand_in()
@@ -322,7 +429,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)
-    result = run(args)
+    result = run(args, progress)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
