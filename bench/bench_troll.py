@@ -42,7 +42,7 @@ def make_inputs(n: int, vocab: int, k: int, noise: float, device: torch.device):
     draws what it always drew; on CUDA the [N, V] draws take well under a second."""
     generator = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(n, vocab, generator=generator, device=device).mul_(2).to(dtype=torch.bfloat16)
-    # In place: a peak of three [N, V] float32 tensors, not five (10 GB each at N=16,384); the same numbers.
+    # In place: two [N, V] float32 tensors at a time here, not four (10 GB each at N=16,384); the same numbers.
     mu_logits = torch.randn(n, vocab, generator=generator, device=device).mul_(noise).add_(logits.float())
     mu_logp = torch.log_softmax(mu_logits, dim=-1)
     del mu_logits
