@@ -135,3 +135,13 @@ def test_an_override_without_a_setup_is_an_override_of_the_default_setup(tmp_pat
     monkeypatch.setattr(mismatch, "_labels", labels)
     assert main(["mismatch", "--out", str(tmp_path), "data.train_batch_size=8", "trainer.seed=1"]) == 2
     assert seen == {"setup": "smollm2", "overrides": ["data.train_batch_size=8", "trainer.seed=1"]}
+
+
+def test_a_folder_in_the_real_models_place_that_is_not_its_build_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(real_model, "gguf_file", lambda: tmp_path / "model.gguf")
+    target = tmp_path / real_model.NAME
+    target.mkdir()
+    (target / "mine.txt").write_text("a user's file")
+    with pytest.raises(real_model.UsageError, match="is not a SmolLM2-135M-Instruct build"):
+        real_model.build_real_model(target)
+    assert (target / "mine.txt").read_text() == "a user's file"

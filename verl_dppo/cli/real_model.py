@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -95,17 +93,14 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
     if built(target):
         return target, None
     source = gguf_file()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from verl_dppo.cli.cpu_tiny import build_once
 
     start = time.monotonic()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except OSError as error:
-        raise RealModelError(f"cannot write the real model's checkpoint in {target.parent}: "
-                             f"{error.strerror or error}; set DPPO_ROOT to a writable folder") from error
-    try:
+
+    def write(partial: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         tokenizer.save_pretrained(partial)
@@ -113,13 +108,16 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
         eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
         GenerationConfig(eos_token_id=sorted(set(eos)), pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id).save_pretrained(partial)
-        (partial / _MANIFEST).write_text(json.dumps(_manifest()))
-        if built(target):  # a concurrent launch finished first
-            return target, None
-        shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        return model, tokenizer
+
+    try:
+        done = build_once(target, _manifest(), write, _MANIFEST, f"{NAME} build")
+    except OSError as error:
+        raise RealModelError(f"cannot write the real model's checkpoint in {target.parent}: "
+                             f"{error.strerror or error}; set DPPO_ROOT to a writable folder") from error
+    if done is None:  # a concurrent launch finished first
+        return target, None
+    model, tokenizer = done
     parameters = sum(p.numel() for p in model.parameters())
     return target, (f"built {NAME} ({parameters / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}) from "
                     f"{source.name} at {target} in {time.monotonic() - start:.0f} s")
