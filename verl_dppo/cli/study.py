@@ -210,7 +210,7 @@ def add_command(commands) -> None:
     parser.add_argument("--out", required=True, help="folder for the logs, study.json and study.png")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated (default: {','.join(METHODS)})")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated (default: 0,1,2)")
-    parser.add_argument("--steps", type=int, default=10, help="RL steps per run (default: 10)")
+    parser.add_argument("--steps", type=int, default=15, help="RL steps per run (default: 15)")
     parser.add_argument("--config-dir", action="append", default=[], metavar="DIR",
                         help="your own setups and methods, as for `verl-dppo run`")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run; they come after the study's")
