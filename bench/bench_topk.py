@@ -23,6 +23,7 @@ Part 2, the vectorised extraction of K ids/log-probs per generated token from vL
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -216,6 +217,10 @@ def main() -> None:
     parser.add_argument("--skip-extraction", action="store_true")
     parser.add_argument("--memory-of", choices=METHOD_NAMES, help=argparse.SUPPRESS)  # the child's entry point
     args = parser.parse_args()
+    if importlib.util.find_spec("ray") is None:  # the GPU machine has no Ray; verl's package imports it
+        from gpu_real_worker import install_ray_stand_in  # (same folder) every call of the stand-in raises
+
+        install_ray_stand_in()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.memory_of:

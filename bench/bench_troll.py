@@ -26,6 +26,7 @@ holds about 2K tokens: a worst case for the per-token math (real rows hold 5-10 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import gc
 import json
 import statistics
@@ -146,6 +147,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--part", choices=["memory", "time", "both"], default="both", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if importlib.util.find_spec("ray") is None:  # the GPU machine has no Ray; verl's package imports it
+        from gpu_real_worker import install_ray_stand_in  # (same folder) every call of the stand-in raises
+
+        install_ray_stand_in()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.part != "both":

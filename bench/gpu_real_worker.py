@@ -19,7 +19,8 @@ tokens (max_response_length 1,024), 2 mini-batches per step, 8,192 tokens per mi
 per mini-batch), K = 20, the recipe's lr 1e-6. One rollout batch is sampled once by the bf16 copy of the initial
 policy (mu and its top-K per token, as an inference engine reports them) and every mode trains on it, each with a
 fresh worker from the same initial weights: --warmup steps, then --steps timed steps. Step time: the median of the
-timed `update_actor` calls; peak memory: torch.cuda.max_memory_allocated over them (on CPU: the process's
+timed `update_actor` calls; peak memory: torch.cuda.max_memory_allocated over them, less what was allocated before
+the mode's worker was built (what earlier modes' workers left; the JSON has both) (on CPU: the process's
 resident-set high-water mark); loss and masked fraction (actor/pg_clipfrac): the first timed step.
 
 With the `device` tool (this machine has no GPU; the GPU machine has torch and transformers but neither verl nor
@@ -331,6 +332,9 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
     }
     for mode, config in configs.items():
+        # What earlier modes' workers left allocated (measured on an H100: about 1 GiB more per earlier mode), before
+        # this mode's worker is built: the mode's own peak is the allocator's peak minus this.
+        leftover = float(torch.cuda.memory_allocated()) if args.device == "cuda" else 0.0
         built = time.perf_counter()
         worker = async_worker.build_worker(config) if separate else driver.build_worker(config)
         trainer = driver.Trainer(config, worker)
@@ -361,7 +365,9 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             "mode": mode,
             "method": driver.method_for_mode(mode),
             "step_seconds": statistics.median(times),
-            "peak_memory_gib": max(peaks) / 2**30,
+            "peak_memory_gib": (max(peaks) - leftover) / 2**30,
+            "peak_memory_absolute_gib": max(peaks) / 2**30,
+            "left_by_earlier_modes_gib": leftover / 2**30,
             "loss": first["actor/loss"],
             "grad_norm": first["actor/grad_norm"],
             "masked_frac": first["actor/pg_clipfrac"],
