@@ -48,13 +48,16 @@ network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in a
   For the asynchronous comparison, run it twice in the same command, `--json $OUT/sync.json` and
   `--trainer-mode separate_async --json $OUT/separate_async.json`: same device, same rollout, same modes.
 
-  A run takes a few minutes: imports and the model's save, one rollout of 32 x up to 1,024 tokens (on CUDA each
-  token is drawn on the GPU; --rollout-sampling cpu draws them as the CPU suite's driver does, copying [32, 151,936]
-  probabilities to the CPU at every token, which made the rollout slow), then per mode a worker build (verl's
-  init_model) and --warmup + --steps steps. Every phase prints a timestamped line as it ends, and --json is rewritten
-  after each mode ("complete": false until the last), so a run stopped by `timeout` keeps the modes it finished:
-  list the modes that matter first. --modes measures a subset (dppo_binary_tv is always added, first: the ratios are
-  to it); --response-length, --prompts, --steps and --warmup shrink the run (the JSON records the size that ran).
+  Where the time goes (an H100, 2026-11-26, the default size, docs/benchmarks.md): imports, the model's save and the
+  configs 24-34 s; the rollout of 32 x up to 1,024 tokens 67-70 s (HF's token-by-token forward with a KV cache; on
+  CUDA each token is drawn on the GPU, --rollout-sampling cpu draws them as the CPU suite's driver does, copying
+  [32, 151,936] probabilities to the CPU at every token); then per mode a worker build (verl's init_model, 1.3-5.9 s)
+  and --warmup + --steps steps (about 6 s each, the first mode's warm-up 13-14 s): 169 s for dppo_binary_tv,
+  dppo_topk_tv and troll, 257 s for all seven modes. Every phase prints a timestamped line as it ends, and --json is
+  rewritten after each mode ("complete": false until the last), so a run stopped by `timeout` keeps the modes it
+  finished: list the modes that matter first. --modes measures a subset (dppo_binary_tv is always added, first: the
+  ratios are to it); --response-length, --prompts, --steps and --warmup shrink the run (the JSON records the size
+  that ran).
 """
 
 from __future__ import annotations
@@ -180,9 +183,8 @@ class PeakMemory:
 def device_sampling_rollout_copy(driver, model_dir, device: str):
     """driver.RolloutCopy whose token draws run on `device`, with a generator of that device seeded from the run's
     CPU generator. The driver's copy (the CPU suite's, which must stay reproducible on CPU) moves the [batch, V]
-    probabilities to the CPU at every token and draws there: at 32 x 151,936 per token, 1,024 tokens, that copy and
-    the CPU draw set the rollout's time on a GPU. Same model, same bf16 logits, same float32 log-softmax, same top-K;
-    only the random stream differs."""
+    probabilities to the CPU at every token and draws there: a 19 MB copy and a CPU draw per token at 32 x 151,936.
+    Same model, same bf16 logits, same float32 log-softmax, same top-K; only the random stream differs."""
     import torch
 
     class DeviceSamplingRolloutCopy(driver.RolloutCopy):
