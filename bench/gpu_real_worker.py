@@ -189,39 +189,13 @@ def device_sampling_rollout_copy(driver, model_dir, device: str):
 
     class DeviceSamplingRolloutCopy(driver.RolloutCopy):
         def _generate(self, prompts, length, generator, topk):
-            from transformers import DynamicCache
-
-            sampler = torch.Generator(device=self.device).manual_seed(
+            # one device generator per rollout, seeded from the caller's: the draws stay on the GPU
+            self._sampler = torch.Generator(device=self.device).manual_seed(
                 int(torch.randint(0, 2**62, (), generator=generator)))
-            batch = len(prompts)
-            width = max(p.numel() for p in prompts)
-            input_ids = torch.zeros(batch, width, dtype=torch.long)
-            attention = torch.zeros(batch, width, dtype=torch.long)
-            for row, prompt in enumerate(prompts):
-                input_ids[row, width - prompt.numel():] = prompt
-                attention[row, width - prompt.numel():] = 1
-            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache()
-            tokens, log_probs, top_ids, top_values = [], [], [], []
-            step_ids, step_positions = input_ids, positions
-            for _ in range(length):
-                out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                                 past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-                token = torch.multinomial(logp.exp(), 1, generator=sampler)
-                tokens.append(token[:, 0])
-                log_probs.append(logp.gather(1, token)[:, 0])
-                top = logp.topk(topk, dim=-1)
-                top_ids.append(top.indices)
-                top_values.append(top.values)
-                attention = torch.cat([attention, torch.ones_like(token)], dim=1)
-                step_ids, step_positions = token, step_positions[:, -1:] + 1
-            stack = lambda xs: torch.stack(xs, dim=1).cpu()  # noqa: E731
-            responses, log_probs, top_ids, top_values = (stack(tokens), stack(log_probs), stack(top_ids),
-                                                         stack(top_values))
-            return list(responses), list(log_probs), list(top_ids), list(top_values)
+            return super()._generate(prompts, length, generator, topk)
+
+        def _draw(self, logp, generator):
+            return torch.multinomial(logp.exp(), 1, generator=self._sampler)
 
     return DeviceSamplingRolloutCopy(model_dir, device)
 

@@ -473,7 +473,7 @@ class RolloutCopy:
             )
             cache = out.past_key_values
             logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            token = torch.multinomial(logp.exp().cpu(), 1, generator=generator).to(self.device)
+            token = self._draw(logp, generator)
             tokens.append(token[:, 0])
             log_probs.append(logp.gather(1, token)[:, 0])
             top = logp.topk(topk, dim=-1)
@@ -484,6 +484,10 @@ class RolloutCopy:
         stack = lambda xs: torch.stack(xs, dim=1).cpu()  # noqa: E731
         responses, log_probs, top_ids, top_values = stack(tokens), stack(log_probs), stack(top_ids), stack(top_values)
         return list(responses), list(log_probs), list(top_ids), list(top_values)
+
+    def _draw(self, logp, generator):
+        """One token per row from the log-probs, drawn on the CPU with `generator` (reproducible on any device)."""
+        return torch.multinomial(logp.exp().cpu(), 1, generator=generator).to(self.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
