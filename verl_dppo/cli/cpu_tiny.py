@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from verl_dppo.cli.builds import build_once
 from verl_dppo.cli.cpu_engines import CpuRunError, check_engine, engine_settings, is_cpu_run, strategy_problem
 from verl_dppo.cli.cpu_tiny_warmup import ITEMS, NAMES, QUESTIONS, WarmUp, synthetic_problems, warm_up
 
@@ -313,41 +312,8 @@ def _write_data(folder: Path, problems: int, seed: int) -> int:
     return problems
 
 
-def _built(target: Path, manifest: dict, manifest_file: str = MANIFEST) -> bool:
-    try:
-        return json.loads((target / manifest_file).read_text()) == manifest
-    except (OSError, ValueError):
-        return False
-
-
-def build_once(target: Path, manifest: dict, write, manifest_file: str = MANIFEST, what: str = "cpu_tiny build") \
-        -> Optional[Any]:
-    """Write the folder `target` with `write(tmp)` unless a build with the same manifest (in `target/manifest_file`)
-    is there; returns what `write` returned, None if nothing was built. A finished build is renamed into place, so a
-    concurrent run sees none or a whole one; an older build (other settings) is replaced, a folder that is not a
-    build is refused (the message calls a build `what`). The real model's build (real_model.py) shares it."""
-    if _built(target, manifest, manifest_file):
-        return None
-    if target.exists() and not (target / manifest_file).is_file():
-        raise CpuRunError(f"{target} exists and is not a {what}: move it away, or set DPPO_ROOT elsewhere")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        result = write(tmp)
-        (tmp / manifest_file).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if _built(target, manifest, manifest_file):  # a concurrent run finished first
-            return None
-        if target.exists():
-            shutil.rmtree(target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _built(target, manifest, manifest_file):
-                raise
-            return None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return result
+def _build_once(target: Path, manifest: dict, write) -> Optional[Any]:
+    return build_once(target, manifest, write, MANIFEST, "cpu_tiny build", CpuRunError)
 
 
 def build_assets(config: Any) -> list[str]:
@@ -359,7 +325,7 @@ def build_assets(config: Any) -> list[str]:
     model_dir = _path(config.dppo.tiny_model.path)
     built = []
     if _path(config.actor_rollout_ref.model.path) == model_dir:
-        line = build_once(model_dir, {**asdict(spec), "warmup": asdict(warmup), "format": BUILD_FORMAT},
+        line = _build_once(model_dir, {**asdict(spec), "warmup": asdict(warmup), "format": BUILD_FORMAT},
                            lambda tmp: _write_model(tmp, spec, warmup))
         if line is not None:
             built.append(line.format(at=model_dir))
@@ -376,13 +342,13 @@ def build_assets(config: Any) -> list[str]:
         from verl_dppo.cli.real_model import write_arithmetic  # the smollm2 setup's sums
 
         folder, problems, seed = _path(real_data.dir), int(real_data.problems), int(real_data.seed)
-        if build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+        if _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
                        lambda tmp: write_arithmetic(tmp, problems, seed)) is not None:
             built.append(f"wrote {problems} sums to {folder / 'arithmetic.parquet'}")
     data = config.dppo.tiny_data
     folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
     read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}
-    if folder in read and build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+    if folder in read and _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
                                       lambda tmp: _write_data(tmp, problems, seed)) is not None:
         built.append(f"wrote {problems} GSM8K-shaped problems to {folder / 'gsm8k.parquet'}")
     return built

@@ -15,7 +15,6 @@ missing where it cannot.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from importlib import metadata
@@ -79,10 +78,9 @@ def _manifest() -> dict:
 
 
 def built(target: Path) -> bool:
-    try:
-        return json.loads((target / _MANIFEST).read_text()) == _manifest()
-    except (OSError, ValueError):
-        return False
+    from verl_dppo.cli.builds import built as finished
+
+    return finished(target, _manifest(), _MANIFEST)
 
 
 def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]]:
@@ -93,7 +91,7 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
     if built(target):
         return target, None
     source = gguf_file()
-    from verl_dppo.cli.cpu_tiny import build_once
+    from verl_dppo.cli.builds import build_once
 
     start = time.monotonic()
 
@@ -111,7 +109,7 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
         return model, tokenizer
 
     try:
-        done = build_once(target, _manifest(), write, _MANIFEST, f"{NAME} build")
+        done = build_once(target, _manifest(), write, _MANIFEST, f"{NAME} build", RealModelError)
     except OSError as error:
         raise RealModelError(f"cannot write the real model's checkpoint in {target.parent}: "
                              f"{error.strerror or error}; set DPPO_ROOT to a writable folder") from error
