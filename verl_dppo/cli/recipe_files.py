@@ -158,7 +158,7 @@ def check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
 
 def setup_and_overrides(setup: str, overrides: Sequence[str], default: str) -> tuple[str, list[str]]:
     """For a command whose SETUP is optional before its overrides: `cmd --out D key=value` gives argparse the override
-    as the setup; it is the first override, and the setup is the default."""
-    if "=" in setup:
+    as the setup; it is the first override (a `~key` delete has no "="), and the setup is the default."""
+    if "=" in setup or setup.startswith(("~", "+")):
         return default, [setup, *overrides]
     return setup, list(overrides)
