@@ -19,7 +19,7 @@ import time
 from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 
 
-class _IntermixedParser(argparse.ArgumentParser):
+class IntermixedParser(argparse.ArgumentParser):
     """Lets options and Hydra overrides mix in any order (`run S a=1 --dry-run b=2`): plain argparse would stop
     filling the overrides list at the first option after it."""
 
@@ -234,7 +234,7 @@ def add_command(commands) -> None:
         description="Compose SETUP + METHOD on verl's ppo_trainer.yaml, apply the Hydra overrides, validate with "
         "verl's own checks, then launch verl.trainer.main_ppo on Ray (RAY_ADDRESS names an existing cluster).",
     )
-    run.__class__ = _IntermixedParser
+    run.__class__ = IntermixedParser
     run.add_argument("setup", help="a setup from `verl-dppo recipes` (model, data, lengths, parallelism)")
     run.add_argument("--method", required=True, action=_Once, help="a method from `verl-dppo recipes` (loss mode and options)")
     run.add_argument(

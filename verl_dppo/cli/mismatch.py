@@ -254,9 +254,12 @@ def cmd_mismatch(args) -> int:
 
 
 def add_command(commands) -> None:
+    from verl_dppo.cli.launch import IntermixedParser
+
     parser = commands.add_parser(
         "mismatch", help="the paper's Figure 2 for a setup: the same weights in the rollout engine and the trainer",
         description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+    parser.__class__ = IntermixedParser  # options and overrides in any order, as `verl-dppo run` takes them
     parser.add_argument("setup", nargs="?", default="smollm2",
                         help="the setup whose model and engines to measure (default: smollm2, the real model on CPU)")
     parser.add_argument("--out", required=True, help="folder for mismatch.json, mismatch.png and the token files")

@@ -283,9 +283,12 @@ def _handler(args) -> int:
 
 
 def add_command(commands) -> None:
+    from verl_dppo.cli.launch import IntermixedParser
+
     parser = commands.add_parser(
         "study", help="the paper's sanity test in miniature: methods x seeds through verl's trainer, on a real LLM",
         description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+    parser.__class__ = IntermixedParser  # options and overrides in any order, as `verl-dppo run` takes them
     parser.add_argument("setup", nargs="?", default="smollm2", help="the setup to train (default: smollm2)")
     parser.add_argument("--out", required=True, help="folder for the logs, study.json and study.png")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated (default: {','.join(METHODS)})")
