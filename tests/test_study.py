@@ -168,8 +168,8 @@ def test_the_launch_is_a_real_run_command_with_the_studys_settings_first(tmp_pat
     assert overrides == [*study.CPU_SETTINGS, "actor_rollout_ref.actor.optim.lr=2e-5"]  # the user's last: it wins
     # options and overrides in any order, as `verl-dppo run` takes them
     assert main(["study", "--out", str(tmp_path), "trainer.logger=[console]", "--steps", "2",
-                 "actor_rollout_ref.actor.optim.lr=3e-5", "--seeds", "4"]) == 0
-    assert captured["args"][2:4] == ([4], 2)
+                 "actor_rollout_ref.actor.optim.lr=3e-5", "--seeds", "4", "--methods", "troll"]) == 0
+    assert captured["args"][1:4] == (["troll"], [4], 2)
     assert captured["args"][5][-2:] == ["trainer.logger=[console]", "actor_rollout_ref.actor.optim.lr=3e-5"]
 
     commands, real_run = [], subprocess.run
