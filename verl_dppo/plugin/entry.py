@@ -43,6 +43,7 @@ def register_backends() -> None:
     when_imported("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", vllm_cpu_moe.patch_method)
     when_imported("vllm.v1.worker.gpu_model_runner", vllm_cpu_moe.patch_bind_capturer)
     when_imported("vllm.model_executor.layers.fused_moe.cpu_fused_moe", vllm_cpu_moe.patch_cpu_select_experts)
+    when_imported("vllm.model_executor.layers.fused_moe.cpu_fused_moe", vllm_cpu_moe.patch_check_grouped_gemm)
 
 
 def load() -> None:
