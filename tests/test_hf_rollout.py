@@ -463,3 +463,36 @@ def test_moe_experts_pushed_per_expert_land_in_transformers_fused_tensors(tmp_pa
     assert all(torch.equal(state[name], tensor) for name, tensor in actor.state_dict().items())
     with pytest.raises(KeyError, match="4 experts"):
         asyncio.run(server.load_weights([("model.layers.0.mlp.experts.4.gate_proj.weight", exported[0][1])]))
+
+
+def test_every_sample_of_the_legacy_agent_loop_has_its_own_identity_however_the_batch_is_split():
+    """Issue 40.4: verl's legacy agent loop (trainer.use_v1=False) splits the batch (4 prompts x 4 samples) into one
+    equal chunk per agent-loop worker and counts `rollout_n` within a chunk, so with 8 workers (chunks of 2) each
+    prompt straddles two chunks and repeats its counts; `priority`, set over the whole batch before the split, tells
+    those samples apart: 16 distinct identities for 1, 8 or 16 workers (each the same at every launch), none shared
+    with the next step, and the v1 loop's (session ids, priority 0) distinct too."""
+    import numpy as np
+
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import get_trajectory_info
+
+    def identities(workers: int, step: int) -> list:
+        batch = DataProto.from_dict(non_tensors={"index": np.repeat(np.arange(10, 14), 4)})
+        batch.non_tensor_batch["priority"] = np.arange(len(batch), dtype=np.int64)  # as AgentLoopManager does
+        out, counts = [], []
+        for chunk in batch.chunk(workers):
+            infos = asyncio.run(get_trajectory_info(step, chunk.non_tensor_batch["index"].tolist(), False))
+            for i, info in enumerate(infos):
+                kwargs = {k: v[i] for k, v in chunk.non_tensor_batch.items()}  # as the legacy loop passes them
+                out.append(agent_loop.sample_identity(info, kwargs))
+                counts.append((info["sample_index"], info["rollout_n"]))
+        assert workers == 1 or len(set(counts)) < len(counts)  # the chunk-local counts repeat: what this is about
+        return out
+
+    for workers in (1, 8, 16):
+        once = identities(workers, step=3)
+        assert len(set(once)) == 16 and identities(workers, step=3) == once, workers
+        assert not set(identities(workers, step=4)) & set(once)
+    info = {"step": 3, "sample_index": 10, "rollout_n": 0, "validate": False}
+    v1 = [agent_loop.sample_identity(info, {"session_id": i, "priority": 0}) for i in range(4)]
+    assert len(set(v1)) == 4

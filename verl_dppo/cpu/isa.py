@@ -26,12 +26,21 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["LEVELS", "ENV", "features", "level", "reachable", "forced_env", "moe_kernel", "describe",
+__all__ = ["LEVELS", "PINNED", "pinned_env", "runs_pinned", "ENV", "features", "level", "reachable", "forced_env", "moe_kernel", "describe",
            "answer_as_forced"]
 
 LEVELS = ("avx2", "avx512", "amx")
 """From the least CPU the rehearsal supports up: AVX2 only; AVX-512 (with bf16 where the CPU has it) without AMX;
 AVX-512 with AMX."""
+
+PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
+"""The code paths every x86-64 machine with AVX2 takes alike, for the computations whose result must not depend on
+the machine (the demo, the staleness study, cpu_tiny's warm-started model): torch's vectorised kernels and MKL's
+matrix products round differently on each instruction set, and over a warm-up's hundreds of steps that difference
+decides where it ends (measured: ATen's `default` path instead of AVX2 ends the demo's seed-0 warm-up at 280
+supervised steps, not 250; cpu_tiny's warm-up on an AMX machine's own paths reaches another model than on AVX2's,
+whose samples agreed within every group of the cluster-shapes tier). Pinned, a seed gives the same model and logs on
+any x86-64 machine with AVX2, whatever its load. A value set in the shell wins."""
 
 ENV = "VERL_DPPO_CPU_ISA"
 SITE = Path(__file__).resolve().parent / "isa_site"
@@ -73,6 +82,19 @@ def level(found: dict | None = None) -> str:
 def reachable() -> tuple:
     """The levels a process on this CPU can take: its own and every one below it."""
     return LEVELS[: LEVELS.index(level()) + 1]
+
+
+def pinned_env(environ: dict | None = None) -> dict:
+    """`environ` (default: this process's) with `PINNED`'s paths where it sets none."""
+    env = dict(os.environ if environ is None else environ)
+    for name, value in PINNED.items():
+        env.setdefault(name, value)
+    return env
+
+
+def runs_pinned() -> bool:
+    """Whether this process was started on `PINNED`'s paths (torch and MKL read them once, at their first use)."""
+    return all(os.environ.get(name) == value for name, value in PINNED.items())
 
 
 def forced_env(isa: str, environ: dict | None = None) -> dict:

@@ -12,6 +12,7 @@ import traceback
 from dataclasses import replace
 from typing import Optional, TextIO
 
+from verl_dppo.cpu.isa import PINNED
 from verl_dppo.cli.demo.settings import DemoSettings
 
 _progress_queue = None
@@ -50,12 +51,8 @@ def _train_one(job: tuple) -> dict:
                 "traceback": traceback.format_exc()}
 
 
-CPU_CODE_PATHS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
-"""The CPU code paths the demo and the staleness study pin (a value set in the shell wins): torch's vectorised kernels
-and MKL's matrix products round differently on each instruction set (AVX-512, AVX2, none), and over the warm-up's
-hundreds of steps that difference decides where it ends (measured: ATen's `default` path instead of AVX2 ends the
-seed-0 warm-up at 280 supervised steps instead of 250, with another held-out set). Pinned, a seed gives the same logs
-on any x86-64 machine with AVX2, whatever its load."""
+CPU_CODE_PATHS = PINNED
+"""The CPU code paths the demo and the staleness study pin (verl_dppo.cpu.isa.PINNED: a value set in the shell wins)."""
 
 
 def pin_cpu_code_paths() -> None:
