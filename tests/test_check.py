@@ -50,16 +50,48 @@ def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def assert_problems(capsys, argv, *fragments) -> list[str]:
+    """Exit 2, one line per problem (each fragment in one of them), then the verdict counting them; no traceback."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    problems = [line for line in err.splitlines() if line.startswith("verl-dppo: problem: ")]
+    for fragment in fragments:
+        assert any(fragment in line for line in problems), (fragment, err)
+    assert err.splitlines()[-1] == f"verl-dppo: check: {len(problems)} problem(s) above would stop the launch from here"
+    return problems
+
+
 @pytest.mark.parametrize("extra, fragments", [
     (["actor_rollout_ref.actor.ppo_epochs=1.5"], ["ppo_epochs=1.5: expected an integer"]),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"], ["Did you mean 'dppo_binary_tv'"]),
     (["+actor_rollout_ref.actor.policy_loss.delta_low=0.1", FROM_GRPO[0]], ["_target_=verl_dppo.DPPOLossConfig"]),
     (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
       "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"], ["attn_implementation=sdpa"]),
-    (["bogus"], ["'bogus' is not a Hydra override"]),
+    (["actor_rollout_ref.rollout.gpu_memory_utilisation=0.6"],
+     ["did you mean actor_rollout_ref.rollout.gpu_memory_utilization?"]),
 ])
-def test_mistakes_in_a_main_ppo_command_are_one_line(tmp_path, capsys, extra, fragments):
-    assert_one_line_error(capsys, ["check", *verl_grpo_example(tmp_path), *extra], *fragments)
+def test_each_mistake_in_a_main_ppo_command_is_one_problem_line(tmp_path, capsys, extra, fragments):
+    assert len(assert_problems(capsys, ["check", *verl_grpo_example(tmp_path), *extra], *fragments)) == 1
+
+
+def test_a_line_that_is_no_override_is_one_error(tmp_path, capsys):
+    assert_one_line_error(capsys, ["check", *verl_grpo_example(tmp_path), "bogus"], "'bogus' is not a Hydra override")
+
+
+def test_every_problem_of_a_command_is_named_in_one_run(tmp_path, capsys):
+    """Issue 40.4: four mistakes (a misspelled key, two values of the wrong type, a misspelled loss mode) and a data
+    file that is not there: all five named in one run, the misspelled key with the key it is nearest to (not Hydra's
+    "To append to your config use +"), before verl's own validation."""
+    command = [item.replace(f"{tmp_path}/train.parquet", f"{tmp_path}/nowhere.parquet")
+               for item in verl_grpo_example(tmp_path)]
+    problems = assert_problems(
+        capsys, ["check", *command, "actor_rollout_ref.rollout.gpu_memory_utilisation=0.5",
+                 "actor_rollout_ref.actor.ppo_epochs=1.5", "trainer.nnodes=two",
+                 "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"],
+        "did you mean actor_rollout_ref.rollout.gpu_memory_utilization?", "ppo_epochs=1.5: expected an integer",
+        "trainer.nnodes=two: expected an integer", "Did you mean 'dppo_binary_tv'", "nowhere.parquet does not exist")
+    assert len(problems) == 5 and not any("append" in line for line in problems), problems
 
 
 def test_missing_data_stops_the_launch(tmp_path, capsys):

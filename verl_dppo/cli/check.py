@@ -6,7 +6,10 @@ the command's `--config-path` / `--config-name`) with the command's overrides, a
 everything `run --dry-run` checks: each override's type against verl's value, verl's own `validate_config` and
 config classes, the plugin's run-level checks (anchor and bypass mode, asynchronous trainers, Ulysses attention),
 the Top-K settings, the thresholds a DPPO mode would inherit from the ratio clip, and whether the data files and
-the model exist here. Nothing is launched.
+the model exist here. Nothing is launched. Every problem it can find is named in one run: each override's key
+(a misspelled one with the existing keys it is nearest to) and type are checked against verl's config before Hydra
+composes it (Hydra stops at the first), the config is composed with the overrides that passed, and the plugin's
+checks, the files and verl's own validation (its first complaint) follow; each problem is one line.
 
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
@@ -27,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from verl_dppo.cli.errors import UsageError
 
-__all__ = ["add_command", "split_command", "compose_main_ppo", "check_command"]
+__all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command"]
 
 _LAUNCHERS = ("python", "python3", "-m", "verl.trainer.main_ppo")
 
@@ -67,6 +70,10 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
 def compose_main_ppo(overrides: Sequence[str], config_path: Optional[str] = None,
                      config_name: str = "ppo_trainer") -> tuple[Any, Any]:
     """(verl's config with the overrides, verl's config without them), composed as main_ppo composes them."""
+    return tuple(_compose([list(overrides), []], config_path, config_name))
+
+
+def _compose(override_lists: Sequence[Sequence[str]], config_path: Optional[str], config_name: str) -> list:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -79,24 +86,68 @@ def compose_main_ppo(overrides: Sequence[str], config_path: Optional[str] = None
         folder = Path.cwd() / folder
     try:
         with stdout_to_stderr(), initialize_config_dir(config_dir=str(folder), version_base=None):
-            return compose(config_name, overrides=list(overrides)), compose(config_name, overrides=[])
+            return [compose(config_name, overrides=list(overrides)) for overrides in override_lists]
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise RecipeError(" ".join(str(error).split())) from None
 
 
-def check_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(problems that would stop the launch, warnings) of a main_ppo command line; raises RecipeError for a config
-    verl or the plugin rejects."""
-    from verl_dppo.cli.compose import check_supported, validate_recipe
-    from verl_dppo.cli.override_checks import check_override_types
+def override_problems(baseline: Any, overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
+    config (a change of a key the config lacks) and its value's type against the value it replaces."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from verl_dppo.cli.override_checks import type_problem, unknown_key_problem
+    from verl_dppo.cli.recipe_files import GROUP_KEYS
+
+    parser = OverridesParser.create()
+    problems, usable = [], []
+    for override in overrides:
+        try:
+            parsed = parser.parse_overrides([override])[0]
+        except HydraException as error:
+            problems.append(f"{override}: {' '.join(str(error).split())}")
+            continue
+        key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
+        if parsed.is_delete() or key in GROUP_KEYS or "@" in key or parsed.package is not None:
+            usable.append(override)
+            continue
+        problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
+        try:
+            value = parsed.value()
+        except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
+            value = None
+        problem = problem or type_problem(baseline, key, value, given)
+        if problem:
+            problems.append(problem)
+        else:
+            usable.append(override)
+    return problems, usable
+
+
+def check_command(argv: Sequence[str]) -> tuple[list[str], list[str], Optional[Any]]:
+    """(problems that would stop the launch, warnings, the composed config or None where it does not compose) of a
+    main_ppo command line: every problem this check can find, each one line (see the module's docstring)."""
+    from verl_dppo.cli.compose import RecipeError, check_supported, validate_recipe
     from verl_dppo.cli.launch import _threshold_warnings
 
     overrides, config_path, config_name = split_command(argv)
-    config, baseline = compose_main_ppo(overrides, config_path, config_name)
-    check_override_types(baseline, config, overrides)
-    validate_recipe(config, plain=True)
-    problems = list(check_supported(config)) + _missing_files(config)
-    return problems, _threshold_warnings(config)
+    (baseline,) = _compose([[]], config_path, config_name)
+    problems, usable = override_problems(baseline, overrides)
+    try:
+        (config,) = _compose([usable], config_path, config_name)
+    except RecipeError as error:
+        return problems + [str(error)], [], None
+    try:
+        validate_recipe(config, plain=True)
+    except RecipeError as error:
+        problems.append(str(error))
+    try:
+        problems += list(check_supported(config))
+    except RecipeError as error:
+        problems.append(str(error))
+    problems += _missing_files(config)
+    return problems, _threshold_warnings(config), config
 
 
 def _missing_files(config: Any) -> list[str]:
@@ -160,24 +211,19 @@ def rehearsal_overrides(config: Any) -> list[str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from verl_dppo.cli.compose import RecipeError
-
-    try:
-        problems, warnings = check_command(args.command_line)
-        if args.rehearse:
-            overrides, config_path, config_name = split_command(args.command_line)
-            rehearsal = rehearsal_overrides(compose_main_ppo(overrides, config_path, config_name)[0])
-    except RecipeError as error:
-        raise UsageError(str(error)) from None
+    problems, warnings, config = check_command(args.command_line)
     for warning in warnings:
         print(f"verl-dppo: warning: {warning}", file=sys.stderr)
     for problem in problems:
         print(f"verl-dppo: problem: {problem}", file=sys.stderr)
-    verdict = (f"{len(problems)} problem(s) above would stop the launch from here" if problems
-               else "nothing found that would stop the launch from here")
-    print(f"verl-dppo: check: the command passed verl's checks and the plugin's; {verdict}", file=sys.stderr)
-    if not args.rehearse:
+    if problems:
+        print(f"verl-dppo: check: {len(problems)} problem(s) above would stop the launch from here", file=sys.stderr)
+    else:
+        print("verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that would stop "
+              "the launch from here", file=sys.stderr)
+    if not args.rehearse or config is None:
         return 2 if problems else 0
+    rehearsal = rehearsal_overrides(config)
     from verl_dppo.cli import main
 
     mode = next(o.split("=", 1)[1] for o in rehearsal if o.startswith("++actor_rollout_ref.actor.policy_loss.loss_mode="))

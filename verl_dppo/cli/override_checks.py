@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "key_hint", "field_hint"]
+__all__ = ["check_override_types", "type_problem", "unknown_key_problem", "key_hint", "field_hint"]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -69,17 +69,64 @@ def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -
         if key in GROUP_KEYS or "@" in key:
             continue
         try:
-            old = OmegaConf.select(baseline, key, throw_on_missing=False)
             new = OmegaConf.select(config, key, throw_on_missing=False)
         except Exception:  # an interpolation that does not resolve: validate_recipe names it
             continue
-        expected = _declared_type(baseline, key) or _expected_type(old)
-        if expected is None or new is None or _fits(new, expected):
-            continue
-        raise RecipeError(
-            f"{key}={override.split('=', 1)[1]}: expected {expected} like the recipe's value {old!r}, got "
-            f"{type(new).__name__} {new!r}"
-        )
+        problem = type_problem(baseline, key, new, override.split("=", 1)[1])
+        if problem:
+            raise RecipeError(problem)
+
+
+def type_problem(baseline: Any, key: str, new: Any, given: str) -> Optional[str]:
+    """The override `key=given` (parsed to `new`) against the type of the value it replaces (or that verl's config
+    dataclass declares): None where it fits, else the one-line problem."""
+    from omegaconf import OmegaConf
+
+    try:
+        old = OmegaConf.select(baseline, key, throw_on_missing=False)
+    except Exception:  # an interpolation that does not resolve: validate_recipe names it
+        return None
+    expected = _declared_type(baseline, key) or _expected_type(old)
+    if expected is None or new is None or _fits(new, expected):
+        return None
+    return f"{key}={given}: expected {expected} like the recipe's value {old!r}, got {type(new).__name__} {new!r}"
+
+
+def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
+    """`key=given` where verl's config has no such key (Hydra's answer would be "To append to your config use +key"):
+    the problem, with the existing keys it is nearest to (the same parent's first, then anywhere)."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    try:
+        node = OmegaConf.select(baseline, parent, default=None, throw_on_missing=False) if parent else baseline
+    except Exception:  # noqa: BLE001  (an interpolation on the way: not this check's to judge)
+        return None
+    if not isinstance(node, DictConfig) and parent:  # the parent itself is missing: name the first missing level
+        return unknown_key_problem(baseline, parent, "...") and _no_key(key, given, baseline, parent)
+    if isinstance(node, DictConfig) and (name in node.keys() or not node._get_flag("struct") and
+                                         node._get_flag("struct") is not None):
+        return None  # there (a value of ??? included), or a node that takes any key
+    close = []
+    if isinstance(node, DictConfig):
+        close = [f"{parent}.{near}" if parent else near
+                 for near in difflib.get_close_matches(name, [str(k) for k in node.keys()], n=2, cutoff=0.75)]
+    if not close:
+        paths = list(_leaf_paths(baseline))
+        close = [path for path in paths if path.endswith("." + key)][:2] or difflib.get_close_matches(
+            key, paths, n=2, cutoff=0.85)
+    hint = f"; did you mean {' or '.join(close)}?" if close else (
+        f"; to add a key verl's config does not have, write +{key}={given}")
+    return f"{key}={given}: verl's config has no key {key}{hint}"
+
+
+def _no_key(key: str, given: str, baseline: Any, parent: str) -> str:
+    """A key under a parent verl's config lacks: the problem names the parent's nearest existing path."""
+    inner = unknown_key_problem(baseline, parent, "...") or ""
+    hint = inner.split("; ", 1)[1] if "; did you mean" in inner else f"to add it, write +{key}={given}"
+    return f"{key}={given}: verl's config has no {parent}; {hint}"
 
 
 def _declared_type(baseline: Any, key: str) -> Optional[str]:
