@@ -299,17 +299,17 @@ def chains() -> list[list[Run]]:
              for mode in MODES]
     if "troll" in MODES:
         modes.append([Run(FUSED_TROLL, driver.method_for_mode("troll"), overrides=FUSED)])
-    # Every weight push must find a response half generated. The rollout is kept the slower side with a backlog: two
-    # sequences at a time (max_num_seqs=2: a batch of 8 responses of 192 tokens, no early end, takes about 2.2 s
-    # idle, the trainer's step about 1 s) and two warm-up batches (verl's num_warmup_batches; the default 1), so at
-    # each push the rollout still holds one to two batches it cannot have finished. With one warm-up batch and all
-    # 8 responses in one 1.2 s batch the push raced the generation (verl's sampler polls every 2 s) and found it
-    # done in some runs. Every push then aborts a response with tokens (five of five pushes, in each of two idle
-    # runs), but a resumed response queues behind the backlog and is trained one to three steps later (first
-    # trained span > 1 at steps 3-5 in eight idle runs of 4-5 steps): six steps.
+    # Every weight push must find a response half generated: the rollout must be the slower side, whatever the CPU.
+    # One sequence at a time (max_num_seqs=1) of 384 tokens, no early end: a batch of 8 responses takes the rollout
+    # 6-8 s, the trainer's cycle (verl's sampler polls every 2 s, then an update of about 1 s) 3-4 s, so the rollout
+    # is always generating when a push comes, behind two warm-up batches (verl's num_warmup_batches; the default 1).
+    # With 2 sequences of 192 tokens a batch took about 2.2 s on an AVX-512 machine, less on an AMX one, where the
+    # rollout then waited at its staleness bound and no push cut a response in an idle run (2026-11-27; under load,
+    # spans of 2 at steps 4-5). Now (AMX machine, loaded): spans of 2-3 at steps 2, 4 and 6. A resumed response
+    # queues behind the backlog and is trained one to three steps later: six steps.
     separate = [[Run("separate_async-dppo_topk_tv", "dppo_topk_tv", trainer_mode="separate_async", steps=6,
-                     overrides=("data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True",
-                                "actor_rollout_ref.rollout.max_num_seqs=2",
+                     overrides=("data.max_response_length=384", "actor_rollout_ref.rollout.ignore_eos=True",
+                                "actor_rollout_ref.rollout.max_num_seqs=1",
                                 "trainer.v1.separate_async.num_warmup_batches=2"))]]
     # With the recipes' val_before_train (cpu_tiny's is off): the restart logs a validation at the checkpoint's step.
     # Its prompts are not the training prompts (validation_file), as a user's validation set would be; the hf
