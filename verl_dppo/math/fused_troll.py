@@ -29,7 +29,7 @@ from verl_dppo.math.troll import (
     TrollTerms,
     troll_terms_from_support,
 )
-from verl_dppo.math.troll_support import support_in_chunk
+from verl_dppo.math.troll_support import pi_read_width, support_in_chunk
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -107,8 +107,9 @@ def fused_troll_token_terms(
         index = slice(None) if rows_arg is None else rows_arg
         mu_ids[index], mu_selected[index], troll_rows[index] = mu_ids_rows, mu_selected_rows, True
         select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass)
+        width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, vocab)
         log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
-            hidden, weight, temperature, select, 1 + mu_ids.shape[1] + k_pi, entropy, chunk_tokens, scratch=True
+            hidden, weight, temperature, select, width, entropy, chunk_tokens, scratch=True
         )
         valid = ~dropped
         slot = ((ids == sampled_all[:, None]) & valid).long().argmax(dim=1, keepdim=True)  # a_t is always kept

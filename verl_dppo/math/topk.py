@@ -39,6 +39,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
+from verl_dppo.math.kernels import (
+    CPU_CHUNK_BYTES, backend_for, chunk_bytes_for, logits_at, max_and_sum_exp_outside,
+)
 
 __all__ = [
     "topk_divergence",
@@ -50,8 +53,8 @@ __all__ = [
     "MASS_TOLERANCE",
 ]
 
-DEFAULT_CHUNK_BYTES = 8 * 2**20
-"""Float32 working set per chunk of rows (8 MiB = 13 rows of Qwen3's 151,936-token vocabulary)."""
+DEFAULT_CHUNK_BYTES = CPU_CHUNK_BYTES
+"""Float32 working set per chunk of rows on a CPU; on a GPU the chunk follows free memory (`chunk_bytes_for`)."""
 
 MASS_TOLERANCE = 1e-3
 """mu's kept mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
@@ -156,7 +159,11 @@ def _pi_logprobs_at(
     dropped: torch.Tensor,
     chunk_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(slot_ids), log pi(other)) in float64, from one pass over the logits row chunk by row chunk."""
+    """(log pi(slot_ids), log pi(other)) in float64, from one pass over the logits row chunk by row chunk (one
+    kernel on a GPU: `verl_dppo.math.kernels`)."""
+    if backend_for(logits) == "triton":
+        row_max, sum_outside = max_and_sum_exp_outside(logits, slot_ids, rows)
+        return _pi_at_slots(_finite(row_max), sum_outside, logits_at(logits, rows, slot_ids), dropped)
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
     row_max = torch.empty(slot_ids.shape[0], dtype=work_dtype, device=logits.device)
     sum_outside = torch.empty_like(row_max)
@@ -185,15 +192,26 @@ def _vocab_parallel_pi_logprobs_at(
 
     n, local_vocab = slot_ids.shape[0], shard.shape[1]
     work_dtype = torch.promote_types(shard.dtype, torch.float32)
+    kernel = backend_for(shard) == "triton" and local_vocab > 0
     row_max = torch.full((n,), -math.inf, dtype=work_dtype, device=shard.device)
-    for start, end, block in _row_blocks(shard, rows, chunk_bytes) if local_vocab else ():  # a slice of padding only
-        row_max[start:end] = block.amax(dim=-1)
+    if kernel:  # one fused reduction over the whole slice (rows picked after: no [n, V_local] copy)
+        row_max = shard.amax(dim=-1) if rows is None else shard.amax(dim=-1).index_select(0, rows)
+        row_max = row_max.to(work_dtype)
+    for start, end, block in _row_blocks(shard, rows, chunk_bytes) if local_vocab and not kernel else ():
+        row_max[start:end] = block.amax(dim=-1)  # (a slice of padding only reads nothing)
         del block  # as in _pi_logprobs_at
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     row_max = _finite(row_max)
 
     local_ids = slot_ids - vocab_start
     owned = (local_ids >= 0) & (local_ids < local_vocab)
+    if kernel:
+        partial = torch.zeros(n, 1 + slot_ids.shape[1], dtype=work_dtype, device=shard.device)
+        _, partial[:, 0] = max_and_sum_exp_outside(shard, torch.where(owned, local_ids, -1), rows, row_max)
+        at_ids = logits_at(shard, rows, torch.where(owned, local_ids, 0))
+        partial[:, 1:] = torch.where(owned, at_ids, torch.zeros_like(at_ids))
+        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+        return _pi_at_slots(row_max, partial[:, 0], partial[:, 1:], dropped)
     local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
     # Column 0: this rank's share of sum exp(logits - max) outside A'_t; columns 1..: the logits at the ids this
     # rank owns, else 0.
@@ -316,7 +334,7 @@ def topk_divergence(
     sampled_ids: torch.Tensor,
     rollout_sampled_logprobs: torch.Tensor,
     mask: Optional[torch.Tensor] = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: Optional[int] = None,
     mass_tolerance: float = MASS_TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K TV (Eq. 15) and KL(mu || pi) (Eq. 16) per row; two float32 [N] tensors (no gradient).
@@ -329,7 +347,8 @@ def topk_divergence(
         rollout_sampled_logprobs: [N] log mu(a_t). Where a_t is among the top-K, the top-K entry is used.
         mask: optional [N] bool; rows where it is False (prompt or padding positions) are neither read nor
             validated and get D = 0.
-        chunk_bytes: float32 working set per row chunk; bounds the extra memory.
+        chunk_bytes: float32 working set per row chunk of the torch path; bounds the extra memory (None: by
+            device, `chunk_bytes_for`). The Triton path (a GPU) reads rows in place, without chunks.
         mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
 
     Raises:
@@ -337,6 +356,7 @@ def topk_divergence(
     """
     if logits.dim() != 2:
         raise TopKInputError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    chunk_bytes = chunk_bytes or chunk_bytes_for(logits.device)
     return _topk_divergence(
         logits,
         logits.shape[1],
@@ -361,7 +381,7 @@ def vocab_parallel_topk_divergence(
     sampled_ids: torch.Tensor,
     rollout_sampled_logprobs: torch.Tensor,
     mask: Optional[torch.Tensor] = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: Optional[int] = None,
     mass_tolerance: float = MASS_TOLERANCE,
     valid_vocab: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,7 +399,8 @@ def vocab_parallel_topk_divergence(
         rollout_sampled_logprobs: [N] log mu(a_t). Where a_t is among the top-K, the top-K entry is used.
         mask: optional [N] bool; rows where it is False (prompt or padding positions) are neither read nor
             validated and get D = 0.
-        chunk_bytes: float32 working set per row chunk; bounds the extra memory.
+        chunk_bytes: float32 working set per row chunk of the torch path; bounds the extra memory (None: by
+            device, `chunk_bytes_for`). The Triton path (a GPU) reads rows in place, without chunks.
         mass_tolerance: mu's kept mass may exceed 1 by this much (rounding); the excess is clipped (other = 0).
         valid_vocab: the model's own vocabulary size when `vocab_size` is padded beyond it (Megatron pads the LM
             head to a multiple of its tensor-parallel size): the padded columns stay out of pi's normaliser (the
@@ -398,6 +419,7 @@ def vocab_parallel_topk_divergence(
         # this slice's columns of the model's vocabulary (none on a slice of padding only): a view, never written
         logits_shard = logits_shard[:, : max(0, min(logits_shard.shape[1], valid_vocab - vocab_start))]
         vocab_size = valid_vocab
+    chunk_bytes = chunk_bytes or chunk_bytes_for(logits_shard.device)
     return _topk_divergence(
         logits_shard,
         vocab_size,

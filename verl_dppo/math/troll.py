@@ -62,11 +62,12 @@ from typing import Optional
 import torch
 
 from verl_dppo.math.divergence import MAX_LOG_RATIO  # the DPPO modes' cap, for Eq. 5's ratio
+from verl_dppo.math.kernels import CPU_CHUNK_BYTES, chunk_bytes_for
 from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll_projection import (  # noqa: F401  (LOG_ETA_BRACKET, SOLVER_STEPS: re-exported)
     EPS, LOG_ETA_BRACKET, SOLVER_STEPS, Projection, _logsumexp, kl_projection,
 )
-from verl_dppo.math.troll_support import MU_FLOOR, mu_on_atoms, pi_on_support
+from verl_dppo.math.troll_support import MU_FLOOR, mu_on_atoms, pi_on_support, top_selected
 
 __all__ = [
     "EPS",
@@ -96,8 +97,8 @@ SUPPORT_MASS = 1.0 - 1e-5
 TOPK = 64
 """At most this many tokens per policy in the support (TROLL's K; the rollout must report at least K)."""
 
-DEFAULT_CHUNK_BYTES = 8 * 2**20
-"""Float32 working set per chunk of rows (8 MiB = 13 rows of Qwen3's 151,936-token vocabulary)."""
+DEFAULT_CHUNK_BYTES = CPU_CHUNK_BYTES
+"""Float32 working set per chunk of rows on a CPU; on a GPU the chunk follows free memory (`chunk_bytes_for`)."""
 
 MASS_TOLERANCE = 1e-3
 """mu's reported mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
@@ -169,7 +170,7 @@ def troll_token_terms(
     eps: float = EPS,
     support_mass: float = SUPPORT_MASS,
     topk: int = TOPK,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: Optional[int] = None,
     mass_tolerance: float = MASS_TOLERANCE,
     inplace_backward: bool = False,
 ) -> TrollTerms:
@@ -184,7 +185,8 @@ def troll_token_terms(
             (no finite ratio; diagnostics["valid"] is False), as in DPPO.
         mask: optional [N] bool; rows where it is False are neither read nor validated.
         eps: trust-region radius. support_mass, topk: the support rule (1 - delta, K).
-        chunk_bytes: float32 working set per chunk of rows, forward and backward.
+        chunk_bytes: float32 working set per chunk of rows of the torch path, forward and backward (None: by
+            device, `chunk_bytes_for`). The Triton path (a GPU) reads rows in place, without chunks.
         mass_tolerance: mu's reported mass may exceed 1 by this much.
         inplace_backward: the backward writes the logits' gradient into the logits' storage (see the module doc).
 
@@ -197,6 +199,7 @@ def troll_token_terms(
     """
     check_topk_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
                       TrollInputError)
+    chunk_bytes = chunk_bytes or chunk_bytes_for(logits.device)
     work_bytes = torch.finfo(torch.promote_types(logits.dtype, torch.float32)).bits // 8
     rows_per_chunk = max(1, chunk_bytes // (work_bytes * logits.shape[1]))
 
@@ -241,12 +244,12 @@ def troll_terms_from_support(
     mu_ids = rollout_topk_ids[rows].long()
     _validate_rows(mu_ids, mu_lp, sampled, vocab, mass_tolerance)
 
-    # Top(mu): the reported ids by decreasing probability until the mass reaches support_mass, at most topk.
+    # Top(mu): the reported ids by decreasing probability until the mass reaches support_mass, at most topk, in
+    # whole groups of tied log-probs (as Top(pi): `top_selected`).
     mu_lp, order = mu_lp.sort(dim=1, descending=True)
     mu_ids = mu_ids.gather(1, order)
     mu_p = torch.where(torch.isfinite(mu_lp), mu_lp.exp(), 0.0)
-    rank = torch.arange(mu_ids.shape[1], device=dev)
-    mu_selected = ((mu_p.cumsum(dim=1) - mu_p) < support_mass) & torch.isfinite(mu_lp) & (rank < topk)
+    mu_selected = top_selected(mu_lp, mu_p, topk, support_mass) & torch.isfinite(mu_lp)
 
     ids, source, slot_valid, log_pi_s, log_pi_other = read_support(rows_arg, sampled, mu_ids, mu_selected)
     log_mu = mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, slot_valid, vocab)

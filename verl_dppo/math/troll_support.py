@@ -10,9 +10,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, scaled_exp_into
 from verl_dppo.math.troll_projection import _logsumexp
 
-__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms"]
+__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width"]
 
 MU_FLOOR = 1e-12
 """Smallest probability mu' gives an atom it has no report for (each token of S_t outside mu's report, and "other"),
@@ -52,20 +53,72 @@ class ChunkSupport(NamedTuple):
     log_z: torch.Tensor
 
 
+def pi_read_width(k_pi: int, vocab: int) -> int:
+    """How many of pi's most likely ids are read to find Top(pi) with at most k_pi of them: one more than k_pi,
+    to see whether the k_pi-th shares its logit with the next (`top_selected`)."""
+    return min(k_pi + 1, vocab)
+
+
+def top_selected(values: torch.Tensor, probs: torch.Tensor, limit: int, support_mass: float) -> torch.Tensor:
+    """Top(q) on q's most likely entries, sorted by decreasing `values` (logits or log-probs; `probs` the
+    probabilities): the smallest prefix holding `support_mass`, at most `limit` entries, taken in whole groups of
+    tied values. A group is in when the mass strictly above it is below support_mass and it ends within `limit`.
+
+    Why groups: bf16 logits over 151,936 tokens tie often, and a sort breaks a tie by position (differently on CPU
+    and CUDA). Cutting a group changes S_t with the vocabulary's order or the device, and one token more or less in
+    S_t moves KL(pi' || mu') by ~0.01. The cumulative-mass rule keeps a boundary group (it grows S_t by a few tied
+    tokens); the `limit` rule drops one (a group that reaches past `limit` cannot be told apart from the next
+    tokens without reading them all), so S_t never holds more than `limit` of q's ids."""
+    k = values.shape[1]
+    position = torch.arange(k, device=values.device).expand_as(values)
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[:, 1:] = values[:, 1:] != values[:, :-1]
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    group_start = torch.where(starts, position, 0).cummax(dim=1).values
+    group_end = torch.where(ends, position, k - 1).flip(1).cummin(dim=1).values.flip(1)
+    # Tied entries have equal probabilities, so the mass before a group does not depend on the order inside ties.
+    mass_above = (probs.cumsum(dim=1) - probs).gather(1, group_start)
+    return (mass_above < support_mass) & (group_end < limit)
+
+
 def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
                      pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
     """S_t = {a_t} U Top(mu) U Top(pi) from a chunk's logits `block` [n, V] (`scratch`: a buffer of its shape,
-    overwritten). Top(pi): pi's smallest prefix of its k_pi most likely ids holding `support_mass`, only on
-    `pi_rows` (bool [n]; None: every row). One pass over the vocabulary for the normaliser and the tail."""
-    top_logits, top_ids = block.topk(k_pi, dim=1)
+    overwritten). Top(pi): pi's smallest prefix of its k_pi most likely ids holding `support_mass`, in whole tie
+    groups (`top_selected`), only on `pi_rows` (bool [n]; None: every row). One pass over the vocabulary for the
+    normaliser and the tail."""
+    top_logits, top_ids = block.topk(pi_read_width(k_pi, block.shape[1]), dim=1)
     row_max = top_logits[:, :1]
     shifted_exp = torch.sub(block, row_max, out=scratch).exp_()
     candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
     c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
     rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # every id that is no candidate
-    log_z = row_max.squeeze(1) + (rest + c_exp.sum(dim=1)).log()
-    top_p = (top_logits - log_z[:, None]).exp()
-    pi_selected = (top_p.cumsum(dim=1) - top_p) < support_mass
+    return _support(top_logits, row_max.squeeze(1), rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected,
+                    k_pi, support_mass, pi_rows)
+
+
+def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float) -> ChunkSupport:
+    """`support_in_chunk` on the selected `rows` of the whole logits, read in place: torch's top-k, then one kernel
+    for the tail's exponentials (`verl_dppo.math.kernels`); no [n, V] temporary."""
+    top_logits, top_ids = logits.topk(pi_read_width(k_pi, logits.shape[1]), dim=1)  # every row: no row copies
+    if rows is not None:
+        top_logits, top_ids = top_logits.index_select(0, rows), top_ids.index_select(0, rows)
+    top_logits = top_logits.to(torch.promote_types(logits.dtype, torch.float32))
+    row_max = top_logits[:, 0]
+    candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
+    _, rest = max_and_sum_exp_outside(logits, candidates, rows, row_max)
+    c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
+    return _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi,
+                    support_mass)
+
+
+def _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi, support_mass,
+             pi_rows=None) -> ChunkSupport:
+    """S_t and pi's normaliser and tail from pi's top logits, the sum of exp(l - max) over the non-candidates
+    (`rest`) and the candidates' own exp(l - max) (`c_exp`, 0 on repeats)."""
+    log_z = row_max + (rest + c_exp.sum(dim=1)).log()
+    pi_selected = top_selected(top_logits, (top_logits - log_z[:, None]).exp(), k_pi, support_mass)
     if pi_rows is not None:
         pi_selected &= pi_rows[:, None]
     always = torch.ones_like(sampled[:, None], dtype=torch.bool)  # a_t
@@ -74,7 +127,7 @@ def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, su
     tail = rest + torch.where(keep, 0.0, c_exp).sum(dim=1)
     order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
     ids = torch.where(keep, c_ids, sampled[:, None]).gather(1, order)
-    return ChunkSupport(ids, c_source.gather(1, order), keep.gather(1, order), row_max.squeeze(1), tail, log_z)
+    return ChunkSupport(ids, c_source.gather(1, order), keep.gather(1, order), row_max, tail, log_z)
 
 
 class _PiOnSupport(torch.autograd.Function):
@@ -88,23 +141,16 @@ class _PiOnSupport(torch.autograd.Function):
     def forward(ctx, logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace):
         vocab = logits.shape[1]
         n = sampled.shape[0]
-        reader = _ChunkReader(logits, rows, rows_per_chunk)
         k_pi = min(topk, vocab)
-        width = 1 + mu_ids.shape[1] + k_pi
-        dev = logits.device
-        ids = torch.empty(n, width, dtype=torch.long, device=dev)
-        source = torch.empty_like(ids)
-        valid = torch.empty(n, width, dtype=torch.bool, device=dev)
-        log_pi = torch.empty(n, width, dtype=reader.work, device=dev)
-        log_z = torch.empty(n, dtype=reader.work, device=dev)
-        log_z_tail = torch.empty_like(log_z)
-        for start, end, block, scratch in reader:
-            s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
-                                 support_mass)
-            ids[start:end], source[start:end], valid[start:end] = s.ids, s.source, s.valid
-            log_pi[start:end] = block.gather(1, s.ids) - s.log_z[:, None]
-            log_z[start:end] = s.log_z
-            log_z_tail[start:end] = s.row_max + s.tail.log()
+        if backend_for(logits) == "triton":
+            s = support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass)
+            ids, source, valid, log_z = s.ids, s.source, s.valid, s.log_z
+            log_pi = logits_at(logits, rows, ids) - log_z[:, None]
+            log_z_tail = s.row_max + s.tail.log()
+        else:
+            ids, source, valid, log_pi, log_z, log_z_tail = _support_by_chunks(
+                logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, rows_per_chunk
+            )
         used = int(valid.sum(dim=1).max()) if n else 0
         ids, source, valid = ids[:, :used].contiguous(), source[:, :used].contiguous(), valid[:, :used].contiguous()
         log_pi = log_pi[:, :used].contiguous()
@@ -129,18 +175,8 @@ class _PiOnSupport(torch.autograd.Function):
         on_support = torch.where(valid, g_s - total[:, None] * log_pi.exp(), 0.0)
         tail_base = torch.where(has_tail, log_z_tail, log_z)
         grad = logits if ctx.inplace else torch.zeros_like(logits) if rows is not None else torch.empty_like(logits)
-        changed = torch.zeros((), dtype=torch.bool, device=logits.device)  # checked once, after the loop
-        for start, end, block, scratch in _ChunkReader(logits, rows, ctx.rows_per_chunk):
-            s_ids, s_valid = ids[start:end], valid[start:end]
-            reread, before = block.gather(1, s_ids) - log_z[start:end, None], log_pi[start:end]
-            changed |= (s_valid & (reread != before) & ~(reread.isnan() & before.isnan())).any()
-            q = torch.sub(block, tail_base[start:end, None], out=scratch).exp_().scatter_(1, s_ids, 0.0)
-            q.mul_(tail_coef[start:end, None]).scatter_add_(1, s_ids, on_support[start:end])
-            if rows is None:
-                grad[start:end].copy_(q)
-            else:
-                grad.index_copy_(0, rows[start:end], q.to(grad.dtype))
-        if bool(changed):
+        fill = _grad_by_kernel if backend_for(logits) == "triton" else _grad_by_chunks
+        if fill(grad, logits, rows, ctx.rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef, on_support):
             raise RuntimeError(
                 "TROLL's backward found the logits changed since its forward: another backward overwrote them in "
                 "place (verl's flash-attn cross entropy with inplace_backward=True does). Take the loss's gradient "
@@ -152,6 +188,66 @@ class _PiOnSupport(torch.autograd.Function):
             unused[rows] = False
             grad.masked_fill_(unused[:, None], 0.0)
         return grad, None, None, None, None, None, None, None, None
+
+
+def _changed(reread: torch.Tensor, before: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Whether the support's log pi, re-read from the logits, differs from the forward's (NaN equal to NaN)."""
+    return (valid & (reread != before) & ~(reread.isnan() & before.isnan())).any()
+
+
+def _grad_by_chunks(grad, logits, rows, rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef,
+                    on_support) -> bool:
+    """The gradient chunk by chunk (torch); True if the logits changed since the forward (checked once, at the end:
+    a check per chunk would synchronise a GPU each time)."""
+    changed = torch.zeros((), dtype=torch.bool, device=logits.device)
+    for start, end, block, scratch in _ChunkReader(logits, rows, rows_per_chunk):
+        s_ids = ids[start:end]
+        changed |= _changed(block.gather(1, s_ids) - log_z[start:end, None], log_pi[start:end], valid[start:end])
+        q = torch.sub(block, tail_base[start:end, None], out=scratch).exp_().scatter_(1, s_ids, 0.0)
+        q.mul_(tail_coef[start:end, None]).scatter_add_(1, s_ids, on_support[start:end])
+        if rows is None:
+            grad[start:end].copy_(q)
+        else:
+            grad.index_copy_(0, rows[start:end], q.to(grad.dtype))
+    return bool(changed)
+
+
+def _grad_by_kernel(grad, logits, rows, _rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef,
+                    on_support) -> bool:
+    """The gradient in one kernel pass (every column of the selected rows gets the tail's formula), then the
+    support's columns set to their own: [n, |S|] writes. The logits' check comes first: in place, grad is them."""
+    if bool(_changed(logits_at(logits, rows, ids) - log_z[:, None], log_pi, valid)):
+        return True
+    scaled_exp_into(grad, logits, tail_base, tail_coef, rows)
+    at = (ids,) if rows is None else (rows[:, None].expand_as(ids), ids)
+    # Padding slots repeat a_t with a zero gradient: zero everything on the support first, then add.
+    if rows is None:
+        grad.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_support.to(grad.dtype))
+    else:
+        grad.index_put_(at, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        grad.index_put_(at, on_support.to(grad.dtype), accumulate=True)
+    return False
+
+
+def _support_by_chunks(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, rows_per_chunk):
+    """(ids, source, valid, log pi at the ids, log Z, log Z of the tail) chunk by chunk (the torch path)."""
+    n, dev = sampled.shape[0], logits.device
+    reader = _ChunkReader(logits, rows, rows_per_chunk)
+    width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, logits.shape[1])
+    ids = torch.empty(n, width, dtype=torch.long, device=dev)
+    source = torch.empty_like(ids)
+    valid = torch.empty(n, width, dtype=torch.bool, device=dev)
+    log_pi = torch.empty(n, width, dtype=reader.work, device=dev)
+    log_z = torch.empty(n, dtype=reader.work, device=dev)
+    log_z_tail = torch.empty_like(log_z)
+    for start, end, block, scratch in reader:
+        s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
+                             support_mass)
+        ids[start:end], source[start:end], valid[start:end] = s.ids, s.source, s.valid
+        log_pi[start:end] = block.gather(1, s.ids) - s.log_z[:, None]
+        log_z[start:end] = s.log_z
+        log_z_tail[start:end] = s.row_max + s.tail.log()
+    return ids, source, valid, log_pi, log_z, log_z_tail
 
 
 class _ChunkReader:

@@ -1,0 +1,233 @@
+"""One read of the logits per row: the Triton kernels behind the Top-K statistics and TROLL's support on a GPU.
+
+Pure torch + Triton (no verl import). The torch paths in `topk.py` and `troll_support.py` stay the reference and
+the fallback (CPU, accelerators without Triton); these kernels compute the same quantities in the same float32
+arithmetic, without the row chunks' float32 copies and their dozens of small launches per chunk:
+
+- `max_and_sum_exp_outside(logits, excluded, rows=None, row_max=None)`: per row, the max logit and
+  sum over the columns NOT in `excluded` of exp(logit - max). The sum is taken over the complement itself, as the
+  torch path does (on a row whose top-1 probability is 1 - 1e-9, "all minus the excluded" cancels to 0 in float32).
+  Pass 1 finds the max (skipped when `row_max` is given: the vocabulary-parallel path all-reduces it first), pass 2
+  sums: at most two reads of the row, the second mostly from L2 (a row of Qwen3's vocabulary is 297 KiB in bf16).
+- `scaled_exp_into(out, logits, base, coef, rows=None)`: out[r, j] = exp(logit[r, j] - base[r]) * coef[r], in
+  `out`'s dtype (TROLL's backward off the support: one read, one write; `out` may be the logits themselves).
+
+Which columns a row excludes: its ids sorted ascending (sentinels for "none"); each block of columns walks the part
+of that sorted list that falls inside it, so a row's exclusion costs its number of ids, not ids x columns.
+
+Which path runs (`backend_for`): Triton for CUDA tensors when Triton imports, the torch path otherwise.
+`VERL_DPPO_KERNELS=torch` forces torch everywhere; `VERL_DPPO_KERNELS=triton` forces the kernels, also on CPU
+tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the suite tests them without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
+    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at",
+]
+
+KERNELS_ENV = "VERL_DPPO_KERNELS"
+"""auto (default): Triton on CUDA tensors when it imports; torch: never; triton: always (CPU needs TRITON_INTERPRET=1)."""
+
+CPU_CHUNK_BYTES = 8 * 2**20
+"""The torch paths' float32 working set per chunk of rows on a CPU (8 MiB = 13 rows of Qwen3's 151,936-token
+vocabulary): small enough to stay in cache-friendly sizes, large enough that per-chunk overheads do not show."""
+
+GPU_CHUNK_SHARE = 1 / 32
+"""On an accelerator the torch path's chunk is this share of the free memory, between CPU_CHUNK_BYTES and
+GPU_CHUNK_MAX: a GPU pays a launch per small op per chunk, so 8 MiB chunks of 13 rows cost 7-12x (an H100,
+docs/benchmarks.md), while 256 MiB got within 7% of 1 GiB there."""
+
+GPU_CHUNK_MAX = 256 * 2**20
+
+_SENTINEL = 2**62  # sorts after every column id; never equals one
+_BLOCK = 4096  # columns per step: 8 KiB of bf16 per load, 37 steps over Qwen3's 151,936-token vocabulary
+
+
+def chunk_bytes_for(device: torch.device) -> int:
+    """The torch paths' working set per chunk of rows on `device` (see CPU_CHUNK_BYTES and GPU_CHUNK_SHARE)."""
+    if device.type == "cpu":
+        return CPU_CHUNK_BYTES
+    try:
+        free = torch.get_device_module(device).mem_get_info(device)[0]
+    except (AttributeError, RuntimeError):  # an accelerator without a free-memory query
+        return CPU_CHUNK_BYTES
+    return int(min(GPU_CHUNK_MAX, max(CPU_CHUNK_BYTES, free * GPU_CHUNK_SHARE)))
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install (no driver libraries): the torch path runs
+        return False
+    return True
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """'triton' or 'torch' for work on `tensor` (see the module doc)."""
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}={choice!r}: use auto, torch or triton")
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        if not triton_importable():
+            raise RuntimeError(f"{KERNELS_ENV}=triton but Triton does not import here (pip install triton)")
+        return "triton"
+    return "triton" if tensor.is_cuda and triton_importable() else "torch"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The jitted kernels, built on first use (importing Triton costs ~1 s; the torch path never pays it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def max_and_sum_outside_kernel(
+        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr,
+        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, EXCLUDED_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        if HAS_MAX:
+            row_max = tl.load(max_ptr + pid).to(tl.float32)
+        else:
+            running = tl.full([BLOCK], float("-inf"), tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + lanes
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                running = tl.maximum(running, x)
+            row_max = tl.max(running, axis=0)
+            tl.store(max_ptr + pid, row_max)
+        # A row that is -inf everywhere has no finite max: shifting by 0 keeps exp() at 0 instead of NaN.
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        own = excluded_ptr + pid * n_excluded
+        slots = tl.arange(0, EXCLUDED_PAD)
+        sorted_ids = tl.load(own + slots, mask=slots < n_excluded, other=2**62)
+        total = tl.zeros([BLOCK], tl.float32)
+        first = 0
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            # The excluded ids inside this block are sorted_ids[first:last]: walk them, not ids x columns.
+            last = tl.sum((sorted_ids < start + BLOCK).to(tl.int32), axis=0)
+            skip = cols >= vocab
+            for j in range(first, last):
+                skip = skip | (cols == tl.load(own + j))
+            first = last
+            total += tl.where(skip, 0.0, tl.exp(x - shift))
+        tl.store(sum_ptr + pid, tl.sum(total, axis=0))
+
+    @triton.jit
+    def scaled_exp_kernel(
+        logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
+        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid).to(tl.int64)
+        src = logits_ptr + row * stride_row
+        dst = out_ptr + row * stride_out
+        shift = tl.load(base_ptr + pid).to(tl.float32)
+        coef = tl.load(coef_ptr + pid).to(tl.float32)
+        lanes = tl.arange(0, BLOCK)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            x = tl.load(src + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            value = tl.exp(x - shift) * coef
+            tl.store(dst + cols, value.to(dst.dtype.element_ty), mask=cols < vocab)
+
+    return max_and_sum_outside_kernel, scaled_exp_kernel
+
+
+def logits_at(logits: torch.Tensor, rows: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """logits[rows][:, ids] ([n, S]) in float32 at least, without copying whole rows."""
+    picked = logits.gather(1, ids) if rows is None else logits[rows[:, None], ids]
+    return picked.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _rows_arg(rows: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return rows.contiguous() if rows is not None else torch.empty(1, dtype=torch.long, device=like.device)
+
+
+def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() != 2:
+        raise ValueError(f"expected [N, V] logits, got {tuple(logits.shape)}")
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def max_and_sum_exp_outside(
+    logits: torch.Tensor,
+    excluded: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    row_max: Optional[torch.Tensor] = None,
+    block: int = _BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, sum of exp(logit - max) over the columns not in `excluded`) per selected row, float32 [n] each.
+
+    Args:
+        logits: [N, V] any float dtype (read in place, never written).
+        excluded: [n, S] column ids per selected row; ids outside [0, V) exclude nothing; repeats are harmless.
+        rows: optional [n] row indices into `logits` (None: all N rows, n = N).
+        row_max: optional [n] max to shift by (the vocabulary-parallel path's all-reduced max): pass 1 is skipped
+            and the same tensor is returned. A -inf max shifts by 0.
+        block: columns per step (a power of two; tests use small ones).
+    """
+    logits = _unit_stride(logits)
+    n = logits.shape[0] if rows is None else rows.numel()
+    vocab = logits.shape[1]
+    sorted_ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
+    sorted_ids = sorted_ids.sort(dim=1).values.contiguous() if sorted_ids.shape[1] else sorted_ids
+    out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
+               else row_max.to(torch.float32).contiguous())
+    out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return out_max, out_sum
+    kernel, _ = _kernels()
+    width = max(1, sorted_ids.shape[1])
+    kernel[(n,)](
+        logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
+        HAS_ROWS=rows is not None, HAS_MAX=row_max is not None,
+        EXCLUDED_PAD=1 << (width - 1).bit_length(), BLOCK=block,
+    )
+    return out_max, out_sum
+
+
+def scaled_exp_into(
+    out: torch.Tensor,
+    logits: torch.Tensor,
+    base: torch.Tensor,
+    coef: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    block: int = _BLOCK,
+) -> torch.Tensor:
+    """out[r] = exp(logits[r] - base) * coef on the selected rows (others untouched), in out's dtype; returns out.
+
+    `out` may be `logits` itself (each element is read before it is written, by the same program)."""
+    logits = _unit_stride(logits)
+    if out.stride(1) != 1:
+        raise ValueError("out must have unit column stride")
+    n = logits.shape[0] if rows is None else rows.numel()
+    if n:
+        _, kernel = _kernels()
+        kernel[(n,)](
+            logits, logits.stride(0), out, out.stride(0), _rows_arg(rows, logits),
+            base.to(torch.float32).contiguous(), coef.to(torch.float32).contiguous(), logits.shape[1],
+            HAS_ROWS=rows is not None, BLOCK=block,
+        )
+    return out
