@@ -17,7 +17,8 @@ of that sorted list that falls inside it, so a row's exclusion costs its number 
 
 Which path runs (`backend_for`): Triton for CUDA tensors when Triton imports, the torch path otherwise.
 `VERL_DPPO_KERNELS=torch` forces torch everywhere; `VERL_DPPO_KERNELS=triton` forces the kernels, also on CPU
-tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the suite tests them without a GPU).
+tensors under Triton's interpreter (`TRITON_INTERPRET=1`, how the suite tests them without a GPU). float64
+logits always take the torch path (the kernels compute in float32, as the torch path does for bf16/fp16/fp32).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def backend_for(tensor: torch.Tensor) -> str:
     choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"{KERNELS_ENV}={choice!r}: use auto, torch or triton")
-    if choice == "torch":
+    if choice == "torch" or tensor.dtype == torch.float64:  # the kernels compute in float32
         return "torch"
     if choice == "triton":
         if not triton_importable():
