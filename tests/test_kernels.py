@@ -1,0 +1,55 @@
+"""The GPU kernels of `verl_dppo.math.kernels` equal the torch paths they replace (issue 41), run by Triton's
+interpreter on this CPU: one child process (tests/probes/kernel_agreement.py) with TRITON_INTERPRET=1 and Triton from
+.venv/triton-interpret on its path, so that the suite's own processes never import Triton.
+
+Covered there, each with the kernels' launches counted (a dispatch that fell back to torch fails): the Top-K
+statistics on peaked rows (top-1 1 - 1e-9), log-probs down to -100, bf16/fp16/fp32 logits, masked and padded rows,
+vocabularies below and above one block and not a multiple of it, a_t inside and outside the top-K, K = 1..20; the
+vocabulary-parallel path on two gloo ranks with Megatron's padded vocabulary; TROLL's forward and backward (K = 64,
+peaked and flat rows, masks, the in-place gradient) and its guard against overwritten logits; the kernels' edges
+(a row of -inf, a row subset, ids outside the vocabulary). On a GPU, bench/gpu_suite.py runs the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+PROBE = Path(__file__).resolve().parent / "probes" / "kernel_agreement.py"
+TRITON_SITE = Path(sys.prefix) / "triton-interpret"
+
+
+def test_the_kernels_equal_the_torch_paths_under_tritons_interpreter():
+    assert (TRITON_SITE / "triton").is_dir(), f"{TRITON_SITE} holds no Triton: `make venv` installs it there"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("VERL_DPPO_KERNELS", None)
+    done = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "kernel agreement: all cases agree" in done.stdout, done.stdout
+
+
+def test_the_torch_path_runs_where_triton_does_not_import_and_on_cpu_tensors():
+    """The suite's processes have no Triton: `auto` picks torch for CPU tensors, and forcing the kernels says why
+    they cannot run instead of failing inside a kernel."""
+    import pytest
+
+    from verl_dppo.math import kernels
+
+    assert kernels.backend_for(torch.zeros(1, 4)) == "torch"
+    assert kernels.chunk_bytes_for(torch.device("cpu")) == kernels.CPU_CHUNK_BYTES
+    os.environ[kernels.KERNELS_ENV] = "triton"
+    try:
+        if not kernels.triton_importable():
+            with pytest.raises(RuntimeError, match="Triton does not import"):
+                kernels.backend_for(torch.zeros(1, 4))
+        assert kernels.backend_for(torch.zeros(1, 4, dtype=torch.float64)) == "torch"  # kernels are float32
+        os.environ[kernels.KERNELS_ENV] = "cuda please"
+        with pytest.raises(ValueError, match="use auto, torch or triton"):
+            kernels.backend_for(torch.zeros(1, 4))
+    finally:
+        os.environ.pop(kernels.KERNELS_ENV)
