@@ -228,6 +228,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sync: verl's ActorRolloutRefWorker; separate_async: the recipes' separate_async switch, "
                         "verl's DetachActorWorker, a weight push (update_weights) after every step and the rollout "
                         "from version 0, so that step i trains on samples i versions old")
+    parser.add_argument("--fused", choices=["off", "on", "both"], default="off",
+                        help="actor_rollout_ref.model.use_fused_kernels: off, on (the plugin's LM-head-fused paths and "
+                        "verl's own for dppo_binary_tv, torch backend), or both (each mode twice; the ratios compare "
+                        "runs of the same setting)")
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
     parser.add_argument("--json", default=None, help="also write the results here (rewritten after each mode, with "
                         "\"complete\": false until the last, so a run stopped by a time limit keeps what it measured)")
@@ -275,7 +279,13 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         extra = dict(trainer_mode="separate_async", overrides=async_worker.ENGINE_OVERRIDES)
     else:
         extra = {}
-    configs = {mode: driver.compose_config(mode, model_dir, shape, device=args.device, **extra) for mode in modes}
+    settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused]
+    configs = {}
+    for fused in settings:
+        for mode in modes:
+            overrides = (*extra.get("overrides", ()), *(FUSED_OVERRIDES if fused else ()))
+            configs[mode, fused] = driver.compose_config(mode, model_dir, shape, device=args.device,
+                                                         **{**extra, "overrides": overrides})
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
     setup_seconds = time.perf_counter() - progress.start
     sampling = args.rollout_sampling if args.device != "cpu" else "cpu"
@@ -307,7 +317,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         "rollout_seconds": rollout_seconds, "rollout_sampling": sampling, "warmup": args.warmup,
         "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
     }
-    for mode, config in configs.items():
+    for (mode, fused), config in configs.items():
         # What earlier modes' workers left allocated (measured on an H100: about 1 GiB more per earlier mode), before
         # this mode's worker is built: the mode's own peak is the allocator's peak minus this.
         leftover = float(torch.cuda.memory_allocated()) if args.device == "cuda" else 0.0
@@ -315,7 +325,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         worker = async_worker.build_worker(config) if separate else driver.build_worker(config)
         trainer = driver.Trainer(config, worker)
         build_seconds = time.perf_counter() - built
-        progress(f"{mode}: worker built in {build_seconds:.1f} s")
+        progress(f"{mode}{' (fused)' if fused else ''}: worker built in {build_seconds:.1f} s")
         versions = async_worker.versions(0, len(rollout.responses)) if separate else None
         times, peaks, pushes, first = [], [], [], None
         if separate:
@@ -339,6 +349,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
                      f"({'timed' if step >= args.warmup else 'warm-up'}) {elapsed:.2f} s")
         rows.append({
             "mode": mode,
+            "fused": fused,
             "method": driver.method_for_mode(mode),
             "step_seconds": statistics.median(times),
             "peak_memory_gib": (max(peaks) - leftover) / 2**30,
@@ -359,7 +370,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             torch.cuda.empty_cache()
         add_ratios(rows)
         row = rows[-1]
-        progress(f"{mode}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
+        progress(f"{mode}{' (fused)' if fused else ''}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
                  f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
                  f"{BASELINE} {row['memory_vs_binary_tv']:.3f}")
         if args.json:  # what is measured so far, should a time limit stop the run
@@ -369,10 +380,15 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     return result
 
 
+FUSED_OVERRIDES = ("actor_rollout_ref.model.use_fused_kernels=True",
+                   "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch")
+"""--fused: verl's fused forward (no [T, V] logits) with its torch backend, the plugin's fused Top-K and TROLL."""
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Each mode's step time and peak memory as ratios to the baseline's (the first row)."""
-    baseline = rows[0]
+    """Each mode's step time and peak memory as ratios to the baseline's (the first row of the same fused setting)."""
     for row in rows:
+        baseline = next(r for r in rows if r.get("fused", False) == row.get("fused", False))
         row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
         peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
@@ -398,7 +414,7 @@ def print_table(result: dict) -> None:
         ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
                   if row["mode"] != BASELINE else f"{'':>24} {'':>26}")
         lag = "" if math.isnan(row["lag_mean"]) else f"{row['lag_mean']:g}"
-        print(f"{row['mode']:<16} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
+        print(f"{row['mode'] + (' +fused' if row.get('fused') else ''):<16} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
               f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}")
 
 

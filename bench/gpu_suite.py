@@ -1,0 +1,367 @@
+"""The prepared GPU check (issue 41): what the plugin's per-token work costs on a GPU, in one command.
+
+    python3 bench/gpu_suite.py --out $OUT                  # on a GPU (an H100: about 4 minutes with the worker)
+    .venv/bin/python bench/gpu_suite.py --device cpu --smoke --out out/gpu_suite   # the CPU smoke path (tests)
+
+Parts, each printed as it ends and written to OUT/gpu_suite.json (rewritten after each part, "complete": false until
+the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_suite.md (markdown tables):
+
+1. per_token: N = 16,384 rows, Qwen3's vocabulary 151,936, bf16 logits (4,748 MiB), K = 20 for Top-K, 64 for TROLL,
+   drawn on the device (bench_topk.make_inputs). Each method's median time over --repeats after a warm-up (CUDA
+   events around the call) and its extra peak memory (the allocator's peak minus what was allocated before), with its
+   ratio to one read of the logits (`amax`) and to torch's cross entropy (forward, or forward + backward):
+   `topk_divergence` and TROLL's `troll_token_terms` + `troll_token_loss` + backward on the kernels (the default on a
+   GPU) and on the torch path (VERL_DPPO_KERNELS=torch: chunks sized by the device, and the old 8 MiB chunks).
+2. fused: the LM-head-fused paths (T tokens, H = 1,024): verl's own chunked torch path (`FusedLinearForPPO`, what
+   dppo_binary_tv runs with use_fused_kernels=True) against fused Top-K and fused TROLL, forward + backward
+   (bench_fused_topk.step_fn).
+3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
+   and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
+   the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
+4. worker: verl's real worker (bench/gpu_real_worker.py, a child process) for dppo_binary_tv, dppo_topk_tv and troll,
+   unfused and with use_fused_kernels=True, at --worker-response-length tokens per response.
+
+With the `device` tool (verl and its pure-Python needs travel as wheels in .whl, as gpu_real_worker.py's docstring
+says how to build them; part 4 needs them, parts 1-3 need only torch and Triton, which the image has):
+
+    run(carry=[".whl"], timeout_s=480, command="python3 -m pip install -q --no-index --no-deps --no-compile
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+        PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
+
+Parts 1-3 take about a minute on an H100 after the inputs are drawn; part 4 about three (its rollout and six
+worker builds). --parts picks a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+PARTS = ("per_token", "fused", "troll_devices", "worker")
+
+
+class Clock:
+    """Seconds since start, for the progress lines."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", flush=True)
+
+
+@contextlib.contextmanager
+def kernels(choice: str):
+    """VERL_DPPO_KERNELS for the block ('auto': the default, the kernels on a GPU)."""
+    from verl_dppo.math.kernels import KERNELS_ENV
+
+    before = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = choice
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KERNELS_ENV)
+        else:
+            os.environ[KERNELS_ENV] = before
+
+
+def measure(device: torch.device, fn, repeats: int) -> dict:
+    """fn() after a warm-up: the median seconds and the largest extra peak memory (CUDA's allocator; NaN on CPU)."""
+    fn()
+    times, peaks = [], []
+    for _ in range(repeats):
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        else:
+            begin = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - begin)
+            peaks.append(math.nan)
+        del out
+    return {"seconds": statistics.median(times), "extra_peak_MiB": max(peaks) / 2**20}
+
+
+def per_token(args, device, clock) -> dict:
+    import torch.nn.functional as F
+
+    from bench_topk import make_inputs
+    from verl_dppo.math.kernels import backend_for
+    from verl_dppo.math.topk import topk_divergence
+    from verl_dppo.math.troll import troll_token_loss, troll_token_terms
+
+    logits, ids, lps, sampled, sampled_lp, advantages = make_inputs(args.n, args.vocab, 64, device)
+    ids20, lps20 = ids[:, :20].contiguous(), lps[:, :20].contiguous()
+    clock(f"per_token: inputs drawn ({args.n} x {args.vocab}, bf16, {logits.numel() * 2 / 2**20:,.0f} MiB)")
+
+    def backward_of(loss_fn):
+        def run():
+            x = logits.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(loss_fn(x), x)
+            return grad
+        return run
+
+    def troll_loss(x):
+        return troll_token_loss(troll_token_terms(x, ids, lps, sampled, sampled_lp), advantages).sum()
+
+    forward = {
+        "one read (amax)": (None, lambda: logits.amax(dim=-1)),
+        "torch cross_entropy": (None, lambda: F.cross_entropy(logits, sampled, reduction="none")),
+        "naive log_softmax(float) + gather": (None, lambda: torch.log_softmax(logits.float(), -1).gather(1, ids20)),
+        "topk_divergence, kernels": ("auto", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp)),
+        "topk_divergence, torch path, device chunks": (
+            "torch", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp)),
+        "topk_divergence, torch path, 8 MiB chunks": (
+            "torch", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp, chunk_bytes=8 * 2**20)),
+    }
+    both = {
+        "fwd+bwd torch cross_entropy": (
+            None, backward_of(lambda x: (F.cross_entropy(x, sampled, reduction="none") * advantages).sum())),
+        "fwd+bwd TROLL, kernels": ("auto", backward_of(troll_loss)),
+        "fwd+bwd TROLL, torch path, device chunks": ("torch", backward_of(troll_loss)),
+    }
+    rows = {}
+    for table, baseline in ((forward, "torch cross_entropy"), (both, "fwd+bwd torch cross_entropy")):
+        for name, (choice, fn) in table.items():
+            try:
+                with kernels(choice or "auto"):
+                    rows[name] = measure(device, fn, args.repeats)
+                    if choice:
+                        rows[name]["backend"] = backend_for(logits)
+            except Exception as error:  # a kernel that does not compile on this Triton: the other rows still run
+                rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+            clock(f"per_token: {name}: {rows[name]}")
+        for name in table:
+            if "seconds" in rows[name]:
+                rows[name]["x_one_read"] = rows[name]["seconds"] / rows["one read (amax)"]["seconds"]
+                rows[name]["x_torch_ce"] = rows[name]["seconds"] / rows[baseline]["seconds"]
+                rows[name]["extra_peak_x_logits"] = rows[name]["extra_peak_MiB"] * 2**20 / (logits.numel() * 2)
+    del logits
+    return {"N": args.n, "V": args.vocab, "K_topk": 20, "K_troll": 64, "rows": rows}
+
+
+def fused(args, device, clock) -> dict:
+    from bench_fused_topk import make_inputs, step_fn
+
+    shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
+                               dtype="bfloat16" if device.type == "cuda" else "float32")
+    x = make_inputs(shape, device)
+    rows = {}
+    for method in ("fused_binary", "fused_topk", "fused_troll"):
+        forward, stats = step_fn(method, x)
+
+        def step():
+            h = x["hidden"].detach().requires_grad_()
+            w = x["weight"].detach().requires_grad_()
+            forward(h, w).backward()
+            return h.grad
+
+        try:
+            rows[method] = {**measure(device, step, args.repeats), **stats}
+        except Exception as error:
+            rows[method] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        clock(f"fused: {method}: {rows[method]}")
+    for method in rows:
+        if "seconds" in rows[method] and "seconds" in rows["fused_binary"]:
+            rows[method]["x_fused_binary"] = rows[method]["seconds"] / rows["fused_binary"]["seconds"]
+    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows}
+
+
+def troll_devices(args, device, clock) -> dict:
+    from verl_dppo.math.troll import troll_token_loss, troll_token_terms
+
+    rows, vocab, k = args.agreement_rows, args.vocab, 64
+    gen = torch.Generator().manual_seed(41)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(torch.bfloat16)
+    mu = torch.log_softmax((logits.float() + 0.3 * torch.randn(rows, vocab, generator=gen)).double(), -1)
+    lps, ids = mu.topk(k, dim=-1)
+    sampled = torch.multinomial(mu.exp(), 1, generator=gen).squeeze(1)
+    sampled_lp = mu.gather(1, sampled[:, None]).squeeze(1).float()
+    lps = lps.float()
+    advantages = torch.randn(rows, generator=gen)
+    perm = torch.randperm(vocab, generator=gen)
+    new_id = torch.empty_like(perm)
+    new_id[perm] = torch.arange(vocab)
+
+    def run(on, x, ids_, sampled_):
+        x = x.to(on).requires_grad_()
+        terms = troll_token_terms(x, ids_.to(on), lps.to(on), sampled_.to(on), sampled_lp.to(on))
+        (grad,) = torch.autograd.grad(troll_token_loss(terms, advantages.to(on)).sum(), x)
+        return terms, grad.float().cpu()
+
+    cpu_terms, cpu_grad = run(torch.device("cpu"), logits, ids, sampled)
+    dev_terms, dev_grad = run(device, logits, ids, sampled)
+    perm_terms, perm_grad = run(device, logits[:, perm], new_id[ids], new_id[sampled])
+
+    def compare(a, grad_a, b, grad_b):
+        log_p = (a.log_p_sampled.detach().cpu() - b.log_p_sampled.detach().cpu()).abs()
+        return {
+            "rows": rows,
+            "support_differs_rows": int((a.diagnostics["support_size"].cpu() != b.diagnostics["support_size"].cpu()).sum()),
+            "projected_differs_rows": int((a.diagnostics["projected"].cpu() != b.diagnostics["projected"].cpu()).sum()),
+            "log_p_max_abs_diff": float(log_p.max()),
+            "log_p_rows_over_1e-5": int((log_p > 1e-5).sum()),
+            "grad_max_abs_diff_x_max": float((grad_a - grad_b).abs().max() / grad_a.abs().max()),
+        }
+
+    result = {"device_vs_cpu": compare(dev_terms, dev_grad, cpu_terms, cpu_grad),
+              "permuted_vocabulary_on_device": compare(dev_terms, dev_grad, perm_terms, perm_grad[:, new_id]),
+              "V": vocab, "K": k, "projected_rows": int(dev_terms.diagnostics["projected"].sum())}
+    clock(f"troll_devices: {result}")
+    return result
+
+
+def worker(args, device, clock) -> dict:
+    out = Path(args.out) / "gpu_real_worker.json"
+    command = [sys.executable, str(HERE / "gpu_real_worker.py"), "--modes", "dppo_binary_tv,dppo_topk_tv,troll",
+               "--fused", "both", "--json", str(out)]
+    if device.type == "cpu":
+        command += ["--device", "cpu", "--tiny"]
+    else:
+        command += ["--response-length", str(args.worker_response_length)]
+    clock(f"worker: {' '.join(command[1:])}")
+    done = subprocess.run(command, text=True, timeout=args.worker_timeout)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["exit_code"] = done.returncode
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# GPU check: {result['device']} (torch {result['torch']}, triton {result['triton']}), "
+             f"{result['date']}", ""]
+    part = result.get("per_token")
+    if part:
+        lines += [f"## Per-token work: N = {part['N']:,}, V = {part['V']:,}, bf16, K = 20 (Top-K) / 64 (TROLL)", "",
+                  "| method | time ms | x one read | x torch CE | extra peak MiB | x logits |", "|---|---|---|---|---|---|"]
+        for name, row in part["rows"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['error']} | | | | |")
+                continue
+            label = f"{name} ({row['backend']})" if "backend" in row else name
+            lines.append(f"| {label} | {row['seconds'] * 1e3:.2f} | {row.get('x_one_read', math.nan):.2f} | "
+                         f"{row.get('x_torch_ce', math.nan):.2f} | {row['extra_peak_MiB']:,.0f} | "
+                         f"{row.get('extra_peak_x_logits', math.nan):.3f} |")
+        lines.append("")
+    part = result.get("fused")
+    if part:
+        lines += [f"## Fused with the LM head: T = {part['T']:,}, H = {part['H']:,}, 512 tokens a chunk, fwd + bwd", "",
+                  "| method | time ms | x fused_binary | extra peak MiB |", "|---|---|---|---|"]
+        for name, row in part["rows"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['error']} | | |")
+            else:
+                lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
+                             f"{row['extra_peak_MiB']:,.0f} |")
+        lines.append("")
+    part = result.get("troll_devices")
+    if part:
+        lines += [f"## TROLL on bf16 ties: {part['device_vs_cpu']['rows']} rows, V = {part['V']:,}, K = {part['K']}, "
+                  f"{part['projected_rows']} rows projected", "",
+                  "| comparison | support differs | projected differs | max abs diff log p(a_t) | rows over 1e-5 | "
+                  "grad max diff / max |", "|---|---|---|---|---|---|"]
+        for name in ("device_vs_cpu", "permuted_vocabulary_on_device"):
+            row = part[name]
+            lines.append(f"| {name} | {row['support_differs_rows']} | {row['projected_differs_rows']} | "
+                         f"{row['log_p_max_abs_diff']:.2e} | {row['log_p_rows_over_1e-5']} | "
+                         f"{row['grad_max_abs_diff_x_max']:.2e} |")
+        lines.append("")
+    part = result.get("worker")
+    if part and part.get("modes"):
+        lines += [f"## verl's real worker: {part.get('tokens', 0):,} tokens a step, responses <= "
+                  f"{part.get('response_length')}", "", "| mode | fused | step s | x binary (same fused) | peak GiB |",
+                  "|---|---|---|---|---|"]
+        for row in part["modes"]:
+            lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row['step_seconds']:.3f} | "
+                         f"{row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--smoke", action="store_true", help="small sizes (the CPU smoke path)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--n", type=int, default=16_384)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--fused-tokens", type=int, default=16_384)
+    parser.add_argument("--agreement-rows", type=int, default=256)
+    parser.add_argument("--worker-response-length", type=int, default=512)
+    parser.add_argument("--worker-timeout", type=int, default=300)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.n, args.vocab, args.fused_tokens, args.agreement_rows, args.repeats = 64, 2_048, 256, 16, 1
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if importlib_find("ray") is None:  # the GPU image has no Ray; verl's package imports it
+        from gpu_real_worker import install_ray_stand_in
+
+        install_ray_stand_in()
+    device = torch.device(args.device)
+    clock = Clock()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU", "torch": torch.__version__,
+              "triton": triton_version(), "date": time.strftime("%Y-%m-%d"), "complete": False}
+    clock(f"{result['device']}, torch {result['torch']}, triton {result['triton']}; parts {', '.join(parts)}")
+    for name in parts:
+        try:
+            result[name] = globals()[name](args, device, clock)
+        except Exception as error:  # one part failing leaves the others' numbers
+            result[name] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+            clock(f"{name}: FAILED {result[name]['error']}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        (out / "gpu_suite.json").write_text(json.dumps(result, indent=1))
+        (out / "gpu_suite.md").write_text(markdown(result))
+    result["complete"] = True
+    (out / "gpu_suite.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu_suite.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if all("error" not in result[name] for name in parts) else 1
+
+
+def importlib_find(name: str):
+    import importlib.util
+
+    return importlib.util.find_spec(name)
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except Exception:
+        return "not installed"
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
