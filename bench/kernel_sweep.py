@@ -1,0 +1,108 @@
+"""Where the GPU time of Top-K and TROLL goes, and the kernels' launch shapes (block, warps) on this GPU.
+
+    python3 bench/kernel_sweep.py --out $OUT        # a GPU; about a minute after the inputs are drawn
+
+N = 16,384 rows of Qwen3's 151,936-token vocabulary, bf16, as bench/gpu_suite.py. Prints and writes OUT/sweep.json:
+- the two kernels of `verl_dppo.math.kernels` for each (BLOCK, num_warps), against one read of the logits;
+- the rest of `topk_divergence` (its total minus its kernel);
+- pi's top-65 for TROLL's support: torch.topk on the rows, and in two stages (a top-65 per segment of columns, then
+  over the segments' candidates: the same values, ties aside, which TROLL's tie rule makes irrelevant);
+- TROLL's forward and backward apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def timed(fn, repeats=3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)  # milliseconds
+
+
+def segment_topk(logits: torch.Tensor, k: int, segments: int):
+    n, v = logits.shape
+    width = v // segments
+    main = logits.as_strided((n, segments, width), (logits.stride(0), width, 1))
+    values, ids = main.topk(k, dim=2)
+    ids = ids + (torch.arange(segments, device=logits.device) * width)[None, :, None]
+    values, ids = values.reshape(n, -1), ids.reshape(n, -1)
+    if segments * width < v:
+        tail_values, tail_ids = logits[:, segments * width:].topk(min(k, v - segments * width), dim=1)
+        values = torch.cat([values, tail_values], dim=1)
+        ids = torch.cat([ids, tail_ids + segments * width], dim=1)
+    top_values, where = values.topk(k, dim=1)
+    return top_values, ids.gather(1, where)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--n", type=int, default=16_384)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    args = parser.parse_args()
+    from bench_topk import make_inputs
+    from verl_dppo.math import kernels
+    from verl_dppo.math.topk import topk_divergence
+    from verl_dppo.math.troll import troll_token_loss, troll_token_terms
+
+    device = torch.device("cuda")
+    logits, ids, lps, sampled, sampled_lp, advantages = make_inputs(args.n, args.vocab, 64, device)
+    ids20, lps20 = ids[:, :20].contiguous(), lps[:, :20].contiguous()
+    slots = torch.cat([ids20, sampled[:, None]], dim=1)
+    result = {"device": torch.cuda.get_device_name(), "one_read_ms": timed(lambda: logits.amax(dim=-1))}
+    print(result, flush=True)
+    sweep = {}
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            try:
+                a = timed(lambda: kernels.max_and_sum_exp_outside(logits, slots, block=block, num_warps=warps))
+                out = torch.empty_like(logits)
+                base, coef = torch.zeros(args.n, device=device), torch.ones(args.n, device=device)
+                b = timed(lambda: kernels.scaled_exp_into(out, logits, base, coef, block=block, num_warps=warps))
+                del out
+                sweep[f"{block}/{warps}"] = {"max_and_sum_ms": a, "scaled_exp_ms": b}
+            except Exception as error:
+                sweep[f"{block}/{warps}"] = {"error": str(error)[:300]}
+            print(block, warps, sweep[f"{block}/{warps}"], flush=True)
+    result["sweep"] = sweep
+    result["topk_divergence_ms"] = timed(lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp))
+    result["topk_65_ms"] = timed(lambda: logits.topk(65, dim=1))
+    result["topk_65_unsorted_ms"] = timed(lambda: logits.topk(65, dim=1, sorted=False))
+    for segments in (16, 64, 128, 256):
+        result[f"segment_topk_65_{segments}_ms"] = timed(lambda: segment_topk(logits, 65, segments))
+        same = torch.equal(segment_topk(logits, 65, segments)[0], logits.topk(65, dim=1)[0])
+        result[f"segment_topk_65_{segments}_same_values"] = same
+    print(result, flush=True)
+
+    x = logits.detach().requires_grad_()
+    result["troll_forward_ms"] = timed(lambda: troll_token_terms(x, ids, lps, sampled, sampled_lp))
+
+    def both():
+        terms = troll_token_terms(x, ids, lps, sampled, sampled_lp)
+        return torch.autograd.grad(troll_token_loss(terms, advantages).sum(), x)
+
+    result["troll_forward_backward_ms"] = timed(both)
+    print(result, flush=True)
+    Path(args.out, "sweep.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
