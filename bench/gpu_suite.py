@@ -28,8 +28,10 @@ says how to build them; part 4 needs them, parts 1-3 need only torch and Triton,
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
         PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
 
-Parts 1-3 take about a minute on an H100 after the inputs are drawn; part 4 about three (its rollout and six
-worker builds). --parts picks a subset.
+Also: launch_shapes (the kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
+TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker takes about
+a minute and a half on an H100; the worker about two and a half (its rollout and six worker builds). --parts picks
+a subset.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-PARTS = ("per_token", "fused", "troll_devices", "worker")
+PARTS = ("per_token", "launch_shapes", "profile", "fused", "troll_devices", "worker")
 
 
 class Clock:
@@ -163,6 +165,66 @@ def per_token(args, device, clock) -> dict:
     return {"N": args.n, "V": args.vocab, "K_topk": 20, "K_troll": 64, "rows": rows}
 
 
+def launch_shapes(args, device, clock) -> dict:
+    """The two kernels for each (BLOCK, num_warps), in milliseconds, beside one read of the same logits."""
+    from bench_topk import make_inputs
+    from verl_dppo.math import kernels
+
+    logits, ids, _, sampled, *_ = make_inputs(args.n, args.vocab, 20, device)
+    slots = torch.cat([ids, sampled[:, None]], dim=1)
+    out = torch.empty_like(logits)
+    base, coef = torch.zeros(args.n, device=device), torch.ones(args.n, device=device)
+    result = {"one_read_ms": measure(device, lambda: logits.amax(dim=-1), args.repeats)["seconds"] * 1e3}
+    for block in (1024, 2048, 4096):
+        for warps in (4, 8, 16):
+            if device.type != "cuda" and (block, warps) != (1024, 4):
+                continue
+            try:
+                first = measure(device, lambda: kernels.max_and_sum_exp_outside(
+                    logits, slots, block=block, num_warps=warps), args.repeats)["seconds"]
+                second = measure(device, lambda: kernels.scaled_exp_into(
+                    out, logits, base, coef, block=block, num_warps=warps), args.repeats)["seconds"]
+                result[f"{block}/{warps}"] = {"max_and_sum_ms": first * 1e3, "scaled_exp_ms": second * 1e3}
+            except Exception as error:
+                result[f"{block}/{warps}"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            clock(f"launch_shapes: BLOCK {block}, {warps} warps: {result[f'{block}/{warps}']}")
+    return result
+
+
+def profile(args, device, clock) -> dict:
+    """Where TROLL's forward + backward and topk_divergence spend their device time: torch.profiler's top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bench_topk import make_inputs
+    from verl_dppo.math.topk import topk_divergence
+    from verl_dppo.math.troll import troll_token_loss, troll_token_terms
+
+    logits, ids, lps, sampled, sampled_lp, advantages = make_inputs(args.n, args.vocab, 64, device)
+
+    def troll():
+        x = logits.detach().requires_grad_()
+        terms = troll_token_terms(x, ids, lps, sampled, sampled_lp)
+        return torch.autograd.grad(troll_token_loss(terms, advantages).sum(), x)
+
+    def topk():
+        return topk_divergence(logits, ids[:, :20].contiguous(), lps[:, :20].contiguous(), sampled, sampled_lp)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    result = {}
+    for name, fn in (("troll_forward_backward", troll), ("topk_divergence", topk)):
+        fn()
+        with torch_profile(activities=activities) as prof:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
+        result[name] = table
+        print(f"profile of {name}:\n{table}", flush=True)
+    return result
+
+
 def fused(args, device, clock) -> dict:
     from bench_fused_topk import make_inputs, step_fn
 
@@ -264,6 +326,16 @@ def markdown(result: dict) -> str:
             lines.append(f"| {label} | {row['seconds'] * 1e3:.2f} | {row.get('x_one_read', math.nan):.2f} | "
                          f"{row.get('x_torch_ce', math.nan):.2f} | {row['extra_peak_MiB']:,.0f} | "
                          f"{row.get('extra_peak_x_logits', math.nan):.3f} |")
+        lines.append("")
+    part = result.get("launch_shapes")
+    if part and "one_read_ms" in part:
+        lines += [f"## Launch shapes (BLOCK/warps): the kernels in ms; one read of the logits {part['one_read_ms']:.2f} ms",
+                  "", "| BLOCK/warps | max_and_sum_exp_outside | scaled_exp_into |", "|---|---|---|"]
+        for name, row in part.items():
+            if name != "one_read_ms":
+                lines.append(f"| {name} | {row.get('max_and_sum_ms', math.nan):.2f} | "
+                             f"{row.get('scaled_exp_ms', math.nan):.2f} |" if "error" not in row else
+                             f"| {name} | {row['error']} | |")
         lines.append("")
     part = result.get("fused")
     if part:

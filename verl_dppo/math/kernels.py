@@ -7,8 +7,8 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
 - `max_and_sum_exp_outside(logits, excluded, rows=None, row_max=None)`: per row, the max logit and
   sum over the columns NOT in `excluded` of exp(logit - max). The sum is taken over the complement itself, as the
   torch path does (on a row whose top-1 probability is 1 - 1e-9, "all minus the excluded" cancels to 0 in float32).
-  Pass 1 finds the max (skipped when `row_max` is given: the vocabulary-parallel path all-reduces it first), pass 2
-  sums: at most two reads of the row, the second mostly from L2 (a row of Qwen3's vocabulary is 297 KiB in bf16).
+  One read of the row: a running max and the sum relative to it, rescaled when the max grows (or the given
+  `row_max`: the vocabulary-parallel path all-reduces the max first).
 - `scaled_exp_into(out, logits, base, coef, rows=None)`: out[r, j] = exp(logit[r, j] - base[r]) * coef[r], in
   `out`'s dtype (TROLL's backward off the support: one read, one write; `out` may be the logits themselves).
 
@@ -48,9 +48,10 @@ docs/benchmarks.md), while 256 MiB got within 7% of 1 GiB there."""
 
 GPU_CHUNK_MAX = 256 * 2**20
 
-_WARPS = 16  # 8 lanes of each 4,096-column vector per thread: no register spills with the kernels' five vectors
+_WARPS = 8
+"""Launch shape: the best of BLOCK 1,024-8,192 x 4-16 warps on an H100 (bench/kernel_sweep.py, docs/benchmarks.md)."""
 _SENTINEL = 2**62  # sorts after every column id; never equals one
-_BLOCK = 4096  # columns per step: 8 KiB of bf16 per load, 37 steps over Qwen3's 151,936-token vocabulary
+_BLOCK = 2048  # columns per step: 4 KiB of bf16 per load, 75 steps over Qwen3's 151,936-token vocabulary
 
 
 def chunk_bytes_for(device: torch.device) -> int:
@@ -106,17 +107,14 @@ def _kernels():
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
         if HAS_MAX:
-            row_max = tl.load(max_ptr + pid).to(tl.float32)
+            given = tl.load(max_ptr + pid).to(tl.float32)
+            # A row that is -inf everywhere has no finite max: shifting by 0 keeps exp() at 0 instead of NaN.
+            shift = tl.where(given == float("-inf"), 0.0, given)
         else:
-            running = tl.full([BLOCK], float("-inf"), tl.float32)
-            for start in range(0, vocab, BLOCK):
-                cols = start + lanes
-                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                running = tl.maximum(running, x)
-            row_max = tl.max(running, axis=0)
-            tl.store(max_ptr + pid, row_max)
-        # A row that is -inf everywhere has no finite max: shifting by 0 keeps exp() at 0 instead of NaN.
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            # One pass: the running max and the sum relative to it, rescaled when the max grows (a factor of
+            # exactly 1 when it does not, so a row read in one block is summed as the two-pass torch path sums it).
+            row_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
         own = excluded_ptr + pid * n_excluded
         slots = tl.arange(0, EXCLUDED_PAD)
         sorted_ids = tl.load(own + slots, mask=slots < n_excluded, other=2**62)
@@ -131,7 +129,14 @@ def _kernels():
             for j in range(first, last):
                 skip = skip | (cols == tl.load(own + j))
             first = last
+            if not HAS_MAX:
+                row_max = tl.maximum(row_max, tl.max(x, axis=0))
+                grown = tl.where(row_max == float("-inf"), 0.0, row_max)
+                total = total * tl.exp(shift - grown)
+                shift = grown
             total += tl.where(skip, 0.0, tl.exp(x - shift))
+        if not HAS_MAX:
+            tl.store(max_ptr + pid, row_max)
         tl.store(sum_ptr + pid, tl.sum(total, axis=0))
 
     @triton.jit
@@ -187,8 +192,8 @@ def max_and_sum_exp_outside(
         logits: [N, V] any float dtype (read in place, never written).
         excluded: [n, S] column ids per selected row; ids outside [0, V) exclude nothing; repeats are harmless.
         rows: optional [n] row indices into `logits` (None: all N rows, n = N).
-        row_max: optional [n] max to shift by (the vocabulary-parallel path's all-reduced max): pass 1 is skipped
-            and the same tensor is returned. A -inf max shifts by 0.
+        row_max: optional [n] max to shift by (the vocabulary-parallel path's all-reduced max), instead of the row's own
+            and returned as it is. A -inf max shifts by 0.
         block: columns per step (a power of two; tests use small ones).
     """
     logits = _unit_stride(logits)
