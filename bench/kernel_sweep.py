@@ -70,26 +70,19 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "one_read_ms": timed(lambda: logits.amax(dim=-1))}
     print(result, flush=True)
     sweep = {}
-    for block in (1024, 2048, 4096, 8192):
+    for block in (1024, 2048, 4096):
         for warps in (4, 8, 16):
-            try:
-                a = timed(lambda: kernels.max_and_sum_exp_outside(logits, slots, block=block, num_warps=warps))
-                out = torch.empty_like(logits)
-                base, coef = torch.zeros(args.n, device=device), torch.ones(args.n, device=device)
-                b = timed(lambda: kernels.scaled_exp_into(out, logits, base, coef, block=block, num_warps=warps))
-                del out
-                sweep[f"{block}/{warps}"] = {"max_and_sum_ms": a, "scaled_exp_ms": b}
-            except Exception as error:
-                sweep[f"{block}/{warps}"] = {"error": str(error)[:300]}
-            print(block, warps, sweep[f"{block}/{warps}"], flush=True)
+            row = {}
+            for lanes in (False, True):
+                try:
+                    row["lanes" if lanes else "blocks"] = timed(lambda: kernels.max_and_sum_exp_outside(
+                        logits, slots, block=block, num_warps=warps, lanes=lanes))
+                except Exception as error:
+                    row["lanes" if lanes else "blocks"] = str(error)[:300]
+            sweep[f"{block}/{warps}"] = row
+            print(block, warps, row, flush=True)
     result["sweep"] = sweep
     result["topk_divergence_ms"] = timed(lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp))
-    result["topk_65_ms"] = timed(lambda: logits.topk(65, dim=1))
-    result["topk_65_unsorted_ms"] = timed(lambda: logits.topk(65, dim=1, sorted=False))
-    for segments in (16, 64, 128, 256):
-        result[f"segment_topk_65_{segments}_ms"] = timed(lambda: segment_topk(logits, 65, segments))
-        same = torch.equal(segment_topk(logits, 65, segments)[0], logits.topk(65, dim=1)[0])
-        result[f"segment_topk_65_{segments}_same_values"] = same
     print(result, flush=True)
 
     x = logits.detach().requires_grad_()

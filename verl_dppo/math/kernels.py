@@ -159,7 +159,53 @@ def _kernels():
             value = tl.exp(x - shift) * coef
             tl.store(dst + cols, value.to(dst.dtype.element_ty), mask=cols < vocab)
 
-    return max_and_sum_outside_kernel, scaled_exp_kernel
+    @triton.jit
+    def max_and_sum_outside_lanes_kernel(
+        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr,
+        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, EXCLUDED_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
+        # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        own = excluded_ptr + pid * n_excluded
+        ptr = 0
+        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
+        if HAS_MAX:
+            given = tl.load(max_ptr + pid).to(tl.float32)
+            shift = tl.where(given == float("-inf"), 0.0, given)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            skip = cols >= vocab
+            while upcoming < start + BLOCK:
+                skip = skip | (cols == upcoming)
+                ptr += 1
+                upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
+            keep = tl.where(skip, 0.0, 1.0)
+            if HAS_MAX:
+                lane_sum += keep * tl.exp(x - shift)
+            else:
+                # One exp per element: exp(-|x - max|) rescales the sum when x is the new max, else weighs x.
+                e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))
+                lane_sum = tl.where(x > lane_max, lane_sum * e + keep, lane_sum + keep * e)
+                lane_max = tl.maximum(lane_max, x)
+        if HAS_MAX:
+            tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
+        else:
+            row_max = tl.max(lane_max, axis=0)
+            top = tl.where(row_max == float("-inf"), 0.0, row_max)
+            weights = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - top))
+            tl.store(sum_ptr + pid, tl.sum(lane_sum * weights, axis=0))
+            tl.store(max_ptr + pid, row_max)
+
+    return max_and_sum_outside_kernel, scaled_exp_kernel, max_and_sum_outside_lanes_kernel
 
 
 def logits_at(logits: torch.Tensor, rows: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -185,6 +231,7 @@ def max_and_sum_exp_outside(
     row_max: Optional[torch.Tensor] = None,
     block: int = _BLOCK,
     num_warps: int = _WARPS,
+    lanes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, sum of exp(logit - max) over the columns not in `excluded`) per selected row, float32 [n] each.
 
@@ -206,7 +253,7 @@ def max_and_sum_exp_outside(
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out_max, out_sum
-    kernel, _ = _kernels()
+    kernel = _kernels()[2 if lanes else 0]
     width = max(1, sorted_ids.shape[1])
     kernel[(n,)](
         logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
@@ -233,7 +280,7 @@ def scaled_exp_into(
         raise ValueError("out must have unit column stride")
     n = logits.shape[0] if rows is None else rows.numel()
     if n:
-        _, kernel = _kernels()
+        kernel = _kernels()[1]
         kernel[(n,)](
             logits, logits.stride(0), out, out.stride(0), _rows_arg(rows, logits),
             base.to(torch.float32).contiguous(), coef.to(torch.float32).contiguous(), logits.shape[1],
