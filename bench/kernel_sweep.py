@@ -82,6 +82,13 @@ def main() -> None:
             sweep[f"{block}/{warps}"] = row
             print(block, warps, row, flush=True)
     result["sweep"] = sweep
+    candidates = torch.cat([sampled[:, None], ids, logits.topk(65, dim=1).indices], dim=1)  # TROLL's 130 ids
+    for block, warps in ((1024, 4), (2048, 8), (4096, 16)):
+        result[f"troll_candidates_{block}/{warps}"] = {
+            ("lanes" if lanes else "blocks"): timed(lambda: kernels.max_and_sum_exp_outside(
+                logits, candidates, row_max=logits.amax(dim=-1).float(), block=block, num_warps=warps, lanes=lanes))
+            for lanes in (False, True)}
+        print(block, warps, "troll candidates", result[f"troll_candidates_{block}/{warps}"], flush=True)
     result["topk_divergence_ms"] = timed(lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp))
     print(result, flush=True)
 
