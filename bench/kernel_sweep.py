@@ -3,11 +3,9 @@
     python3 bench/kernel_sweep.py --out $OUT        # a GPU; about a minute after the inputs are drawn
 
 N = 16,384 rows of Qwen3's 151,936-token vocabulary, bf16, as bench/gpu_suite.py. Prints and writes OUT/sweep.json:
-- the two kernels of `verl_dppo.math.kernels` for each (BLOCK, num_warps), against one read of the logits;
-- the rest of `topk_divergence` (its total minus its kernel);
-- pi's top-65 for TROLL's support: torch.topk on the rows, and in two stages (a top-65 per segment of columns, then
-  over the segments' candidates: the same values, ties aside, which TROLL's tie rule makes irrelevant);
-- TROLL's forward and backward apart.
+- `max_and_sum_exp_outside` for each (BLOCK, num_warps), against one read of the logits, with Top-K's 21 slots and
+  with TROLL's 130 candidate ids;
+- `topk_divergence` whole, TROLL's forward, and its forward + backward.
 """
 
 from __future__ import annotations
@@ -37,21 +35,6 @@ def timed(fn, repeats=3) -> float:
     return statistics.median(times)  # milliseconds
 
 
-def segment_topk(logits: torch.Tensor, k: int, segments: int):
-    n, v = logits.shape
-    width = v // segments
-    main = logits.as_strided((n, segments, width), (logits.stride(0), width, 1))
-    values, ids = main.topk(k, dim=2)
-    ids = ids + (torch.arange(segments, device=logits.device) * width)[None, :, None]
-    values, ids = values.reshape(n, -1), ids.reshape(n, -1)
-    if segments * width < v:
-        tail_values, tail_ids = logits[:, segments * width:].topk(min(k, v - segments * width), dim=1)
-        values = torch.cat([values, tail_values], dim=1)
-        ids = torch.cat([ids, tail_ids + segments * width], dim=1)
-    top_values, where = values.topk(k, dim=1)
-    return top_values, ids.gather(1, where)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -72,22 +55,14 @@ def main() -> None:
     sweep = {}
     for block in (1024, 2048, 4096):
         for warps in (4, 8, 16):
-            row = {}
-            for lanes in (False, True):
-                try:
-                    row["lanes" if lanes else "blocks"] = timed(lambda: kernels.max_and_sum_exp_outside(
-                        logits, slots, block=block, num_warps=warps, lanes=lanes))
-                except Exception as error:
-                    row["lanes" if lanes else "blocks"] = str(error)[:300]
-            sweep[f"{block}/{warps}"] = row
-            print(block, warps, row, flush=True)
+            sweep[f"{block}/{warps}"] = timed(lambda: kernels.max_and_sum_exp_outside(
+                logits, slots, block=block, num_warps=warps))
+            print(block, warps, sweep[f"{block}/{warps}"], flush=True)
     result["sweep"] = sweep
     candidates = torch.cat([sampled[:, None], ids, logits.topk(65, dim=1).indices], dim=1)  # TROLL's 130 ids
     for block, warps in ((1024, 4), (2048, 8), (4096, 16)):
-        result[f"troll_candidates_{block}/{warps}"] = {
-            ("lanes" if lanes else "blocks"): timed(lambda: kernels.max_and_sum_exp_outside(
-                logits, candidates, row_max=logits.amax(dim=-1).float(), block=block, num_warps=warps, lanes=lanes))
-            for lanes in (False, True)}
+        result[f"troll_candidates_{block}/{warps}"] = timed(lambda: kernels.max_and_sum_exp_outside(
+            logits, candidates, row_max=logits.amax(dim=-1).float(), block=block, num_warps=warps))
         print(block, warps, "troll candidates", result[f"troll_candidates_{block}/{warps}"], flush=True)
     result["topk_divergence_ms"] = timed(lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp))
     print(result, flush=True)

@@ -7,13 +7,17 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
 - `max_and_sum_exp_outside(logits, excluded, rows=None, row_max=None)`: per row, the max logit and
   sum over the columns NOT in `excluded` of exp(logit - max). The sum is taken over the complement itself, as the
   torch path does (on a row whose top-1 probability is 1 - 1e-9, "all minus the excluded" cancels to 0 in float32).
-  One read of the row: a running max and the sum relative to it, rescaled when the max grows (or the given
-  `row_max`: the vocabulary-parallel path all-reduces the max first).
+  One read of the row, with no reduction inside the loop: each lane keeps its own running max and its sum relative
+  to it (one exp per element: exp(-|x - max|) rescales the sum when x is the lane's new max, else weighs x), and
+  the lanes are combined once at the end (or the sum is taken relative to the given `row_max`: the
+  vocabulary-parallel path all-reduces the max first). 2.2 ms on an H100 at N = 16,384 x 151,936 bf16, one read
+  of the logits being 1.9 ms (docs/benchmarks.md); a first version with a max and a slot count reduced across the
+  block at every step took 8.2 ms, and 35 ms with TROLL's 130 excluded ids.
 - `scaled_exp_into(out, logits, base, coef, rows=None)`: out[r, j] = exp(logit[r, j] - base[r]) * coef[r], in
   `out`'s dtype (TROLL's backward off the support: one read, one write; `out` may be the logits themselves).
 
-Which columns a row excludes: its ids sorted ascending (sentinels for "none"); each block of columns walks the part
-of that sorted list that falls inside it, so a row's exclusion costs its number of ids, not ids x columns.
+Which columns a row excludes: its ids sorted ascending (sentinels for "none"), walked with a scalar pointer as the
+blocks of columns pass them, so a row's exclusion costs its number of ids, not ids x columns.
 
 Which path runs (`backend_for`): Triton for CUDA tensors when Triton imports, the torch path otherwise.
 `VERL_DPPO_KERNELS=torch` forces torch everywhere; `VERL_DPPO_KERNELS=triton` forces the kernels, also on CPU
@@ -48,10 +52,10 @@ docs/benchmarks.md), while 256 MiB got within 7% of 1 GiB there."""
 
 GPU_CHUNK_MAX = 256 * 2**20
 
-_WARPS = 8
-"""Launch shape: the best of BLOCK 1,024-8,192 x 4-16 warps on an H100 (bench/kernel_sweep.py, docs/benchmarks.md)."""
+_WARPS = 4
+"""Launch shape: the best of BLOCK 1,024-4,096 x 4-16 warps on an H100 (bench/kernel_sweep.py, docs/benchmarks.md)."""
 _SENTINEL = 2**62  # sorts after every column id; never equals one
-_BLOCK = 2048  # columns per step: 4 KiB of bf16 per load, 75 steps over Qwen3's 151,936-token vocabulary
+_BLOCK = 1024  # columns per step: 2 KiB of bf16 per load, 149 steps over Qwen3's 151,936-token vocabulary
 
 
 def chunk_bytes_for(device: torch.device) -> int:
@@ -96,50 +100,6 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def max_and_sum_outside_kernel(
-        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr,
-        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, EXCLUDED_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + pid).to(tl.int64)
-        base = logits_ptr + row * stride_row
-        lanes = tl.arange(0, BLOCK)
-        if HAS_MAX:
-            given = tl.load(max_ptr + pid).to(tl.float32)
-            # A row that is -inf everywhere has no finite max: shifting by 0 keeps exp() at 0 instead of NaN.
-            shift = tl.where(given == float("-inf"), 0.0, given)
-        else:
-            # One pass: the running max and the sum relative to it, rescaled when the max grows (a factor of
-            # exactly 1 when it does not, so a row read in one block is summed as the two-pass torch path sums it).
-            row_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        own = excluded_ptr + pid * n_excluded
-        slots = tl.arange(0, EXCLUDED_PAD)
-        sorted_ids = tl.load(own + slots, mask=slots < n_excluded, other=2**62)
-        total = tl.zeros([BLOCK], tl.float32)
-        first = 0
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            # The excluded ids inside this block are sorted_ids[first:last]: walk them, not ids x columns.
-            last = tl.sum((sorted_ids < start + BLOCK).to(tl.int32), axis=0)
-            skip = cols >= vocab
-            for j in range(first, last):
-                skip = skip | (cols == tl.load(own + j))
-            first = last
-            if not HAS_MAX:
-                row_max = tl.maximum(row_max, tl.max(x, axis=0))
-                grown = tl.where(row_max == float("-inf"), 0.0, row_max)
-                total = total * tl.exp(shift - grown)
-                shift = grown
-            total += tl.where(skip, 0.0, tl.exp(x - shift))
-        if not HAS_MAX:
-            tl.store(max_ptr + pid, row_max)
-        tl.store(sum_ptr + pid, tl.sum(total, axis=0))
-
-    @triton.jit
     def scaled_exp_kernel(
         logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
         HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -160,9 +120,9 @@ def _kernels():
             tl.store(dst + cols, value.to(dst.dtype.element_ty), mask=cols < vocab)
 
     @triton.jit
-    def max_and_sum_outside_lanes_kernel(
+    def max_and_sum_outside_kernel(
         logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr,
-        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, EXCLUDED_PAD: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
         # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
@@ -205,7 +165,7 @@ def _kernels():
             tl.store(sum_ptr + pid, tl.sum(lane_sum * weights, axis=0))
             tl.store(max_ptr + pid, row_max)
 
-    return max_and_sum_outside_kernel, scaled_exp_kernel, max_and_sum_outside_lanes_kernel
+    return max_and_sum_outside_kernel, scaled_exp_kernel
 
 
 def logits_at(logits: torch.Tensor, rows: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -231,7 +191,6 @@ def max_and_sum_exp_outside(
     row_max: Optional[torch.Tensor] = None,
     block: int = _BLOCK,
     num_warps: int = _WARPS,
-    lanes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, sum of exp(logit - max) over the columns not in `excluded`) per selected row, float32 [n] each.
 
@@ -253,12 +212,11 @@ def max_and_sum_exp_outside(
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out_max, out_sum
-    kernel = _kernels()[2 if lanes else 0]
-    width = max(1, sorted_ids.shape[1])
+    kernel = _kernels()[0]
     kernel[(n,)](
         logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
         HAS_ROWS=rows is not None, HAS_MAX=row_max is not None,
-        EXCLUDED_PAD=1 << (width - 1).bit_length(), BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps,
     )
     return out_max, out_sum
 
