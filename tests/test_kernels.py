@@ -53,3 +53,22 @@ def test_the_torch_path_runs_where_triton_does_not_import_and_on_cpu_tensors():
             kernels.backend_for(torch.zeros(1, 4))
     finally:
         os.environ.pop(kernels.KERNELS_ENV)
+
+
+def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
+    """bench/gpu_suite.py --device cpu --smoke: the per-token table and TROLL's device agreement at small sizes, the
+    JSON and the markdown written (the GPU run is the same code at the issue's sizes, by the `device` tool)."""
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--smoke", "--out", str(tmp_path),
+                           "--parts", "per_token,troll_devices"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert result["complete"] and result["device"] == "CPU"
+    rows = result["per_token"]["rows"]
+    assert all("seconds" in row for row in rows.values()), rows
+    assert rows["topk_divergence, kernels"]["backend"] == "torch"  # no Triton in the suite's processes
+    agreement = result["troll_devices"]["permuted_vocabulary_on_device"]
+    assert agreement["support_differs_rows"] == 0 and agreement["log_p_max_abs_diff"] <= 1e-5, agreement
+    assert "## TROLL on bf16 ties" in (tmp_path / "gpu_suite.md").read_text()
