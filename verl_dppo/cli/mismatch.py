@@ -14,8 +14,13 @@ advantage pushed further). On this CPU the default setup is `smollm2` (the real 
 the trainer in fp32 and in bf16: two launches. A cluster setup (`verl-dppo mismatch moe_base`) runs once, with the
 setup's own model, engines and dtypes.
 
-Output in DIR: `mismatch.json` (the rows, the settings, the commands), `mismatch.png` (the figure), and the runs'
-token files under `tokens/`.
+Output in DIR: `mismatch.json` (the rows, the settings, the commands), `mismatch.png` (the figure), the runs'
+token files under `tokens/` and each launch's console in `runs/<label>.log` (the command names it and says each phase,
+build, rollout, update, as the launch reaches it). Both outputs are written again as each launch ends, with what is
+measured so far: until the last launch ends, the JSON says `"partial": true` and which launches are pending, the
+figure's title too, so a measurement cut in its second launch keeps the first. `--redraw DIR` launches nothing: it
+writes the table, the JSON and the figure again from the records a complete measurement left in DIR (`tokens/`), the
+JSON byte for byte as the measurement wrote it.
 """
 
 from __future__ import annotations
