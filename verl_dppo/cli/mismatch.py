@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any, Sequence
 
 from verl_dppo.cli.errors import UsageError, writable_folder
 
-__all__ = ["BUCKETS", "bucket_rows", "add_command"]
+__all__ = ["BUCKETS", "bucket_rows", "redraw", "add_command"]
 
 BUCKETS = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0 + 1e-9)
 """Edges of mu(a_t)'s buckets: [0, 1e-4), [1e-4, 1e-3), ..., [0.9, 1]."""
