@@ -7,16 +7,20 @@ temporary folder) and skip with one line where the set-up's packages are absent.
 
 from __future__ import annotations
 
+import json
 import math
-import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from verl_dppo.cli import mismatch, real_model
+from verl_dppo.cli import console, main, mismatch, real_model
+from verl_dppo.plugin.mismatch_dump import ENV
 
 BOUNDS = {"grpo_clip_higher": (0.2, 0.28), "dppo_binary_tv": (0.15, 0.15), "dppo_binary_kl": (0.05, 0.05),
           "dppo_topk_tv": (0.15, 0.15), "dppo_topk_kl": (0.05, 0.05)}
+THRESHOLDS = mismatch.thresholds  # the real one, where a test fakes the module's
 
 
 def test_each_bucket_counts_its_tokens_and_each_region_what_it_would_act_on():
@@ -162,25 +166,138 @@ def test_a_gguf_file_that_cannot_be_read_is_named_not_the_checkpoint_folder(tmp_
     assert not target.exists() and list(target.parent.iterdir()) == []
 
 
-def test_a_measurement_starts_from_no_token_files_and_launches_with_the_users_config_dir(tmp_path, monkeypatch):
+FAKE_RUN = f"""
+import json, os, shutil, signal, sys
+from pathlib import Path
+
+tokens = Path(os.environ["{ENV}"])
+label, out = tokens.name, tokens.parents[1]
+(out / "runs" / f"{{label}}.argv").write_text(json.dumps(sys.argv[1:]))
+seen = [name for name in ("mismatch.json", "mismatch.png") if (out / name).exists()]
+(out / "runs" / f"{{label}}.seen").write_text(" ".join(seen))
+# the lines of `verl-dppo run`'s console that mark its phases (tests/e2e/test_real_model.py finds them in a real one)
+print("verl-dppo: launching smollm2 + dppo_topk_tv (1 node(s) x 1 GPU(s)) on a new local Ray instance", flush=True)
+print("(TaskRunnerV1 pid=1) Training Progress:   0%|          | 0/1 [00:00<?, ?it/s]", flush=True)
+print("(WorkerDict pid=2) WARNING:2026-11-27 05:45:30,635:verl-dppo dppo_topk_tv in effect: delta_low=0.15", flush=True)
+tokens.mkdir(parents=True, exist_ok=True)
+for index, record in enumerate(sorted((Path(os.environ["FAKE_RECORDS"]) / label).iterdir())):
+    if label == os.environ.get("FAKE_CUT") and index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # cut in its update, as a timeout cuts it: one record of two written
+    shutil.copy(record, tokens / record.name)
+print("(TaskRunnerV1 pid=1) step:1 - actor/pg_clipfrac:0.0", flush=True)
+print("verl-dppo: done, 1 of 1 steps of smollm2 + dppo_topk_tv", flush=True)
+"""
+
+
+def _write_records(folder: Path, seed: int, pi_dtype: str) -> None:
+    """Two micro-batches' records, as the training worker's dump writes them (verl_dppo.plugin.mismatch_dump):
+    log-probs spread over every bucket of mu, pi moved by engine noise."""
+    generator = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True)
+    for part in range(2):
+        mu = torch.empty(150).uniform_(-12.0, 0.0, generator=generator)
+        pi = (mu + 0.05 * torch.randn(150, generator=generator)).clamp(max=0.0)
+        topk_tv = 0.02 * torch.rand(150, generator=generator)
+        torch.save({"mu": mu, "pi": pi, "mu_dtype": "torch.float32", "pi_dtype": pi_dtype, "topk_tv": topk_tv,
+                    "topk_kl": topk_tv ** 2, "topk_mass": 0.8 + 0.2 * torch.rand(150, generator=generator)},
+                   folder / f"tokens-100-{part}.pt")
+
+
+@pytest.fixture
+def fake_launches(tmp_path, monkeypatch):
+    """`verl-dppo mismatch` on the CPU setup with its two launches faked: each a process that prints the lines of
+    `verl-dppo run`'s console that mark its phases and writes token records (FAKE_CUT: that launch is killed after
+    one record of two). Returns the --out folder."""
+    records = tmp_path / "records"
+    _write_records(records / "fp32", 0, "torch.float32")
+    _write_records(records / "bf16", 1, "torch.bfloat16")
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    monkeypatch.setattr(mismatch, "LAUNCHER", (sys.executable, str(script)))
+    monkeypatch.setenv("FAKE_RECORDS", str(records))
+    monkeypatch.setattr(console, "POLL_S", 0.02)
+    monkeypatch.setattr(mismatch, "_labels", lambda setup, config_dir, overrides: (
+        dict(mismatch.CPU_TRAINER_DTYPES), "vllm (bfloat16)", ["data.train_batch_size=16"]))
+    monkeypatch.setattr(mismatch, "thresholds", lambda setup, config_dir, overrides: dict(BOUNDS))
+    return tmp_path / "out"
+
+
+def test_a_measurement_cut_in_its_second_launch_keeps_the_first_launchs_json_and_figure(fake_launches, monkeypatch,
+                                                                                         capsys):
+    """Issue 44: the bf16 launch killed in its update leaves fp32's buckets in mismatch.json (marked partial, bf16
+    pending) and its figure, written before the bf16 launch started; the records are incomplete, so no redraw."""
+    out = fake_launches
+    monkeypatch.setenv("FAKE_CUT", "bf16")
+    assert main(["mismatch", "--out", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert any(line.startswith("verl-dppo: error: the bf16 run exited -9 without the tokens") and
+               "keep what was measured (fp32)" in line for line in error), error
+    assert (out / "runs" / "bf16.seen").read_text() == "mismatch.json mismatch.png"  # on disk while bf16 ran
+    written = json.loads((out / "mismatch.json").read_text())
+    assert written["partial"] is True and written["pending"] == ["bf16"]
+    assert list(written["rows"]) == list(written["runs"]) == ["fp32"] and written["runs"]["fp32"]["tokens"] == 300
+    assert (out / "mismatch.png").stat().st_size > 10_000
+    assert main(["mismatch", "--redraw", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the bf16 launch did not end with its tokens" in line and "mismatch.json holds what ended: fp32" in line
+
+
+def test_a_redraw_rebuilds_a_full_measurements_json_byte_for_byte_from_its_token_records(fake_launches, monkeypatch,
+                                                                                          capsys):
+    """Issue 44: `--redraw DIR` launches nothing and writes the JSON the measurement wrote, byte for byte, the same
+    tables and the figure; the rows are each launch's records, every file of them, bucketed."""
+    out = fake_launches
+    assert main(["mismatch", "--out", str(out)]) == 0
+    measured = (out / "mismatch.json").read_bytes()
+    tables = capsys.readouterr().out
+    written = json.loads(measured)
+    assert written["partial"] is False and written["pending"] == [] and list(written["rows"]) == ["fp32", "bf16"]
+    for label in ("fp32", "bf16"):
+        records = mismatch._tokens(out / "tokens" / label)
+        assert records["mu"].numel() == written["runs"][label]["tokens"] == 300
+        assert written["rows"][label] == json.loads(json.dumps(mismatch.bucket_rows(records, BOUNDS)))
+    (out / "mismatch.json").unlink()
+    (out / "mismatch.png").unlink()
+    monkeypatch.setattr(mismatch, "LAUNCHER", ("false",))  # a launch would fail
+    assert main(["mismatch", "--redraw", str(out)]) == 0
+    assert (out / "mismatch.json").read_bytes() == measured
+    assert (out / "mismatch.png").stat().st_size > 10_000
+    assert capsys.readouterr().out == tables
+
+
+def test_the_console_names_each_launchs_log_and_says_each_phase_as_the_launch_reaches_it(fake_launches, capsys):
+    out = fake_launches
+    assert main(["mismatch", "--out", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verl-dppo: mismatch: ")]
+    for label in ("fp32", "bf16"):
+        said = [line.removeprefix("verl-dppo: mismatch: ") for line in lines]
+        mine = [line for line in said if line.startswith(f"{label}: ")]
+        assert mine[0] == f"{label}: its console: {out / 'runs' / (label + '.log')}", mine
+        assert [line.split(": ")[1] for line in mine[1:]] == ["build", "rollout", "update"], mine
+        assert "Training Progress" in (out / "runs" / f"{label}.log").read_text()  # the launch's console went there
+    assert lines[-1].endswith(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
+    assert any(line.endswith("(partial: trainer bf16 not measured yet)") for line in lines)
+
+
+def test_a_redraw_without_complete_records_is_one_line_and_exit_2(tmp_path, capsys):
+    for argv, expected in ((["--redraw", str(tmp_path)], "no token records of a `verl-dppo mismatch` here"),
+                           (["--redraw", str(tmp_path / "nowhere")], "no such folder"),
+                           (["smollm2", "--redraw", str(tmp_path)], "give no setup, overrides or --config-dir")):
+        assert main(["mismatch", *argv]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("verl-dppo: error: --redraw") and expected in line, line
+
+
+def test_a_measurement_starts_from_no_token_files_and_launches_with_the_users_config_dir(fake_launches):
     """Two measurements into one --out: the second one's tokens are its own (the first's files were removed); the
     run is launched with the --config-dir the setup was composed from; the thresholds follow the user's overrides."""
-    stale = tmp_path / "out" / "tokens" / "fp32" / "tokens-1-0.pt"
+    out = fake_launches
+    stale = out / "tokens" / "fp32" / "tokens-1-0.pt"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"an earlier measurement")
-    commands = []
-
-    def run(command, **kwargs):
-        commands.append(command)
-        assert not stale.exists()
-        stale.parent.mkdir(parents=True, exist_ok=True)  # the training worker's dump makes its folder
-        (stale.parent / "tokens-2-0.pt").write_bytes(b"this one")
-        return subprocess.CompletedProcess(command, 0)
-
-    monkeypatch.setattr(subprocess, "run", run)
-    mismatch._launch("mine", "fp32", (), tmp_path / "out", ["x=1"], [str(tmp_path / "recipes")])
-    (command,) = commands
-    assert f"--config-dir={tmp_path / 'recipes'}" in command and command[command.index("run") + 1] == "mine"
-    assert [p.name for p in stale.parent.iterdir()] == ["tokens-2-0.pt"]
-    found = mismatch.thresholds("cpu_tiny", [], ["actor_rollout_ref.actor.clip_ratio_high=0.3"])
+    mismatch._launch("mine", "fp32", (), out, ["x=1"], [str(out.parent / "recipes")])
+    command = json.loads((out / "runs" / "fp32.argv").read_text())
+    assert f"--config-dir={out.parent / 'recipes'}" in command and command[command.index("run") + 1] == "mine"
+    assert sorted(p.name for p in stale.parent.iterdir()) == [mismatch.LAUNCHED, "tokens-100-0.pt", "tokens-100-1.pt"]
+    found = THRESHOLDS("cpu_tiny", [], ["actor_rollout_ref.actor.clip_ratio_high=0.3"])
     assert found["grpo_clip_higher"] == pytest.approx((0.2, 0.3))

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verl_dppo.cli.console import LAUNCH_PHASES
 from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
 
 pytestmark = [pytest.mark.e2e,
@@ -64,6 +65,9 @@ def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
     steps = run["steps"]
     assert len(steps) == STEPS, [sorted(s)[:5] for s in steps]
     assert "-vllm" in run["log"] and "SmolLM2-135M-Instruct" in run["log"]
+    # the lines `verl-dppo mismatch` reads a launch's phases off (verl_dppo.cli.console.LAUNCH_PHASES), in order
+    found = [pattern.search(run["log"]) for _, pattern in LAUNCH_PHASES]
+    assert all(found) and [m.start() for m in found] == sorted(m.start() for m in found), found
     # a step whose groups all agree has advantages of zero and, for this loss, no gradient; every other step updates
     learning = [s["critic/advantages/max"] > 0 for s in steps]
     assert any(learning), [(s["critic/score/mean"], s["critic/advantages/max"]) for s in steps]
