@@ -3,10 +3,13 @@ line, composed on verl's own config as main_ppo composes it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from test_cli_errors import FROM_GRPO, assert_one_line_error
 from verl_dppo.cli import main
+from verl_dppo.cli.check import EXIT_FINE, EXIT_NOT_HERE, EXIT_REHEARSAL, EXIT_WRONG
 
 
 def verl_grpo_example(tmp_path) -> list[str]:
@@ -41,24 +44,43 @@ def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
     assert main(["check", *command]) == 0
     err = capsys.readouterr().err
     assert "nothing found that would stop the launch" in err and "warning" not in err, err
-    # switched by the loss_mode line alone: the inherited thresholds, named
+    # switched by the loss_mode line alone: the inherited thresholds and the recompute pass, named
     assert main(["check", *command, FROM_GRPO[0]]) == 0
     err = capsys.readouterr().err
     assert "clip_ratio_low=0.2 clip_ratio_high=0.2 clip_ratio_c=3 inherited from verl's ratio clip" in err, err
-    # switched as the README says: the paper's settings, no warning
+    assert "verl recomputes the old log-probs every step" in err and "bypass_mode=True" in err, err
+    # switched as the README says: the paper's settings, no warning; the rule in effect, one line before the verdict
     assert main(["check", *command, *FROM_GRPO]) == 0
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err, err
+    assert err.splitlines()[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the "
+                                     "plugin's; nothing found that would stop the launch from here"], err
+
+
+README_RULE = ("verl-dppo: check: trains dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's "
+               "log-probs, bypass on (no recompute pass), K -")
+"""Issue 43.1: what `check` prints for verl's GRPO example switched by the README's lines."""
+
+
+def test_the_readme_shows_the_rule_as_check_prints_it():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
+    assert README_RULE in block
 
 
 def assert_problems(capsys, argv, *fragments) -> list[str]:
-    """Exit 2, one line per problem (each fragment in one of them), then the verdict counting them; no traceback."""
+    """Exit 2, one line per problem (each fragment in one of them, or in a line of what is not here), then the
+    verdict counting them; no traceback. Returns the problem lines."""
     assert main(argv) == 2, argv
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     problems = [line for line in err.splitlines() if line.startswith("verl-dppo: problem: ")]
+    not_here = [line for line in err.splitlines() if line.startswith("verl-dppo: not here: ")]
     for fragment in fragments:
-        assert any(fragment in line for line in problems), (fragment, err)
-    assert err.splitlines()[-1] == f"verl-dppo: check: {len(problems)} problem(s) above would stop the launch from here"
+        assert any(fragment in line for line in problems + not_here), (fragment, err)
+    more = f"; {len(not_here)} more only here" if not_here else ""
+    assert err.splitlines()[-1] == (f"verl-dppo: check: the command is wrong: {len(problems)} problem(s) above, on any "
+                                    f"machine{more} (exit 2)"), err
     return problems
 
 
@@ -91,13 +113,24 @@ def test_every_problem_of_a_command_is_named_in_one_run(tmp_path, capsys):
                  "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"],
         "did you mean actor_rollout_ref.rollout.gpu_memory_utilization?", "ppo_epochs=1.5: expected an integer",
         "trainer.nnodes=two: expected an integer", "Did you mean 'dppo_binary_tv'", "nowhere.parquet does not exist")
-    assert len(problems) == 5 and not any("append" in line for line in problems), problems
+    assert len(problems) == 4 and not any("append" in line for line in problems), problems
 
 
-def test_missing_data_stops_the_launch(tmp_path, capsys):
-    command = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in verl_grpo_example(tmp_path)]
-    assert main(["check", *command]) == 2
-    assert "data.train_files:" in capsys.readouterr().err
+def test_exit_codes_tell_a_wrong_command_from_one_that_cannot_start_here(tmp_path, capsys):
+    """Issue 43.3: 2 = the command is wrong (on any machine), 3 = it is right but what it needs is not on this
+    machine (verl's GRPO example on a login node without its data), 0 = nothing found."""
+    right = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+    elsewhere = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in right]
+    assert main(["check", *elsewhere]) == EXIT_NOT_HERE == 3
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("verl-dppo: not here: ")] == [
+        f"verl-dppo: not here: data.{key}_files: {tmp_path}/nowhere/{name}.parquet does not exist here"
+        for key, name in (("train", "train"), ("val", "test"))]
+    assert err[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the plugin's, but cannot "
+                        "start here: 2 thing(s) above that it needs are not on this machine (exit 3)"], err
+    # wrong and not here: the command's problem decides
+    assert_problems(capsys, ["check", *elsewhere, "actor_rollout_ref.actor.ppo_epochs=1.5"], "ppo_epochs=1.5")
+    assert main(["check", *right]) == EXIT_FINE == 0
 
 
 def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):

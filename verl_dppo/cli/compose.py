@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_dppo.cli.override_checks import check_override_types, field_hint, key_hint
+from verl_dppo.cli.override_checks import check_override_types, field_hint, key_hint, override_problems
 from verl_dppo.cli.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.cli.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
@@ -103,6 +103,9 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     if not overrides:
         return _compose(setup, method, searchpath)
     baseline = _compose(setup, method, searchpath)
+    unknown, _ = override_problems(baseline, overrides, keys_only=True)
+    if unknown:  # before Hydra, whose answer to a misspelled key is to add it with '+'
+        raise RecipeError(f"cannot compose {setup} + {method}: {unknown[0]}")
     try:
         config = _compose(setup, method, [*searchpath, *overrides])
     except RecipeError as error:

@@ -7,7 +7,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "type_problem", "unknown_key_problem", "key_hint", "field_hint"]
+__all__ = ["check_override_types", "override_problems", "type_problem", "unknown_key_problem", "key_hint",
+           "field_hint"]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -57,6 +58,41 @@ def field_hint(message: str) -> str:
                 "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
     close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
     return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
+
+
+def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
+    config (a change of a key the config lacks, answered with the nearest existing keys, not Hydra's "To append to
+    your config use +key") and its value's type against the value it replaces. `keys_only`: the keys alone, and an
+    override Hydra cannot parse left to Hydra's own message."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    problems, usable = [], []
+    for override in overrides:
+        try:
+            parsed = parser.parse_overrides([override])[0]
+        except HydraException as error:
+            if not keys_only:
+                problems.append(f"{override}: {' '.join(str(error).split())}")
+            continue
+        key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
+        if parsed.is_delete() or key in GROUP_KEYS or "@" in key or parsed.package is not None:
+            usable.append(override)
+            continue
+        problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
+        if not keys_only:
+            try:
+                value = parsed.value()
+            except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
+                value = None
+            problem = problem or type_problem(baseline, key, value, given)
+        if problem:
+            problems.append(problem)
+        else:
+            usable.append(override)
+    return problems, usable
 
 
 def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
