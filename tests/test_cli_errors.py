@@ -472,6 +472,18 @@ def test_near_misses_name_the_fix(tmp_path, monkeypatch, capsys, argv, fragments
     assert_one_line_error(capsys, argv, *fragments)
 
 
+def test_a_misspelled_existing_key_is_answered_with_the_key_not_with_hydras_append(tmp_path, monkeypatch, capsys):
+    """Issue 43.5: `run` passed on Hydra's "To append to your config use +KEY" for a misspelled key of verl's, telling
+    the user to add the typo; it answers with the nearest existing key alone, as `check` does."""
+    monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
+    argv = ["run", "cpu_tiny", "--method", "dppo_binary_tv", "actor_rollout_ref.rollout.calculate_log_prob=True",
+            "--dry-run"]
+    assert_one_line_error(capsys, argv, "actor_rollout_ref.rollout.calculate_log_prob=True: verl's config has no key "
+                          "actor_rollout_ref.rollout.calculate_log_prob; did you mean "
+                          "actor_rollout_ref.rollout.calculate_log_probs?")
+    assert main(argv) == 2 and "append" not in capsys.readouterr().err
+
+
 def test_an_unwritable_dppo_root_is_named_by_the_dry_run_and_the_launch(monkeypatch, capsys):
     """DPPO_ROOT=/proc/nope: the dry run warns, the launch refuses before building anything, naming DPPO_ROOT."""
     monkeypatch.setenv("DPPO_ROOT", "/proc/nope")
