@@ -214,7 +214,7 @@ DRY = ["run", "dense_8b", "--method", "dppo_binary_tv", "--dry-run"]
         ("data.train_batch_size=abc", ["data.train_batch_size=abc: expected an integer"]),
         ("actor_rollout_ref.actor.optim.lr=fast", ["optim.lr=fast: expected a number"]),
         ("trainer.val_before_train=maybe", ["expected a boolean"]),
-        ("optim.lr=1e-6", ["Did you mean actor_rollout_ref.actor.optim.lr"]),
+        ("optim.lr=1e-6", ["did you mean actor_rollout_ref.actor.optim.lr"]),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv", ["Did you mean 'dppo_binary_tv'"]),
         # DPPOLossConfig's own check is reported as the plugin's, not as verl's validate_config
         ("actor_rollout_ref.actor.policy_loss.anchor=both", ["verl-dppo rejects actor_rollout_ref.actor.policy_loss",

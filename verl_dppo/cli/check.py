@@ -9,7 +9,14 @@ the Top-K settings, the thresholds a DPPO mode would inherit from the ratio clip
 the model exist here. Nothing is launched. Every problem it can find is named in one run: each override's key
 (a misspelled one with the existing keys it is nearest to) and type are checked against verl's config before Hydra
 composes it (Hydra stops at the first), the config is composed with the overrides that passed, and the plugin's
-checks, the files and verl's own validation (its first complaint) follow; each problem is one line.
+checks, the files and verl's own validation (its first complaint) follow; each problem is one line. A command with no
+problem ends with one line of the update rule it trains (`verl_dppo.plugin.update_rule`: loss mode, thresholds,
+ratio cap, anchor, bypass mode, K), as the worker resolves it. Warnings name what costs without stopping the launch:
+no bypass mode (verl recomputes the old log-probs every step), a threshold set outside the paper's range; a DPPO
+threshold inherited from the ratio clip outside that range (GSPO's 0.0003) is a problem.
+
+Exit codes: 0 nothing found; 2 the command is wrong, on any machine; 3 the command is right but cannot
+start here (a data file or a local model missing on this machine); 4 the rehearsal did not train.
 
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
@@ -18,7 +25,8 @@ checks, the files and verl's own validation (its first complaint) follow; each p
 
 `--rehearse` then trains the command's update rule (its policy loss and thresholds, the actor's loss settings, the
 rollout's sampling and log-probs, the advantage estimator: `REHEARSED`) for `--steps` steps on cpu_tiny's model and
-data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`).
+data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`; that `run`
+command line, thousands of characters, in its run record). A wrong command is not rehearsed.
 """
 
 from __future__ import annotations
@@ -263,7 +271,8 @@ def _verdict_line(verdict: Verdict) -> str:
 def add_command(commands: Any) -> None:
     parser = commands.add_parser(
         "check", help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
-        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__.split("\n\n")[1], epilog=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="then train the command's update rule (its loss, advantages, rollout sampling) on "
                              "cpu_tiny's model and data on this CPU, through verl's trainer")

@@ -140,7 +140,10 @@ def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
         node = OmegaConf.select(baseline, parent, default=None, throw_on_missing=False) if parent else baseline
     except Exception:  # noqa: BLE001  (an interpolation on the way: not this check's to judge)
         return None
-    if not isinstance(node, DictConfig) and parent:  # the parent itself is missing: name the first missing level
+    if not isinstance(node, DictConfig) and parent:  # the parent itself is missing
+        ending = [path for path in _leaf_paths(baseline) if path.endswith("." + key)][:2]  # `optim.lr`: a full key's end
+        if ending:
+            return f"{key}={given}: verl's config has no key {key}; did you mean {' or '.join(ending)}?"
         return unknown_key_problem(baseline, parent, "...") and _no_key(key, given, baseline, parent)
     if isinstance(node, DictConfig) and (name in node.keys() or not node._get_flag("struct") and
                                          node._get_flag("struct") is not None):
