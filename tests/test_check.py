@@ -318,7 +318,14 @@ def test_the_rehearsal_trains_the_command_on_cpu(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
-    assert "dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3" in log, log[-3000:]
+    # issue 43.4: the console leads with what it rehearses; the `run` line is in the run record; no K for binary
+    assert "verl-dppo: check: rehearsing dppo_binary_tv as your command sets it" in log, log[-3000:]
+    (in_effect,) = {line.split("verl-dppo ", 1)[1] for line in log.splitlines() if "dppo_binary_tv in effect:" in line}
+    assert in_effect.startswith("dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3"), log[-3000:]
+    assert "topk" not in in_effect, in_effect
     jsonl = tmp_path / "root" / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
     (record,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert record["step"] == 1 and "actor/kl_loss" in record["data"], record
+    run = json.loads(jsonl.with_suffix(".run.json").read_text())
+    assert run["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), run
+    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in run["command"], run
