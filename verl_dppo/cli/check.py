@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from verl_dppo.cli.errors import EXIT_USAGE, UsageError
-from verl_dppo.cli.override_checks import override_problems
+from verl_dppo.cli.override_checks import group_choices, override_problems
 
 __all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
            "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
@@ -136,7 +136,10 @@ def check_command(argv: Sequence[str]) -> Verdict:
     from verl_dppo.plugin.update_rule import update_rule
 
     overrides, config_path, config_name = split_command(argv)
-    (baseline,) = _compose([[]], config_path, config_name)
+    try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
+        (baseline,) = _compose([group_choices(overrides)], config_path, config_name)
+    except RecipeError:  # a choice that does not compose: composing the command names it below
+        (baseline,) = _compose([[]], config_path, config_name)
     problems, usable = override_problems(baseline, overrides)
     verdict = Verdict(problems=problems)
     try:

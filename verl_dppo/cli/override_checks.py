@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "override_problems", "type_problem", "unknown_key_problem", "key_hint",
+__all__ = ["check_override_types", "group_choices", "is_group_choice", "override_problems", "type_problem", "unknown_key_problem", "key_hint",
            "field_hint"]
 
 
@@ -60,6 +60,19 @@ def field_hint(message: str) -> str:
     return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
 
 
+def is_group_choice(key: str) -> bool:
+    """Whether an override's key picks a config group (`model_engine=megatron`, `setup=...`, `a/b=c`, `x@y=z`) rather
+    than setting a value: a choice changes which keys the config has, so the keys after it are looked up in a
+    baseline composed with the choices (`group_choices`)."""
+    return key in GROUP_KEYS or "." not in key or "/" in key or "@" in key
+
+
+def group_choices(overrides: Sequence[str]) -> list[str]:
+    """The overrides that pick config groups, in their order (see `is_group_choice`)."""
+    return [item for item in overrides
+            if "=" in item and not item.startswith(("~", "+")) and is_group_choice(item.split("=", 1)[0])]
+
+
 def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False) -> tuple[list[str], list[str]]:
     """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
     config (a change of a key the config lacks, answered with the nearest existing keys, not Hydra's "To append to
@@ -78,7 +91,7 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
                 problems.append(f"{override}: {' '.join(str(error).split())}")
             continue
         key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
-        if parsed.is_delete() or key in GROUP_KEYS or "@" in key or parsed.package is not None:
+        if parsed.is_delete() or is_group_choice(key) or key.startswith("hydra.") or parsed.package is not None:
             usable.append(override)
             continue
         problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
