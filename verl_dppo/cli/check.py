@@ -113,7 +113,8 @@ class Verdict:
     """What `check` found in a main_ppo command line, each finding one line."""
 
     problems: list[str] = field(default_factory=list)
-    """What is wrong with the command itself: it would stop the launch on any machine (exit 2)."""
+    """What is wrong with the command itself, on any machine: it would stop the launch, or train what no paper run
+    did (a DPPO threshold inherited from the ratio clip outside the paper's range) (exit 2)."""
     not_here: list[str] = field(default_factory=list)
     """What the command needs that is not on this machine (exit 3 where nothing is wrong)."""
     warnings: list[str] = field(default_factory=list)

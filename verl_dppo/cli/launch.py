@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 
@@ -156,7 +157,7 @@ def _threshold_warnings(config) -> list[str]:
     return [problem, *warnings] if problem else warnings
 
 
-def threshold_findings(config) -> tuple:
+def threshold_findings(config) -> tuple[Optional[str], list[str]]:
     """(the thresholds a DPPO mode inherits from verl's ratio clip outside every value the paper and the recipes use,
     or None; the warnings on the thresholds in effect), from the values the actor will use. `verl-dppo check` counts
     the first as a problem."""

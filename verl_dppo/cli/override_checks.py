@@ -7,8 +7,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "group_choices", "is_group_choice", "override_problems", "type_problem", "unknown_key_problem", "key_hint",
-           "field_hint"]
+__all__ = ["check_override_types", "group_choices", "is_group_choice", "override_problems", "type_problem",
+           "unknown_key_problem", "key_hint", "field_hint"]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
