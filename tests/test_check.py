@@ -3,10 +3,13 @@ line, composed on verl's own config as main_ppo composes it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from test_cli_errors import FROM_GRPO, assert_one_line_error
 from verl_dppo.cli import main
+from verl_dppo.cli.check import EXIT_FINE, EXIT_NOT_HERE, EXIT_REHEARSAL, EXIT_WRONG
 
 
 def verl_grpo_example(tmp_path) -> list[str]:
@@ -41,24 +44,43 @@ def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
     assert main(["check", *command]) == 0
     err = capsys.readouterr().err
     assert "nothing found that would stop the launch" in err and "warning" not in err, err
-    # switched by the loss_mode line alone: the inherited thresholds, named
+    # switched by the loss_mode line alone: the inherited thresholds and the recompute pass, named
     assert main(["check", *command, FROM_GRPO[0]]) == 0
     err = capsys.readouterr().err
     assert "clip_ratio_low=0.2 clip_ratio_high=0.2 clip_ratio_c=3 inherited from verl's ratio clip" in err, err
-    # switched as the README says: the paper's settings, no warning
+    assert "verl recomputes the old log-probs every step" in err and "bypass_mode=True" in err, err
+    # switched as the README says: the paper's settings, no warning; the rule in effect, one line before the verdict
     assert main(["check", *command, *FROM_GRPO]) == 0
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err, err
+    assert err.splitlines()[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the "
+                                     "plugin's; nothing found that would stop the launch from here"], err
+
+
+README_RULE = ("verl-dppo: check: trains dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's "
+               "log-probs, bypass on (no recompute pass), K -")
+"""Issue 43.1: what `check` prints for verl's GRPO example switched by the README's lines."""
+
+
+def test_the_readme_shows_the_rule_as_check_prints_it():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
+    assert README_RULE in block
 
 
 def assert_problems(capsys, argv, *fragments) -> list[str]:
-    """Exit 2, one line per problem (each fragment in one of them), then the verdict counting them; no traceback."""
+    """Exit 2, one line per problem (each fragment in one of them, or in a line of what is not here), then the
+    verdict counting them; no traceback. Returns the problem lines."""
     assert main(argv) == 2, argv
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     problems = [line for line in err.splitlines() if line.startswith("verl-dppo: problem: ")]
+    not_here = [line for line in err.splitlines() if line.startswith("verl-dppo: not here: ")]
     for fragment in fragments:
-        assert any(fragment in line for line in problems), (fragment, err)
-    assert err.splitlines()[-1] == f"verl-dppo: check: {len(problems)} problem(s) above would stop the launch from here"
+        assert any(fragment in line for line in problems + not_here), (fragment, err)
+    more = f"; {len(not_here)} more only here" if not_here else ""
+    assert err.splitlines()[-1] == (f"verl-dppo: check: the command is wrong: {len(problems)} problem(s) above, on any "
+                                    f"machine{more} (exit 2)"), err
     return problems
 
 
@@ -91,13 +113,24 @@ def test_every_problem_of_a_command_is_named_in_one_run(tmp_path, capsys):
                  "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"],
         "did you mean actor_rollout_ref.rollout.gpu_memory_utilization?", "ppo_epochs=1.5: expected an integer",
         "trainer.nnodes=two: expected an integer", "Did you mean 'dppo_binary_tv'", "nowhere.parquet does not exist")
-    assert len(problems) == 5 and not any("append" in line for line in problems), problems
+    assert len(problems) == 4 and not any("append" in line for line in problems), problems
 
 
-def test_missing_data_stops_the_launch(tmp_path, capsys):
-    command = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in verl_grpo_example(tmp_path)]
-    assert main(["check", *command]) == 2
-    assert "data.train_files:" in capsys.readouterr().err
+def test_exit_codes_tell_a_wrong_command_from_one_that_cannot_start_here(tmp_path, capsys):
+    """Issue 43.3: 2 = the command is wrong (on any machine), 3 = it is right but what it needs is not on this
+    machine (verl's GRPO example on a login node without its data), 0 = nothing found."""
+    right = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+    elsewhere = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in right]
+    assert main(["check", *elsewhere]) == EXIT_NOT_HERE == 3
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("verl-dppo: not here: ")] == [
+        f"verl-dppo: not here: data.{key}_files: {tmp_path}/nowhere/{name}.parquet does not exist here"
+        for key, name in (("train", "train"), ("val", "test"))]
+    assert err[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the plugin's, but cannot "
+                        "start here: 2 thing(s) above that it needs are not on this machine (exit 3)"], err
+    # wrong and not here: the command's problem decides
+    assert_problems(capsys, ["check", *elsewhere, "actor_rollout_ref.actor.ppo_epochs=1.5"], "ppo_epochs=1.5")
+    assert main(["check", *right]) == EXIT_FINE == 0
 
 
 def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
@@ -121,6 +154,153 @@ def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
     assert not any(item.endswith("delta_low=null") for item in rehearsal)
 
 
+def verl_lora_example(tmp_path) -> list[str]:
+    """verl's own GRPO example on GSM8K with LoRA's settings (examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh
+    in verl's repository, its arguments as of commit 0061a22: Qwen2.5-3B-Instruct, one node of 8 GPUs), its data files
+    made here."""
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.parquet").write_bytes(b"")
+    return ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
+            f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
+            "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
+            "data.filter_overlong_prompts=True", "data.truncation='error'", "data.prompt_key=messages",
+            "data.shuffle=False", "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
+            "actor_rollout_ref.model.use_shm=True", "actor_rollout_ref.actor.optim.lr=3e-6",
+            "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
+            "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+            "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+            "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+            "trainer.critic_warmup=0", "trainer.logger=['console','wandb']",
+            "trainer.project_name='verl_grpo_example_gsm8k'", "trainer.experiment_name='qwen2_7b_function_rm'",
+            "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
+            "trainer.total_epochs=15", "$@"]
+
+
+PL = "actor_rollout_ref.actor.policy_loss."
+KL_LINES = [f"{PL}loss_mode=dppo_binary_kl", *[line.replace("0.15", "0.05") for line in FROM_GRPO[1:]]]
+"""The README's lines for DPPO-Binary-KL: its delta 0.05."""
+
+
+@pytest.mark.parametrize("extra, rule", [
+    (KL_LINES, "dppo_binary_kl: delta 0.05/0.05, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no "
+               "recompute pass), K -"),
+    ([*FROM_GRPO, f"{PL}loss_mode=dppo_topk_tv"],
+     "dppo_topk_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no recompute "
+     "pass), K 20"),
+    ([*FROM_GRPO, f"{PL}loss_mode=troll", f"+{PL}troll_eps=0.1"],
+     "troll: eps 0.1, K 64, support mass 0.99999, alpha 1, anchored on the rollout's log-probs, bypass on (no "
+     "recompute pass)"),
+    ([*FROM_GRPO[1:], f"{PL}loss_mode=grpo_clip", "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+     "grpo_clip: ratio clip eps 0.2/0.28 (clip_ratio_low/high), ratio cap 10000, anchored on the rollout's "
+     "log-probs, bypass on (no recompute pass), K -"),
+    # the loss_mode line alone, no bypass mode: every inherited value and the paper's beside it
+    ([f"{PL}loss_mode=dppo_binary_tv"],
+     "dppo_binary_tv: delta 0.2/0.2 (inherited from clip_ratio_low/clip_ratio_high; the paper's 0.15), ratio cap 3 "
+     "(inherited from clip_ratio_c; the paper's 10000), anchored on the rollout's log-probs, bypass off (verl "
+     "recomputes the old log-probs every step), K -"),
+    ([*FROM_GRPO, f"+{PL}anchor=recompute", "algorithm.rollout_correction.bypass_mode=False"],
+     "dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the recomputed old log-probs (anchor=recompute), "
+     "bypass off (verl recomputes the old log-probs every step), K -"),
+    (["algorithm.rollout_correction.bypass_mode=True"],
+     "vanilla, verl's own policy loss (not the plugin's): clip_ratio_low/high 0.2/0.2, clip_ratio_c 3, old "
+     "log-probs from the rollout (bypass on, no recompute pass)"),
+])
+def test_the_rule_in_effect_is_the_workers(tmp_path, extra, rule):
+    """Issue 43.1: verl's LoRA example switched to each mode: the one line of what trains, and its values those the
+    loss resolves at its first call from the worker's own config object (verl's ActorConfig, built by verl's
+    omega_conf_to_dataclass as the worker builds it), not from the YAML."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_dppo.cli.check import check_command
+    from verl_dppo.plugin.losses import LOSS_MODES
+
+    verdict = check_command([*verl_lora_example(tmp_path), *extra])
+    assert (verdict.problems, verdict.not_here, verdict.rule) == ([], [], f"trains {rule}")
+    actor = omega_conf_to_dataclass(verdict.config.actor_rollout_ref.actor)
+    mode = next((mode for mode in LOSS_MODES if mode.name == actor.policy_loss.loss_mode), None)
+    if mode is None:  # verl's own loss: its clip keys as verl reads them
+        assert f"{actor.clip_ratio_low:g}/{actor.clip_ratio_high:g}, clip_ratio_c {actor.clip_ratio_c:g}" in rule
+        return
+    options, troll, _ = mode.family.options(mode, actor)
+    if troll is not None:
+        assert f"eps {troll.eps:g}, K {troll.topk}, support mass {troll.support_mass:.10g}" in rule
+    else:
+        assert f" {options.delta_low:g}/{options.delta_high:g}" in rule and f"ratio cap {options.ratio_cap:g}" in rule
+        assert f"anchored on the {'recomputed' if options.anchor == 'recompute' else 'rollout'}" in rule
+
+
+def test_costly_settings_are_named(tmp_path, capsys):
+    """Issue 43.2 on verl's LoRA example: GSPO's thresholds (verl's examples/gspo_trainer/test_gspo_3b_math.sh:
+    clip_ratio_low=0.0003 clip_ratio_high=0.0004) inherited by a DPPO mode are a problem that states the paper's
+    value; a KL mode given the TV lines' 0.15 and a missing bypass mode are warnings, the rule still printed."""
+    command = verl_lora_example(tmp_path)
+    gspo = ["actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"]
+    (problem,) = assert_problems(capsys, ["check", *command, *gspo, f"{PL}loss_mode=dppo_binary_tv"])
+    assert ("dppo_binary_tv: delta_low=0.0003 (actor.clip_ratio_low) delta_high=0.0004 (actor.clip_ratio_high) "
+            "inherited from verl's ratio clip, outside the TV thresholds the paper and the recipes use (0.15 to 1, "
+            "DPPO's 0.15): a threshold that small blocks nearly every update") in problem, problem
+    assert "+actor_rollout_ref.actor.policy_loss.delta_low=0.15" in problem
+    # set for the mode, the same GSPO command trains DPPO as the paper does
+    assert main(["check", *command, *gspo, *FROM_GRPO]) == 0
+    assert "warning" not in capsys.readouterr().err
+    kl_with_tv_delta = [*FROM_GRPO[1:-2], f"{PL}loss_mode=dppo_binary_kl"]  # no bypass_mode=True either
+    assert main(["check", *command, *kl_with_tv_delta]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verl-dppo: warning: ")]
+    assert len(warnings) == 2, warnings
+    assert ("dppo_binary_kl: delta_low=0.15 delta_high=0.15: a TV-sized threshold (DPPO-TV's 0.15, the README's TV "
+            "lines), outside the KL thresholds the paper and the recipes use (0.05): set delta_low and delta_high to "
+            "the paper's KL value 0.05") in warnings[0]
+    assert ("verl recomputes the old log-probs every step" in warnings[1]
+            and warnings[1].endswith("set algorithm.rollout_correction.bypass_mode=True"))
+
+
+class Calls(list):
+    """The rehearsals `run` was asked for, and the exit each returns."""
+
+    exit_code = 0
+
+
+def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_path, capsys, monkeypatch):
+    """Issues 43.3 and 43.4: `check --rehearse` leads with the mode it rehearses in a short line (the `run` line, some
+    2,000 characters, goes to the run record); a wrong command is not rehearsed (exit 2); a right one that cannot start
+    here is rehearsed and exits 3; a rehearsal that fails exits 4."""
+    from verl_dppo.cli import launch
+
+    calls = Calls()
+
+    def cmd_run(args):
+        calls.append(args)
+        return calls.exit_code
+
+    monkeypatch.setattr(launch, "cmd_run", cmd_run)
+    command = [*verl_lora_example(tmp_path), f"{PL}loss_mode=dppo_binary_tv"]
+    assert main(["check", "--rehearse", *command, "trainer.nnodes=two"]) == EXIT_WRONG
+    assert calls == [] and capsys.readouterr().err.splitlines()[-1] == (
+        "verl-dppo: check: not rehearsed: the command's problems above come first")
+    elsewhere = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in command]
+    assert main(["check", "--rehearse", *elsewhere]) == EXIT_NOT_HERE
+    (args,) = calls
+    lines = capsys.readouterr().err.splitlines()
+    (lead,) = [line for line in lines if "rehearsing" in line]
+    assert lead.startswith("verl-dppo: check: rehearsing dppo_binary_tv as your command sets it") and len(lead) < 300
+    assert not any("verl-dppo run cpu_tiny" in line for line in lines)
+    recorded = launch._command_line(args)  # what `run` writes into the run record
+    assert recorded.startswith("verl-dppo run cpu_tiny --method grpo_clip_higher ") and len(recorded) > 1000
+    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in recorded
+    calls.exit_code = 1
+    assert main(["check", "--rehearse", *elsewhere]) == EXIT_REHEARSAL
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "verl-dppo: check: the rehearsal of dppo_binary_tv did not train (exit 1 above)")
+
+
 @pytest.mark.e2e
 def test_the_rehearsal_trains_the_command_on_cpu(tmp_path):
     """verl's GRPO example switched to dppo_binary_tv, rehearsed for one step on this CPU through verl's trainer:
@@ -138,7 +318,14 @@ def test_the_rehearsal_trains_the_command_on_cpu(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
-    assert "dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3" in log, log[-3000:]
+    # issue 43.4: the console leads with what it rehearses; the `run` line is in the run record; no K for binary
+    assert "verl-dppo: check: rehearsing dppo_binary_tv as your command sets it" in log, log[-3000:]
+    (in_effect,) = {line.split("verl-dppo ", 1)[1] for line in log.splitlines() if "dppo_binary_tv in effect:" in line}
+    assert in_effect.startswith("dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3"), log[-3000:]
+    assert "topk" not in in_effect, in_effect
     jsonl = tmp_path / "root" / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
     (record,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert record["step"] == 1 and "actor/kl_loss" in record["data"], record
+    run = json.loads(jsonl.with_suffix(".run.json").read_text())
+    assert run["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), run
+    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in run["command"], run

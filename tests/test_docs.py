@@ -62,3 +62,37 @@ def test_every_relative_link_resolves(page):
 def test_the_slug_is_githubs():
     assert slug("Run a recipe on CPU: `cpu_tiny`") == "run-a-recipe-on-cpu-cpu_tiny"
     assert slug("What this adds over verl's built-ins") == "what-this-adds-over-verls-built-ins"
+
+
+def _table(text: str, header: str) -> dict[str, list[str]]:
+    """The markdown table whose header row starts with `header`: method -> its cells."""
+    lines = text[text.index(header):].splitlines()
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_readme_caption_says_which_method_learned_best_as_the_demo_page_does():
+    """Issue 43.6: the headline figure shows the blocked updates; its caption says, with docs/demo.md's numbers, that
+    GRPO Clip-Higher had the best final reward and held-out accuracy of the seed-0 run and the best held-out accuracy
+    over three seeds, so that a reader of the README alone is not misled."""
+    demo = (ROOT / "docs" / "demo.md").read_text()
+    one = _table(demo, "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked fraction "
+                       "| blocked updates with mu < 0.2 | held-out")
+    three = _table(demo, "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked "
+                         "fraction | blocked updates with mu < 0.2 (pooled)")
+    final = {method: float(cells[0].split()[0]) for method, cells in one.items()}
+    held_out = {method: cells[5].split("->")[1].strip() for method, cells in one.items()}
+    held_out_3 = {method: cells[6].split()[0] for method, cells in three.items()}
+    for column in (final, held_out, held_out_3):
+        assert max(column, key=lambda method: float(column[method])) == "grpo_clip_higher", column
+    caption = " ".join((ROOT / "README.md").read_text().split("![the paper's point", 1)[1].split("\n\n")[1].split())
+    start = one["grpo_clip_higher"][5].split("->")[0].strip()
+    assert (f"GRPO Clip-Higher: it had the best final reward ({final['grpo_clip_higher']:.2f}) and held-out accuracy "
+            f"({start} -> {held_out['grpo_clip_higher']}) of the seven methods in this run, and the best held-out "
+            f"accuracy over three seeds ({held_out_3['grpo_clip_higher']})") in caption, caption
+    assert len(one) == 7

@@ -110,6 +110,25 @@ def test_values_in_effect_are_logged_once_per_process():
     assert "delta_low=0.2 delta_high=0.2 ratio_cap=3" in lines[0] and "from verl's clip_ratio_low=0.2" in lines[0]
 
 
+@pytest.mark.parametrize("loss_mode, topk", [("dppo_binary_tv", None), ("grpo_clip", None), ("pg_is", None),
+                                             ("dppo_topk_tv", 20), ("dppo_topk_kl", 7)])
+def test_the_in_effect_line_shows_k_only_for_a_mode_that_reads_it(loss_mode, topk):
+    """Issue 43.4: the recipes set `topk: 20` for every mode, and a binary mode's "in effect" line printed topk=20
+    (which it never reads); a Top-K mode's shows its K, the default resolved."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import actor_config
+
+    from verl_dppo.plugin.losses import LOSS_MODES
+
+    (mode,) = [mode for mode in LOSS_MODES if mode.name == loss_mode]
+    _, _, described = mode.family.options(mode, actor_config(loss_mode, topk=20 if topk is None else topk))
+    assert ("topk=" in described) == (topk is not None), described
+    assert topk is None or f"topk={topk}" in described.split(), described
+    if topk == 20:  # unset: the mode's default
+        _, _, described = mode.family.options(mode, actor_config(loss_mode))
+        assert "topk=20" in described.split(), described
+
+
 @pytest.mark.parametrize("root", ["verl's", "vLLM server's", "unconfigured"])
 def test_a_warning_reaches_stderr_once_whatever_the_root_logger_is(root):
     """verl's vLLM server process imports vLLM's OpenAI server, whose dependency model_hosting_container_standards

@@ -204,7 +204,8 @@ def test_bad_names_and_overrides_say_what_to_do():
         compose_recipe("moe_bsae", "dppo_binary_tv")
     with pytest.raises(RecipeError, match="unknown method 'dppo_tv'.*Choose one of"):
         compose_recipe("moe_base", "dppo_tv")
-    with pytest.raises(RecipeError, match="trainer.nnode.*prefix a key.*'\\+'"):
+    with pytest.raises(RecipeError, match="trainer.nnode=4: verl's config has no key trainer.nnode; did you mean "
+                                          "trainer.nnodes\\?$"):  # not Hydra's "use +trainer.nnode" (issue 43.5)
         compose_recipe("moe_base", "dppo_binary_tv", ["trainer.nnode=4"])
     with pytest.raises(RecipeError, match="key=value"):
         compose_recipe("moe_base", "dppo_binary_tv", ["trainer.nnodes"])

@@ -9,6 +9,7 @@ actors, and a checkpoint in verl's layout, which verl's own `find_latest_ckpt_pa
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -70,10 +71,12 @@ def first_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(main_ppo, "run_ppo", fake_trainer())
     config = composed()
     assert clash_warning(config) is None  # nothing there yet
-    assert launch._launch(config, None) == 0
+    command = "verl-dppo run sanity_1p5b --method dppo_binary_tv"
+    assert launch._launch(config, None, command) == 0
     folder = str(config.trainer.default_local_dir)
     assert find_latest_ckpt_path(folder) == os.path.join(folder, "global_step_50")  # verl would resume this
-    assert os.path.isfile(os.path.join(folder, CHECKPOINT_RECORD))
+    with open(os.path.join(folder, CHECKPOINT_RECORD)) as record:  # the command line too (issue 43.4)
+        assert json.load(record)["command"] == command
     assert os.path.getsize(log_path(config)) > 0
     capsys.readouterr()
     return config

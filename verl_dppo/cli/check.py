@@ -9,7 +9,14 @@ the Top-K settings, the thresholds a DPPO mode would inherit from the ratio clip
 the model exist here. Nothing is launched. Every problem it can find is named in one run: each override's key
 (a misspelled one with the existing keys it is nearest to) and type are checked against verl's config before Hydra
 composes it (Hydra stops at the first), the config is composed with the overrides that passed, and the plugin's
-checks, the files and verl's own validation (its first complaint) follow; each problem is one line.
+checks, the files and verl's own validation (its first complaint) follow; each problem is one line. A command with no
+problem ends with one line of the update rule it trains (`verl_dppo.plugin.update_rule`: loss mode, thresholds,
+ratio cap, anchor, bypass mode, K), as the worker resolves it. Warnings name what costs without stopping the launch:
+no bypass mode (verl recomputes the old log-probs every step), a threshold set outside the paper's range; a DPPO
+threshold inherited from the ratio clip outside that range (GSPO's 0.0003) is a problem.
+
+Exit codes: 0 nothing found; 2 the command is wrong, on any machine; 3 the command is right but cannot
+start here (a data file or a local model missing on this machine); 4 the rehearsal did not train.
 
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
@@ -18,19 +25,23 @@ checks, the files and verl's own validation (its first complaint) follow; each p
 
 `--rehearse` then trains the command's update rule (its policy loss and thresholds, the actor's loss settings, the
 rollout's sampling and log-probs, the advantage estimator: `REHEARSED`) for `--steps` steps on cpu_tiny's model and
-data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`).
+data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`; that `run`
+command line, thousands of characters, in its run record). A wrong command is not rehearsed.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from verl_dppo.cli.errors import UsageError
+from verl_dppo.cli.errors import EXIT_USAGE, UsageError
+from verl_dppo.cli.override_checks import group_choices, override_problems
 
-__all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command"]
+__all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
+           "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
 
 _LAUNCHERS = ("python", "python3", "-m", "verl.trainer.main_ppo")
 
@@ -91,63 +102,71 @@ def _compose(override_lists: Sequence[Sequence[str]], config_path: Optional[str]
         raise RecipeError(" ".join(str(error).split())) from None
 
 
-def override_problems(baseline: Any, overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
-    config (a change of a key the config lacks) and its value's type against the value it replaces."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from verl_dppo.cli.override_checks import type_problem, unknown_key_problem
-    from verl_dppo.cli.recipe_files import GROUP_KEYS
-
-    parser = OverridesParser.create()
-    problems, usable = [], []
-    for override in overrides:
-        try:
-            parsed = parser.parse_overrides([override])[0]
-        except HydraException as error:
-            problems.append(f"{override}: {' '.join(str(error).split())}")
-            continue
-        key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
-        if parsed.is_delete() or key in GROUP_KEYS or "@" in key or parsed.package is not None:
-            usable.append(override)
-            continue
-        problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
-        try:
-            value = parsed.value()
-        except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
-            value = None
-        problem = problem or type_problem(baseline, key, value, given)
-        if problem:
-            problems.append(problem)
-        else:
-            usable.append(override)
-    return problems, usable
+EXIT_FINE, EXIT_WRONG, EXIT_NOT_HERE, EXIT_REHEARSAL = 0, EXIT_USAGE, 3, 4
+"""`check`'s exit codes, one question each: 0 nothing found; 2 the command is wrong (a problem it would have on any
+machine; a line that is no command too); 3 the command is right but cannot start here (a data file or a local model
+that is not on this machine); 4 `--rehearse` only: the rehearsal did not train. A wrong command is not rehearsed."""
 
 
-def check_command(argv: Sequence[str]) -> tuple[list[str], list[str], Optional[Any]]:
-    """(problems that would stop the launch, warnings, the composed config or None where it does not compose) of a
-    main_ppo command line: every problem this check can find, each one line (see the module's docstring)."""
+@dataclass
+class Verdict:
+    """What `check` found in a main_ppo command line, each finding one line."""
+
+    problems: list[str] = field(default_factory=list)
+    """What is wrong with the command itself, on any machine: it would stop the launch, or train what no paper run
+    did (a DPPO threshold inherited from the ratio clip outside the paper's range) (exit 2)."""
+    not_here: list[str] = field(default_factory=list)
+    """What the command needs that is not on this machine (exit 3 where nothing is wrong)."""
+    warnings: list[str] = field(default_factory=list)
+    config: Optional[Any] = None
+    """verl's config with the command's overrides (those that passed), None where it does not compose."""
+    rule: Optional[str] = None
+    """The update rule in effect (`update_rule`), where the command has no problem."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_WRONG if self.problems else EXIT_NOT_HERE if self.not_here else EXIT_FINE
+
+
+def check_command(argv: Sequence[str]) -> Verdict:
+    """Every problem this check can find in a main_ppo command line, each one line (see the module's docstring), and
+    the update rule the command trains where it has none."""
     from verl_dppo.cli.compose import RecipeError, check_supported, validate_recipe
-    from verl_dppo.cli.launch import _threshold_warnings
+    from verl_dppo.cli.launch import threshold_findings
+    from verl_dppo.plugin.run_config import recompute_pass_warning
+    from verl_dppo.plugin.update_rule import update_rule
 
     overrides, config_path, config_name = split_command(argv)
-    (baseline,) = _compose([[]], config_path, config_name)
+    try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
+        (baseline,) = _compose([group_choices(overrides)], config_path, config_name)
+    except RecipeError:  # a choice that does not compose: composing the command names it below
+        (baseline,) = _compose([[]], config_path, config_name)
     problems, usable = override_problems(baseline, overrides)
+    verdict = Verdict(problems=problems)
     try:
-        (config,) = _compose([usable], config_path, config_name)
+        (verdict.config,) = _compose([usable], config_path, config_name)
     except RecipeError as error:
-        return problems + [str(error)], [], None
+        verdict.problems.append(str(error))
+        return verdict
+    config = verdict.config
     try:
         validate_recipe(config, plain=True)
     except RecipeError as error:
-        problems.append(str(error))
+        verdict.problems.append(str(error))
     try:
-        problems += list(check_supported(config))
+        verdict.problems += list(check_supported(config))
     except RecipeError as error:
-        problems.append(str(error))
-    problems += _missing_files(config)
-    return problems, _threshold_warnings(config), config
+        verdict.problems.append(str(error))
+    verdict.not_here = _missing_files(config)
+    try:
+        inherited, verdict.warnings = threshold_findings(config)
+        verdict.problems += [inherited] if inherited else []
+        verdict.warnings += [warning for warning in [recompute_pass_warning(config)] if warning]
+        if not verdict.problems:
+            verdict.rule = update_rule(config)
+    except ValueError as error:  # options the loss would refuse at its first call
+        verdict.problems.append(f"actor_rollout_ref.actor.policy_loss: {' '.join(str(error).split())}")
+    return verdict
 
 
 def _missing_files(config: Any) -> list[str]:
@@ -211,33 +230,53 @@ def rehearsal_overrides(config: Any) -> list[str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    problems, warnings, config = check_command(args.command_line)
-    for warning in warnings:
+    verdict = check_command(args.command_line)
+    for warning in verdict.warnings:
         print(f"verl-dppo: warning: {warning}", file=sys.stderr)
-    for problem in problems:
+    for problem in verdict.problems:
         print(f"verl-dppo: problem: {problem}", file=sys.stderr)
-    if problems:
-        print(f"verl-dppo: check: {len(problems)} problem(s) above would stop the launch from here", file=sys.stderr)
-    else:
-        print("verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that would stop "
-              "the launch from here", file=sys.stderr)
-    if not args.rehearse or config is None:
-        return 2 if problems else 0
-    rehearsal = rehearsal_overrides(config)
+    for missing in verdict.not_here:
+        print(f"verl-dppo: not here: {missing}", file=sys.stderr)
+    if verdict.rule:
+        print(f"verl-dppo: check: {verdict.rule}", file=sys.stderr)
+    print(f"verl-dppo: check: {_verdict_line(verdict)}", file=sys.stderr)
+    if not args.rehearse or verdict.config is None:
+        return verdict.exit_code
+    if verdict.problems:
+        print("verl-dppo: check: not rehearsed: the command's problems above come first", file=sys.stderr)
+        return verdict.exit_code
+    rehearsal = rehearsal_overrides(verdict.config)
     from verl_dppo.cli import main
 
-    mode = next(o.split("=", 1)[1] for o in rehearsal if o.startswith("++actor_rollout_ref.actor.policy_loss.loss_mode="))
+    mode = str(verdict.config.actor_rollout_ref.actor.policy_loss.loss_mode)
     run = ["run", "cpu_tiny", "--method", "grpo_clip_higher", *rehearsal, f"trainer.total_training_steps={args.steps}",
            f"dppo.run_label=rehearsal+{mode}", "trainer.resume_mode=disable"]
-    print("verl-dppo: check: rehearsing the command's update rule on cpu_tiny: verl-dppo " + " ".join(run),
-          file=sys.stderr)
-    return main(run)
+    # The `verl-dppo run` line is thousands of characters: the run record keeps it (its "command").
+    print(f"verl-dppo: check: rehearsing {mode} as your command sets it (its loss and thresholds, the actor's loss "
+          f"settings, the rollout's sampling, the advantages) for {args.steps} step(s) on cpu_tiny's model and data, "
+          "on this CPU; the full `verl-dppo run` command goes to the run record", file=sys.stderr)
+    code = main(run)
+    if code != 0:
+        print(f"verl-dppo: check: the rehearsal of {mode} did not train (exit {code} above)", file=sys.stderr)
+        return EXIT_REHEARSAL
+    return verdict.exit_code
+
+
+def _verdict_line(verdict: Verdict) -> str:
+    if verdict.problems:
+        where = f"; {len(verdict.not_here)} more only here" if verdict.not_here else ""
+        return f"the command is wrong: {len(verdict.problems)} problem(s) above, on any machine{where} (exit {EXIT_WRONG})"
+    if verdict.not_here:
+        return (f"the command passed verl's checks and the plugin's, but cannot start here: {len(verdict.not_here)} "
+                f"thing(s) above that it needs are not on this machine (exit {EXIT_NOT_HERE})")
+    return "the command passed verl's checks and the plugin's; nothing found that would stop the launch from here"
 
 
 def add_command(commands: Any) -> None:
     parser = commands.add_parser(
         "check", help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
-        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__.split("\n\n")[1], epilog=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="then train the command's update rule (its loss, advantages, rollout sampling) on "
                              "cpu_tiny's model and data on this CPU, through verl's trainer")

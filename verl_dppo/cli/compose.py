@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_dppo.cli.override_checks import check_override_types, field_hint, key_hint
+from verl_dppo.cli.override_checks import (check_override_types, field_hint, group_choices, key_hint,
+                                           override_problems)
 from verl_dppo.cli.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.cli.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
@@ -106,6 +107,15 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     try:
         config = _compose(setup, method, [*searchpath, *overrides])
     except RecipeError as error:
+        # Hydra's answer to a misspelled key is to add it with '+': the nearest existing key instead, looked up in
+        # the config with the overrides' group choices (model_engine=megatron brings actor.megatron.*)
+        try:
+            chosen = _compose(setup, method, [*searchpath, *group_choices(overrides)])
+        except RecipeError:
+            chosen = baseline
+        unknown, _ = override_problems(chosen, overrides, keys_only=True)
+        if unknown:
+            raise RecipeError(f"cannot compose {setup} + {method}: {unknown[0]}") from None
         raise RecipeError(str(error) + key_hint(str(error), baseline)) from None
     check_override_types(baseline, config, overrides)
     _label_loss_mode(baseline, config, method, overrides)

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 from verl_dppo.cli.errors import EXIT_USAGE, UsageError
 
@@ -146,23 +147,45 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _print_error(f"the run cannot start: {problems[0]}")
     if problems:
         return _print_error("the run cannot start:\n  - " + "\n  - ".join(problems))
-    return _launch(config, ray_address)
+    return _launch(config, ray_address, _command_line(args))
 
 
 def _threshold_warnings(config) -> list[str]:
-    """The loss's own warnings (a TV threshold above 1; thresholds inherited from verl's ratio clip), said before the
-    launch with the values the actor will use."""
-    from verl_dppo.plugin.config import inherited_thresholds_warning, resolve_options, tv_threshold_warning
+    """The loss's own warnings (a TV threshold above 1; thresholds inherited from verl's ratio clip, or set outside
+    the paper's range), said before the launch with the values the actor will use."""
+    problem, warnings = threshold_findings(config)
+    return [problem, *warnings] if problem else warnings
+
+
+def threshold_findings(config) -> tuple[Optional[str], list[str]]:
+    """(the thresholds a DPPO mode inherits from verl's ratio clip outside every value the paper and the recipes use,
+    or None; the warnings on the thresholds in effect), from the values the actor will use. `verl-dppo check` counts
+    the first as a problem."""
+    from verl_dppo.plugin.config import (inherited_out_of_range_problem, inherited_thresholds_warning, resolve_options,
+                                         tv_threshold_warning, unusual_thresholds_warning)
 
     actor = config.actor_rollout_ref.actor
     mode = str(actor.policy_loss.loss_mode)
     options = resolve_options(actor, mode != "grpo_clip")
+    problem = inherited_out_of_range_problem(mode, options)
     found = [tv_threshold_warning(mode, options.delta_low, options.delta_high),
-             inherited_thresholds_warning(mode, options)]
-    return [warning for warning in found if warning]
+             None if problem else inherited_thresholds_warning(mode, options),  # the problem names the same fix
+             unusual_thresholds_warning(mode, options)]
+    return problem, [warning for warning in found if warning]
 
 
-def _launch(config, ray_address) -> int:
+def _command_line(args: argparse.Namespace) -> str:
+    """The `verl-dppo run` command line as given, for the run record (a rehearsal's is long: its console says less)."""
+    import shlex
+
+    words = ["verl-dppo", "run", args.setup, "--method", args.method]
+    words += ["--trainer-mode", args.trainer_mode] if args.trainer_mode else []
+    for folder in args.config_dir:
+        words += ["--config-dir", folder]
+    return shlex.join([*words, *args.overrides])
+
+
+def _launch(config, ray_address, command=None) -> int:
     from omegaconf import OmegaConf
 
     from verl_dppo.cli.cpu_tiny import select_platform
@@ -179,7 +202,7 @@ def _launch(config, ray_address) -> int:
     from verl_dppo.cli.console import quiet_launch, summary_line
 
     # What the next launch under this experiment name compares itself with; verl's config dump into a file.
-    for problem in write_records(config) + quiet_launch(config):
+    for problem in write_records(config, command) + quiet_launch(config):
         print(f"verl-dppo: warning: {problem}", file=sys.stderr)
     print(
         f"verl-dppo: launching {config.dppo.setup} + {config.dppo.get('run_label', config.dppo.method)} ({config.trainer.nnodes} node(s) x "

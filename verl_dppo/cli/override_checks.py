@@ -7,7 +7,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.cli.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "type_problem", "unknown_key_problem", "key_hint", "field_hint"]
+__all__ = ["check_override_types", "group_choices", "is_group_choice", "override_problems", "type_problem",
+           "unknown_key_problem", "key_hint", "field_hint"]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -59,6 +60,54 @@ def field_hint(message: str) -> str:
     return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
 
 
+def is_group_choice(key: str) -> bool:
+    """Whether an override's key picks a config group (`model_engine=megatron`, `setup=...`, `a/b=c`, `x@y=z`) rather
+    than setting a value: a choice changes which keys the config has, so the keys after it are looked up in a
+    baseline composed with the choices (`group_choices`)."""
+    return key in GROUP_KEYS or "." not in key or "/" in key or "@" in key
+
+
+def group_choices(overrides: Sequence[str]) -> list[str]:
+    """The overrides that pick config groups, in their order (see `is_group_choice`)."""
+    return [item for item in overrides
+            if "=" in item and not item.startswith(("~", "+")) and is_group_choice(item.split("=", 1)[0])]
+
+
+def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
+    config (a change of a key the config lacks, answered with the nearest existing keys, not Hydra's "To append to
+    your config use +key") and its value's type against the value it replaces. `keys_only`: the keys alone, and an
+    override Hydra cannot parse left to Hydra's own message."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    problems, usable = [], []
+    for override in overrides:
+        try:
+            parsed = parser.parse_overrides([override])[0]
+        except HydraException as error:
+            if not keys_only:
+                problems.append(f"{override}: {' '.join(str(error).split())}")
+            continue
+        key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
+        if parsed.is_delete() or is_group_choice(key) or key.startswith("hydra.") or parsed.package is not None:
+            usable.append(override)
+            continue
+        problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
+        if not keys_only:
+            try:
+                value = parsed.value()
+            except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
+                value = None
+            problem = problem or type_problem(baseline, key, value, given)
+        if problem:
+            problems.append(problem)
+        else:
+            usable.append(override)
+    return problems, usable
+
+
 def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
     from omegaconf import OmegaConf
 
@@ -104,7 +153,10 @@ def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
         node = OmegaConf.select(baseline, parent, default=None, throw_on_missing=False) if parent else baseline
     except Exception:  # noqa: BLE001  (an interpolation on the way: not this check's to judge)
         return None
-    if not isinstance(node, DictConfig) and parent:  # the parent itself is missing: name the first missing level
+    if not isinstance(node, DictConfig) and parent:  # the parent itself is missing
+        ending = [path for path in _leaf_paths(baseline) if path.endswith("." + key)][:2]  # `optim.lr`: a full key's end
+        if ending:
+            return f"{key}={given}: verl's config has no key {key}; did you mean {' or '.join(ending)}?"
         return unknown_key_problem(baseline, parent, "...") and _no_key(key, given, baseline, parent)
     if isinstance(node, DictConfig) and (name in node.keys() or not node._get_flag("struct") and
                                          node._get_flag("struct") is not None):

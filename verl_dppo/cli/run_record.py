@@ -60,11 +60,14 @@ def _log_record(log: str) -> str:
     return os.path.splitext(log)[0] + ".run.json"
 
 
-def write_records(config: Any) -> list[str]:
-    """Record this launch's identity beside its checkpoints and its log. Returns the problems (one line each) for
-    a warning: a record that cannot be written only weakens the next launch's check."""
+def write_records(config: Any, command: Optional[str] = None) -> list[str]:
+    """Record this launch's identity (and its `verl-dppo run` command line, where given) beside its checkpoints and
+    its log. Returns the problems (one line each) for a warning: a record that cannot be written only weakens the
+    next launch's check."""
     record = {**identity(config), "experiment_name": str(config.trainer.experiment_name),
               "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "by": "verl-dppo run"}
+    if command:
+        record["command"] = command
     targets = [os.path.join(checkpoint_dir(config), CHECKPOINT_RECORD)]
     log = log_path(config)
     if log:

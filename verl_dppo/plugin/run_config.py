@@ -18,7 +18,8 @@ from typing import Any
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config", "is_plugin_mode"]
+__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config", "is_plugin_mode",
+           "recompute_pass_warning"]
 
 
 ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
@@ -217,3 +218,22 @@ def check_run_config(config: Any) -> list[str]:
         )
     _log_once(warnings)
     return warnings
+
+
+def recompute_pass_warning(config: Any) -> str | None:
+    """One line when verl would recompute the old log-probs every step for nothing: a plugin mode anchored on the
+    rollout's log-probs, which it reads from the batch, with bypass mode off and none of verl's rollout corrections
+    (the only readers of the recomputed values left). The recompute is a forward pass over the whole batch, about a
+    quarter of a step (docs/anchor.md). None otherwise (`verl-dppo check` names it; a run is not refused for it)."""
+    mode = _dppo_mode(config)
+    if mode is None:
+        return None
+    correction = config.get("algorithm", {}).get("rollout_correction", None) or {}
+    if correction.get("bypass_mode", False) or correction.get("rollout_is") or correction.get("rollout_rs"):
+        return None
+    arr = config.actor_rollout_ref
+    if arr.actor.policy_loss.get("anchor", "rollout") != "rollout" or not arr.rollout.get("calculate_log_probs", False):
+        return None
+    return (f"{mode}: algorithm.rollout_correction.bypass_mode=False: verl recomputes the old log-probs every step, a "
+            f"forward pass over the whole batch (about a quarter of a step, docs/anchor.md) whose result {mode}, "
+            "anchored on the rollout's log-probs, does not use: set algorithm.rollout_correction.bypass_mode=True")

@@ -192,6 +192,10 @@ def unsupported_settings(config: Any) -> list[str]:
 
 
 class TopKFamily(LossFamily):
+    def options(self, mode: LossMode, config: Any) -> tuple[Any, Any, str]:
+        options, _, _ = super().options(mode, config)
+        return options, None, options.describe(topk=configured_topk(config))
+
     def check(self, mode: LossMode, options: Any) -> None:
         check_anchor(mode.name, options.anchor)
 
