@@ -8,7 +8,8 @@ three modules: this one (inputs, the per-token terms, the loss), `troll_support`
 logits, chunked, with its autograd; mu on the same atoms) and `troll_projection` (the projection and eta's solver).
 
 Per response token t, with pi the current policy, mu the rollout policy (known on the engine's top-K ids and on
-the sampled token a_t) and Top(q) = q's most probable tokens until their mass reaches SUPPORT_MASS, at most TOPK:
+the sampled token a_t) and Top(q) = q's most probable tokens until their mass reaches SUPPORT_MASS, at most TOPK,
+taken in whole groups of tied values (`troll_support.top_selected` says why):
 
     S_t     = Top(mu) U {a_t} U Top(pi)                   the sparse support (the union, each token once)
     atoms   = S_t U {other}                                pi', mu': pi and mu coarsened to the atoms
@@ -39,8 +40,9 @@ Choices (the authors' code and prime-rl's re-implementation differ; see docs of 
   log r = 95 (float32's exp overflows at 88.7); neither the authors' code nor prime-rl bounds it. Below the cap
   the loss and its gradient are Eq. 5's exactly.
 
-Memory and what backward keeps. The logits are read in row chunks of `chunk_bytes` (a float32 copy of a few rows
-at a time, two reused buffers). The graph keeps the logits tensor itself (saved, not copied: verl holds it for its
+Memory and what backward keeps. On a GPU the logits are read in place by `verl_dppo.math.kernels` (torch's top-k
+for Top(pi), one kernel for the tail's sum, one for the backward); elsewhere in row chunks of `chunk_bytes` (a
+float32 copy of a few rows at a time, two reused buffers). The graph keeps the logits tensor itself (saved, not copied: verl holds it for its
 own log-prob anyway) and [N, |S|]-sized tensors (ids, log pi at the ids, log Z, log Z of the tail); backward
 recomputes softmax(logits) chunk by chunk and returns the gradient in the logits' dtype. No float32 [N, V] tensor
 exists at any time. Backward therefore reads the logits' values and needs them unchanged: torch's version counter
