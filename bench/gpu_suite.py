@@ -21,17 +21,18 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
 4. worker: verl's real worker (bench/gpu_real_worker.py, a child process) for dppo_binary_tv, dppo_topk_tv and troll,
    unfused and with use_fused_kernels=True, at --worker-response-length tokens per response.
 
-With the `device` tool (verl and its pure-Python needs travel as wheels in .whl, as gpu_real_worker.py's docstring
-says how to build them; part 4 needs them, parts 1-3 need only torch and Triton, which the image has):
+With the `device` tool: verl, its pure-Python needs and this package travel as wheels in .whl (gpu_real_worker.py's
+docstring says how to build them). Rebuild this package's wheel from the tree before each call
+(`rm -f .whl/verl_dppo-*.whl && .venv/bin/pip wheel -q --no-deps -w .whl .`): the GPU machine imports verl_dppo from
+it, recipes and patches included. The call that ran on 2026-11-27 (H100, 175 s for every part):
 
-    run(carry=[".whl"], timeout_s=480, command="python3 -m pip install -q --no-index --no-deps --no-compile
-        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
-        PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
+    run(carry=[".whl"], timeout_s=400, command="python3 -m pip install -q --no-index --no-deps --no-compile
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+        set -o pipefail; PYTHONUNBUFFERED=1 timeout 380 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
 
 Also: launch_shapes (the kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
-TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker takes about
-a minute and a half on an H100; the worker about two and a half (its rollout and six worker builds). --parts picks
-a subset.
+TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker took about 45 s
+on an H100; the worker about two minutes (its rollout and six worker builds). --parts picks a subset.
 """
 
 from __future__ import annotations
