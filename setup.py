@@ -16,7 +16,7 @@ setup(
        "verl_dppo.patches"],
     package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
-        "verl_dppo.cpu": ["isa_site/sitecustomize.py"],
+        "verl_dppo.rehearsal": ["isa_site/sitecustomize.py"],
         "verl_dppo.recipes": ["*.yaml", "*.md"],
         "verl_dppo.recipes.setup": ["*.yaml"],
         "verl_dppo.recipes.method": ["*.yaml"],
@@ -43,7 +43,8 @@ setup(
         "test": ["pytest>=8"],
     },
     entry_points={
-        "verl.plugins": ["dppo = verl_dppo.plugin.entry"],
+        # The plugin (every process of a run) and the CPU rehearsal (what runs verl on CPUs), each its own entry.
+        "verl.plugins": ["dppo = verl_dppo.plugin.entry", "dppo_cpu = verl_dppo.rehearsal.entry"],
         "console_scripts": ["verl-dppo = verl_dppo.cli:main"],
     },
 )

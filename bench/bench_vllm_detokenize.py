@@ -23,7 +23,7 @@ def build_model(folder: str) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verl_dppo.cli.cpu_tiny import TinyModel, _tokenizer
+    from verl_dppo.rehearsal.setups.cpu_tiny import TinyModel, _tokenizer
 
     spec = TinyModel()
     tokenizer = _tokenizer(spec.vocab_size)

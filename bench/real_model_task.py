@@ -40,7 +40,7 @@ def main() -> int:
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_dppo.cli.real_model import build_real_model, write_arithmetic
+    from verl_dppo.rehearsal.setups.real_model import build_real_model, write_arithmetic
     from verl_dppo.plugin.rewards import last_number
 
     torch.set_num_threads(args.threads)

@@ -21,11 +21,10 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
 | `main_ppo`               | trainer.main_ppo                                     | `pprint` of the config: a line naming its file (`verl-dppo run` only) |
 | `trainer_separate_async` | trainer.ppo.v1.trainer_separate_async                | its `logger`: `hybrid_engine=False` no longer dies on `logger.info(..., flush=True)` |
-| `cpu_distributed`        | utils.distributed (CPU platform only)                | `initialize_global_process_group_ray`: one gloo    |
-| `cpu_resources`          | single_controller.ray.base (CPU platform only)       | `ResourcePoolManager._check_resource_available`, `RayWorkerGroup._get_master_addr_port` (a MASTER_PORT outside the ephemeral range) |
 | `file_logger`            | utils.tracking                                       | `FileLogger`: a resumed run keeps its earlier steps |
 
-The last three are installed by `verl_dppo.plugin.entry.register_backends`, with the `hf` rollout's registrations.
+The last one is installed by `verl_dppo.plugin.entry.register_backends`. The CPU-only patches (gloo, Ray's
+resources, vLLM-CPU) live with the CPU rehearsal, `verl_dppo.rehearsal.patches`, installed by its own entry point.
 
 Installed from the `patches/` folder at the top of the repository as `verl_dppo.patches` (setup.py's package_dir).
 """

@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
-from verl_dppo.plugin.rollout_fields import raw_logprobs_problem, truncated_sampling_problem
+from verl_dppo.plugin.rollout_fields import (HF_ROLLOUT, SAMPLE_KWARG, raw_logprobs_problem,
+                                             truncated_sampling_problem)
 from verl_dppo.patches.agent_loop import current_sample, record_turn
-from verl_dppo.cpu.hf_rollout import NAME as HF_ROLLOUT, SAMPLE_KWARG
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
 __all__ = ["sync_rollout_config", "patch_llm_server"]

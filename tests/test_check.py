@@ -9,7 +9,7 @@ import pytest
 
 from test_cli_errors import FROM_GRPO, assert_one_line_error
 from verl_dppo.cli import main
-from verl_dppo.cli.check import EXIT_FINE, EXIT_NOT_HERE, EXIT_REHEARSAL, EXIT_WRONG
+from verl_dppo.launch.check import EXIT_FINE, EXIT_NOT_HERE, EXIT_REHEARSAL, EXIT_WRONG
 
 
 def verl_grpo_example(tmp_path) -> list[str]:
@@ -137,7 +137,7 @@ def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
     """`--rehearse` trains the command's update rule on cpu_tiny: the policy loss with the thresholds the command
     would inherit (verl's PolicyLossConfig: no DPPOLossConfig value in the way), the actor's KL loss and epochs, the
     rollout's n, GRPO's advantages; cpu_tiny supplies model, data, lengths and hardware."""
-    from verl_dppo.cli.check import compose_main_ppo, rehearsal_overrides, split_command
+    from verl_dppo.launch.check import compose_main_ppo, rehearsal_overrides, split_command
 
     overrides, path, name = split_command([*verl_grpo_example(tmp_path), FROM_GRPO[0]])
     rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
@@ -219,7 +219,7 @@ def test_the_rule_in_effect_is_the_workers(tmp_path, extra, rule):
     omega_conf_to_dataclass as the worker builds it), not from the YAML."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_dppo.cli.check import check_command
+    from verl_dppo.launch.check import check_command
     from verl_dppo.plugin.losses import LOSS_MODES
 
     verdict = check_command([*verl_lora_example(tmp_path), *extra])
@@ -272,7 +272,7 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
     """Issues 43.3 and 43.4: `check --rehearse` leads with the mode it rehearses in a short line (the `run` line, some
     2,000 characters, goes to the run record); a wrong command is not rehearsed (exit 2); a right one that cannot start
     here is rehearsed and exits 3; a rehearsal that fails exits 4."""
-    from verl_dppo.cli import launch
+    from verl_dppo.launch import commands as launch
 
     calls = Calls()
 

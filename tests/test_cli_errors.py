@@ -64,7 +64,7 @@ def test_demo_bad_flags_are_one_line_before_the_warm_up(tmp_path, capsys, argv, 
 
 
 def test_demo_help_lists_every_method(capsys):
-    from verl_dppo.cli.demo.methods import METHODS
+    from verl_dppo.studies.demo.methods import METHODS
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
@@ -117,7 +117,7 @@ def test_doctor_with_a_silent_ray_address_answers_at_once(capsys):
 
 
 def test_ray_probe_is_killed_at_its_deadline():
-    from verl_dppo.cli.ray_probe import RayUnreachable, run_probe
+    from verl_dppo.launch.ray_probe import RayUnreachable, run_probe
 
     started = time.perf_counter()
     with pytest.raises(RayUnreachable, match="did not answer within 0.5 s"):
@@ -139,7 +139,7 @@ def test_doctor_ready_means_the_plugin_loads_and_a_rollout_engine_is_there(capsy
     """Issue 18.9: README's "exit code 0 = ready" = every mode of the plugin (troll included) in verl's registry,
     the hook installed, and vLLM or SGLang importable; without an engine, a named problem (exit 1), or a named
     warning under --plugin-only (a machine that will not train: CI, this suite)."""
-    from verl_dppo.cli import doctor
+    from verl_dppo.launch import doctor
 
     monkeypatch.setattr(doctor, "engines_here", lambda: engines)
     assert main(["doctor", "--no-ray", *flags]) == code
@@ -159,7 +159,7 @@ def test_doctor_expects_the_plugins_own_modes_and_names_a_missing_one(capsys, mo
     the registry (here troll, which the hand list of six never checked) is named and the exit code is 1."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from verl_dppo.cli import doctor
+    from verl_dppo.launch import doctor
 
     monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": "0.11.0", "sglang": None})
     monkeypatch.delitem(POLICY_LOSS_REGISTRY, "troll")
@@ -345,7 +345,7 @@ def test_run_with_no_ray_cluster_is_one_line_not_a_ray_traceback(root):
 
 
 def test_top_level_guard_turns_user_errors_into_one_line(capsys, monkeypatch):
-    from verl_dppo.cli import launch
+    from verl_dppo.launch import commands as launch
 
     def broken(args):
         raise PermissionError(13, "Permission denied", "/root/dppo/data")
@@ -355,7 +355,7 @@ def test_top_level_guard_turns_user_errors_into_one_line(capsys, monkeypatch):
 
 
 def test_guard_reports_a_ray_connection_error_in_one_line(capsys, monkeypatch):
-    from verl_dppo.cli import launch
+    from verl_dppo.launch import commands as launch
 
     def no_cluster(args):
         raise ConnectionError("Could not find any running Ray instance.\nPlease specify the one to connect to")
@@ -368,7 +368,7 @@ def test_guard_reports_a_ray_connection_error_in_one_line(capsys, monkeypatch):
 def test_a_run_of_no_step_is_refused_at_once(tmp_path, capsys, monkeypatch, steps):
     """Issue 24.5: `trainer.total_training_steps<=0` started Ray, trained nothing, exited 0 and left an empty log and a
     run record. Refused in one line, before Ray and before anything is written."""
-    from verl_dppo.cli import launch
+    from verl_dppo.launch import commands as launch
 
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
     monkeypatch.setattr(launch, "_launch", lambda *a: pytest.fail("launched"))
@@ -395,8 +395,8 @@ def test_doctor_names_what_verls_trainer_imports_and_is_missing(capsys, monkeypa
     import re
     from importlib.metadata import requires
 
-    from verl_dppo.cli import doctor
-    from verl_dppo.cli.install_probe import TRAINER_MODULES
+    from verl_dppo.launch import doctor
+    from verl_dppo.launch.install_probe import TRAINER_MODULES
 
     required = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0].lower() for r in requires("verl-dppo")
                 if "extra ==" not in r}
@@ -430,14 +430,15 @@ def test_doctor_says_what_this_environment_can_train(capsys, monkeypatch):
     """Issue 25 (and 27.5): doctor names CPU training with the hf rollout, vLLM's CPU build as the vllm rollout where
     installed (what is missing where not), and GPU engines; --plugin-only no longer says "no training" where cpu_tiny
     trains."""
-    from verl_dppo.cli import doctor, vllm_cpu
+    from verl_dppo.launch import doctor
+    from verl_dppo.rehearsal.setups import vllm_cpu
 
     assert main(["doctor", "--no-ray", "--plugin-only"]) == 0
     out = capsys.readouterr().out
     assert "CPU, hf rollout (cpu_tiny): yes" in out and "no training from this environment" not in out
     if vllm_cpu.cpu_build_version() and not vllm_cpu.needs_alias():
         assert "CPU, vllm rollout: yes: vllm-cpu 0.27.1" in out
-    from verl_dppo.cpu import isa  # issue 40.1: the branch this CPU's kernels take, by name
+    from verl_dppo.rehearsal import isa  # issue 40.1: the branch this CPU's kernels take, by name
 
     assert f"    CPU branch: {isa.level()}, as this CPU is; vLLM-CPU loads _C" in out, out
     monkeypatch.setattr(vllm_cpu, "cpu_build_version", lambda: None)
@@ -483,7 +484,7 @@ def test_a_misspelled_existing_key_is_answered_with_the_key_not_with_hydras_appe
                           "actor_rollout_ref.rollout.calculate_log_probs?")
     assert main(argv) == 2 and "append" not in capsys.readouterr().err
     # a key that a group choice brings (the README's Megatron line): looked up after the choice, and near-missed there
-    from verl_dppo.cli.compose import RecipeError, compose_recipe
+    from verl_dppo.launch.compose import RecipeError, compose_recipe
 
     with pytest.raises(RecipeError, match="did you mean actor_rollout_ref.actor.megatron.tensor_model_parallel_size"):
         compose_recipe("cpu_tiny", "troll", ["model_engine=megatron",

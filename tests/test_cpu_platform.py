@@ -1,4 +1,4 @@
-"""The CPU platform the plugin ships (verl_dppo.cpu.platform) and its patches, in fresh processes.
+"""The CPU platform the plugin ships (verl_dppo.rehearsal.platform) and its patches, in fresh processes.
 
 `VERL_PLATFORM=cpu` (verl's own override) is the one setting: verl's `get_platform()` then answers `cpu`, Ray
 resources as CPUs, gloo; the plugin points verl's engine registry at the FSDP engine, verl's process-group helper
@@ -16,7 +16,7 @@ import sys
 PROBE = r"""
 import json, os, sys
 if sys.argv[1] == "module-first":
-    from verl_dppo.cpu import platform as cpu_platform  # imports verl, which loads the plugin, which needs this module
+    from verl_dppo.rehearsal import platform as cpu_platform  # imports verl, which loads the plugin, which needs this module
 import verl
 from verl.plugin.platform import PlatformRegistry, get_platform
 import verl.utils.distributed as distributed
@@ -92,7 +92,7 @@ def test_a_cpu_run_takes_its_master_ports_outside_the_ephemeral_range():
     """verl picks a worker group's MASTER_PORT with bind(0) and closes it; rank 0 binds it seconds later. On the CPU
     platform the plugin hands verl's own scan a range the kernel hands no other socket (an EADDRINUSE seen once with
     two jobs on one machine). Random starts: two picks differ. Without the platform, verl's pick is unchanged."""
-    from verl_dppo.patches.cpu_resources import MASTER_PORTS
+    from verl_dppo.rehearsal.patches.cpu_resources import MASTER_PORTS
 
     def run(n, **env):
         full = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
@@ -118,7 +118,7 @@ def test_transformers_torchvision_fallback_notice_is_filtered_on_the_cpu_platfor
     six times (torchvision is left out on purpose); on the CPU platform it is filtered, any other message kept."""
     import logging
 
-    from verl_dppo.patches.vllm_cpu import quiet_torchvision_fallback
+    from verl_dppo.rehearsal.patches.vllm_cpu import quiet_torchvision_fallback
 
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     quiet_torchvision_fallback()

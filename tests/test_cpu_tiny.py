@@ -16,8 +16,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from verl_dppo.cli import main
-from verl_dppo.cli.compose import compose_recipe
-from verl_dppo.cli.cpu_tiny import (
+from verl_dppo.launch.compose import compose_recipe
+from verl_dppo.rehearsal.setups.cpu_tiny import (
     CpuRunError,
     _local_cpus,
     build_assets,
@@ -97,7 +97,7 @@ def test_the_data_is_the_data_commands_gsm8k_schema_and_verls_gsm8k_reward_score
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.utils.reward_score import default_compute_score
 
-    from verl_dppo.cli.data import GSM8K_TEMPLATE
+    from verl_dppo.datasets import GSM8K_TEMPLATE
 
     config, _ = built
     tokenizer = tokenizer_of(config)
@@ -209,7 +209,7 @@ def test_a_changed_setting_rebuilds_and_a_foreign_folder_is_refused(built, tmp_p
 
 
 def test_gsm8k_answers_are_the_number_after_the_hashes(tmp_path):
-    from verl_dppo.cli.data import DATASETS, convert_rows
+    from verl_dppo.datasets import DATASETS, convert_rows
 
     rows = convert_rows([{"question": "How many?", "answer": "3 * 412 = 1,236\n#### 1,236"}], DATASETS["gsm8k"], "x")
     assert rows[0]["reward_model"]["ground_truth"] == "1236"
@@ -286,7 +286,7 @@ def _one_line(capsys, argv):
 ])
 def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys, override, fragments):
     too_many = str(_local_cpus() + 1)  # the cores a local Ray instance finds
-    from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+    from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
 
     if "head_dim=16" in override and (cpu_build_version() is None or needs_alias()):
         fragments = ["needs vLLM's CPU build", "make venv"]  # no vLLM CPU build here: that is said first
@@ -296,7 +296,7 @@ def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys,
 
 
 def test_the_vllm_rollout_without_vllms_cpu_build_names_the_install(no_launch, capsys, monkeypatch):
-    from verl_dppo.cli import vllm_cpu
+    from verl_dppo.rehearsal.setups import vllm_cpu
 
     monkeypatch.setattr(vllm_cpu, "cpu_build_version", lambda: None)
     line = _one_line(capsys, [*RUN, "actor_rollout_ref.rollout.name=vllm"])
@@ -326,7 +326,7 @@ def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_
     for fragment in ("troll with use_fused_kernels", "tie_word_embeddings=false", "strategy=fsdp",
                      "use_fused_kernels=False"):
         assert fragment in line, line
-    from verl_dppo.cli.preflight import check_paths
+    from verl_dppo.launch.preflight import check_paths
 
     assert check_paths(compose_recipe("cpu_tiny", "dppo_binary_tv", [fused])) == []  # binary: verl's own fused path
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
@@ -350,7 +350,7 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
     fsdp1 = OmegaConf.merge(config, {"actor_rollout_ref": {"actor": {"strategy": "fsdp"}}})
     assert "fsdp does not run on CPU" in cpu_problems(fsdp1, None)[0]
     megatron = compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"])
-    from verl_dppo.cli import megatron_cpu
+    from verl_dppo.rehearsal.setups import megatron_cpu
 
     if not megatron_cpu.megatron_cpu_problems(None):
         check_engine(megatron)  # megatron-core and mbridge at the shim's versions: it runs (docs/megatron.md)
@@ -372,7 +372,7 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
 
 
 def test_r3_on_the_cpu_gets_one_line_for_each_setting_it_lacks():
-    from verl_dppo.cli.cpu_engines import r3_problems
+    from verl_dppo.rehearsal.setups.cpu_engines import r3_problems
 
     r3 = ["model_engine=megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]

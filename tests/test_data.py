@@ -18,7 +18,7 @@ import pytest
 
 from verl.utils.reward_score import default_compute_score
 
-from verl_dppo.cli.data import DAPO_TEMPLATE, DataError, prepare
+from verl_dppo.datasets import DAPO_TEMPLATE, DataError, prepare
 
 
 def _score(row: dict, solution: str) -> float:

@@ -12,13 +12,13 @@ import torch
 
 import verl  # noqa: F401  (loads the plugin)
 from verl_dppo.cli import main
-from verl_dppo.cli.demo import task
-from verl_dppo.cli.demo.figures import draw_all
-from verl_dppo.cli.demo.methods import METHODS, actor_config, runnable_methods
-from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, sequence_log_probs
-from verl_dppo.cli.demo.rl import train_method
-from verl_dppo.cli.demo.settings import DemoSettings
-from verl_dppo.cli.demo.warmup import sampled_success, warm_start
+from verl_dppo.studies.demo import task
+from verl_dppo.studies.demo.figures import draw_all
+from verl_dppo.studies.demo.methods import METHODS, actor_config, runnable_methods
+from verl_dppo.studies.demo.policy import RolloutEngine, build_policy, sequence_log_probs
+from verl_dppo.studies.demo.rl import train_method
+from verl_dppo.studies.demo.settings import DemoSettings
+from verl_dppo.studies.demo.warmup import sampled_success, warm_start
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = dict(steps=2, prompts_per_step=4, samples_per_prompt=4, mini_batches=2, micro_batch_size=4, val_every=1)
@@ -147,7 +147,7 @@ def shrink_the_demo(monkeypatch) -> None:
     screening to the `warm` fixture's (160 candidates x 8 samples, not 1,024 x 16), for the test."""
     import functools
 
-    from verl_dppo.cli.demo import runner, warmup
+    from verl_dppo.studies.demo import runner, warmup
 
     tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
     monkeypatch.setattr(runner, "DemoSettings", lambda: tiny)
@@ -187,9 +187,9 @@ def test_demo_cli_errors_are_one_line(tmp_path, capsys, argv, message):
 def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
     # The demo's Top-K rows: mu's top-k from the rollout copy, D from the learner's logits (Eq. 15/16), laid out
     # like the engine's logits hook output. Binary <= Top-K per token, and ppo_loss reads them.
-    from verl_dppo.cli.demo import task
-    from verl_dppo.cli.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
-    from verl_dppo.cli.demo.rl import topk_statistics
+    from verl_dppo.studies.demo import task
+    from verl_dppo.studies.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
+    from verl_dppo.studies.demo.rl import topk_statistics
     from verl_dppo.math.divergence import binary_kl, binary_tv
 
     policy = build_policy(0)
@@ -218,7 +218,7 @@ def test_each_demo_method_is_named_after_the_recipe_it_runs(method):
     """Issue 18.10: a demo row is named after recipes/method/<name>.yaml and runs that recipe's loss mode with its
     thresholds. Not compared: `topk` (the demo's vocabulary has 64 tokens, not 151,936) and `ratio_cap` (the demo's
     inf and the recipes' clip_ratio_c 10000 both mean no truncation)."""
-    from verl_dppo.cli.compose import compose_recipe
+    from verl_dppo.launch.compose import compose_recipe
 
     actor = compose_recipe("sanity_1p5b", method.name).actor_rollout_ref.actor
     assert actor.policy_loss.loss_mode == method.loss_mode
@@ -231,7 +231,7 @@ def test_each_demo_method_is_named_after_the_recipe_it_runs(method):
 
 def test_demo_help_lists_every_accepted_method_and_the_old_name_runs_the_recipes_row(capsys):
     from verl_dppo.cli import build_parser
-    from verl_dppo.cli.demo.methods import ALIASES
+    from verl_dppo.studies.demo.methods import ALIASES
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--help"])
@@ -311,7 +311,7 @@ def test_one_figure_for_the_demos_time_everywhere(capsys):
     from pathlib import Path
 
     from verl_dppo.cli import build_parser
-    from verl_dppo.cli.demo import DEMO_MINUTES
+    from verl_dppo.studies.demo import DEMO_MINUTES
 
     root = Path(__file__).resolve().parents[1]
     make_demo_line = next(line for line in (root / "README.md").read_text().splitlines()
@@ -339,7 +339,7 @@ def test_the_demo_pins_the_cpu_code_paths_its_numbers_depend_on(monkeypatch):
     instead of AVX2 ends it at 280 supervised steps, not 250); the demo pins both, and its workers run pinned."""
     import multiprocessing
 
-    from verl_dppo.cli.demo.runner import CPU_CODE_PATHS, pin_cpu_code_paths
+    from verl_dppo.studies.demo.runner import CPU_CODE_PATHS, pin_cpu_code_paths
 
     for name in CPU_CODE_PATHS:
         monkeypatch.delenv(name, raising=False)

@@ -1,4 +1,4 @@
-"""The `hf` rollout server (verl_dppo.cpu.hf_rollout): what verl's agent loop and the DPPO losses rely on.
+"""The `hf` rollout server (verl_dppo.rehearsal.hf_rollout): what verl's agent loop and the DPPO losses rely on.
 
 Checked against a plain transformers forward of the whole sequence (no cache, no padding, one request at a time):
 requests sent together are generated as one batch with a KV cache, and each token's log-prob is that of the
@@ -24,8 +24,8 @@ from verl.workers.rollout import llm_server
 from verl_dppo.patches import agent_loop
 
 from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS
-from verl_dppo.cpu.hf_rollout.engine import HFRolloutError, parse_sampling_params, sample_next
-from verl_dppo.cpu.hf_rollout.server import HFRolloutServer
+from verl_dppo.rehearsal.hf_rollout.engine import HFRolloutError, parse_sampling_params, sample_next
+from verl_dppo.rehearsal.hf_rollout.server import HFRolloutServer
 
 VOCAB = 256
 K = 8
@@ -410,7 +410,7 @@ def test_lora_pushes_as_verl_makes_them_to_vllm_give_the_adapted_model(model_dir
     from transformers import AutoModelForCausalLM
     from verl.utils.fsdp_utils import replace_lora_wrapper
 
-    from verl_dppo.cpu.hf_rollout.weights import lora_settings
+    from verl_dppo.rehearsal.hf_rollout.weights import lora_settings
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)

@@ -1,5 +1,5 @@
 """Issue 24.8: after a SIGKILL of `verl-dppo run`, Ray's processes (the dashboard and runtime-env agents among them)
-stayed orphaned for minutes. The local Ray instance `run` starts ends with it (verl_dppo/cli/ray_reaper.py), and a
+stayed orphaned for minutes. The local Ray instance `run` starts ends with it (verl_dppo/launch/ray_reaper.py), and a
 later launch trains."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_dppo.cli.ray_reaper import GRACE_S, descendants
+from verl_dppo.launch.ray_reaper import GRACE_S, descendants
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_trains(tmp_
 
 
 def descendants_alive(pid: int, started: int) -> bool:
-    from verl_dppo.cli.ray_reaper import _stat
+    from verl_dppo.launch.ray_reaper import _stat
 
     stat = _stat(pid)
     return stat is not None and stat[1] == started

@@ -1,13 +1,18 @@
-"""Issue 11: the tree shows the architecture. Layers, imported downward only:
+"""Issues 11 and 42: the tree shows the architecture. Layers, imported downward only:
 
-    verl_dppo.cli  ->  verl_dppo.cpu (the CPU rehearsal)  ->  verl_dppo.plugin / verl_dppo.patches  ->  verl_dppo.math
+    verl_dppo.cli  ->  verl_dppo.studies  ->  verl_dppo.launch  ->  verl_dppo.rehearsal (the CPU rehearsal)
+        ->  verl_dppo.plugin / verl_dppo.patches (what a cluster process loads)  ->  verl_dppo.math
 
-(`verl_dppo.cpu` is what exists for a run on this machine's CPUs only: the CPU platform, the `hf` rollout, the Ray
-object-store checkpoint engine, Megatron's CPU shim; the plugin's entry and the CPU-only patches load it on demand.)
+with two leaf modules, `verl_dppo.errors` and `verl_dppo.datasets`, that the layers above the plugin share.
+`verl_dppo.rehearsal` is what exists for a run on CPUs only (the CPU platform, the `hf` rollout, the Ray
+object-store checkpoint engine, Megatron's CPU shim, the CPU-only patches, the CPU setups' builds); it registers
+from an entry point of its own, so nothing a cluster process loads imports it.
 
-checked on the import graph read from the source (every import, module-level or inside a function), a fresh
-interpreter that imports every module dependents-first (what would expose a cycle), a wheel built from the
-checkout that loads the plugin with `patches/` inside it, and a package root that holds nothing outside the layers.
+Checked on the import graph read from the source (every import, module-level or inside a function: no edge up the
+layers, no cycle among modules), a fresh interpreter that imports every module dependents-first (what would expose a
+cycle at import time), a fresh `import verl` that loads the plugin alone (no module of the rehearsal appears) and
+both entry points, folders that each hold one concern and at most about 3k lines, a wheel built from the checkout
+that loads the plugin with `patches/` inside it, and a package root that holds nothing outside the layers.
 """
 
 from __future__ import annotations
@@ -58,19 +63,29 @@ def imports_of(name: str, path: Path) -> tuple[set[str], set[str]]:
     return every, top
 
 
+LAYERS = ("math", "plugin", "patches", "errors", "datasets", "rehearsal", "launch", "studies", "cli")
+
+
 def layer(module: str) -> str:
-    for prefix in ("verl_dppo.math", "verl_dppo.plugin", "verl_dppo.patches", "verl_dppo.cpu", "verl_dppo.cli"):
+    for name in LAYERS:
+        prefix = f"verl_dppo.{name}"
         if module == prefix or module.startswith(prefix + "."):
-            return prefix.rpartition(".")[2]
+            return name
     return "root"
 
 
+CLUSTER = {"plugin", "patches", "math"}
+"""What a cluster process loads (`verl_dppo.plugin.entry`, the `dppo` entry point)."""
 ALLOWED = {  # layer -> layers it may import
     "math": {"math"},
     "plugin": {"plugin", "math"},
-    "patches": {"patches", "plugin", "math", "cpu"},  # the CPU-only patches read the CPU platform's state
-    "cpu": {"cpu", "patches", "plugin", "math"},
-    "cli": {"cli", "cpu", "patches", "plugin", "math", "root"},
+    "patches": CLUSTER,
+    "errors": set(),
+    "datasets": {"errors"},
+    "rehearsal": CLUSTER | {"rehearsal", "errors", "datasets"},
+    "launch": CLUSTER | {"launch", "rehearsal", "errors", "datasets"},
+    "studies": CLUSTER | {"studies", "launch", "rehearsal", "errors", "datasets"},
+    "cli": {"cli", "errors"},  # the commands themselves by name only (COMMAND_MODULES), so `--help` stays instant
     "root": {"plugin"},  # verl_dppo/__init__: DPPOLossConfig, lazily
 }
 
@@ -80,10 +95,87 @@ def test_every_module_imports_only_downward():
     for name, path in modules().items():
         every, _ = imports_of(name, path)
         for target in every:
-            allowed = ALLOWED[layer(name)] | ({"patches", "cpu"} if name == "verl_dppo.plugin.entry" else set())
+            allowed = ALLOWED[layer(name)] | ({"patches"} if name == "verl_dppo.plugin.entry" else set())
             if layer(target) not in allowed:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, wrong
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` as a path [a, b, ..., a], or [] when there is none."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, stack: list[str]) -> list[str]:
+        if state.get(node) == "open":
+            return stack[stack.index(node):] + [node]
+        if state.get(node) == "done":
+            return []
+        state[node] = "open"
+        for child in sorted(graph.get(node, ())):
+            found = visit(child, stack + [node])
+            if found:
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        found = visit(node, [])
+        if found:
+            return found
+    return []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_cycle_among_modules_counting_every_import():
+    """Imports inside functions included, which the fresh-interpreter check below (module-level imports) cannot
+    see: `doctor` imported `ray_probe` and `ray_probe`'s worker entry imported `doctor` back (issue 19)."""
+    graph = {name: imports_of(name, path)[0] for name, path in modules().items()}
+    assert not _cycle(graph), " -> ".join(_cycle(graph))
+    assert "verl_dppo.launch.install_probe" in graph["verl_dppo.launch.ray_probe"]  # the worker's probe, not doctor's
+
+
+def test_each_folder_holds_one_concern_and_at_most_about_3k_lines():
+    """The package root holds the layers and the two leaf modules; each folder's own modules (not its sub-folders)
+    stay at or under 3,200 lines, and every module sits in exactly one layer."""
+    folders: dict[Path, int] = {}
+    for name, path in modules().items():
+        folders[path.parent] = folders.get(path.parent, 0) + len(path.read_text().splitlines())
+    assert max(folders.values()) <= 3200, {str(k.relative_to(REPO)): v for k, v in folders.items() if v > 3200}
+    assert len(folders) >= 10, folders  # the layers, and their sub-folders (demo, hf_rollout, setups, patches)
+
+
+def test_a_cluster_process_loads_the_plugin_without_the_rehearsal():
+    """The `dppo` entry alone (VERL_USE_EXTERNAL_PLUGINS=dppo, as a cluster may pin it): the loss modes and the
+    patches are in, and no module of the CPU rehearsal, the launcher, the studies or the command line was imported.
+    With every entry point (the default), the rehearsal registers the hf rollout and the CPU platform."""
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
+        "import verl.workers.rollout.replica as replica\n"
+        "print(sorted(k for k in R if getattr(R[k], '__verl_dppo__', False)))\n"
+        "print('hf' in replica.RolloutReplicaRegistry._registry)\n"
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('verl_dppo.')}))\n"
+    )
+    seen = {}
+    for policy in ("dppo", "auto"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+        env["VERL_USE_EXTERNAL_PLUGINS"] = policy
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen[policy] = result.stdout.splitlines()
+    modes, hf, packages = seen["dppo"]
+    assert "dppo_binary_tv" in modes and "troll" in modes
+    assert hf == "False" and set(eval(packages)) <= CLUSTER, packages
+    modes, hf, packages = seen["auto"]
+    assert "dppo_binary_tv" in modes and hf == "True" and "rehearsal" in eval(packages), packages
+    from importlib.metadata import entry_points
+
+    assert {(e.name, e.value) for e in entry_points(group="verl.plugins")} >= {
+        ("dppo", "verl_dppo.plugin.entry"), ("dppo_cpu", "verl_dppo.rehearsal.entry")}
 
 
 def test_the_math_layer_imports_nothing_but_torch_triton_and_the_standard_library():
@@ -140,10 +232,11 @@ def test_the_package_root_holds_only_the_layers():
     """The pre-0.2 shims (verl_dppo.adapter, .topk, .divergence, .trust_region) never shipped to users: gone, so
     every module sits in one of the layers the import check above knows."""
     root = REPO / "verl_dppo"
-    extra = sorted(p.name for p in root.iterdir()
-                   if p.name not in {"__init__.py", "math", "plugin", "cpu", "cli", "__pycache__"})
+    extra = sorted(p.name for p in root.iterdir() if p.name not in {
+        "__init__.py", "errors.py", "datasets.py", "math", "plugin", "rehearsal", "launch", "studies", "cli",
+        "__pycache__"})
     assert not extra, extra
-    assert {layer(name) for name in modules()} == {"math", "plugin", "patches", "cpu", "cli", "root"}
+    assert {layer(name) for name in modules()} == {*LAYERS, "root"}
     assert [name for name in modules() if layer(name) == "root"] == ["verl_dppo"]
 
 
@@ -156,6 +249,10 @@ def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in (REPO / "patches").glob("*.py"):
         assert f"verl_dppo/patches/{path.name}" in names
+    assert "verl_dppo/rehearsal/patches/vllm_cpu_moe.py" in names
+    assert "verl_dppo/rehearsal/isa_site/sitecustomize.py" in names
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "dppo_cpu = verl_dppo.rehearsal.entry" in zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "verl_dppo/recipes/setup/moe_base.yaml" in names
     for path in (REPO / "recipes").rglob("*.yaml"):  # every recipe file, the trainer modes included
         assert f"verl_dppo/recipes/{path.relative_to(REPO / 'recipes').as_posix()}" in names, path

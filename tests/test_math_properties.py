@@ -140,7 +140,7 @@ BOUND_CHECK = """
 import json, math, torch
 from verl.utils.torch_functional import logprobs_from_logits_v2
 from verl_dppo.math.divergence import rounding_radius
-from verl_dppo.cpu.isa import describe
+from verl_dppo.rehearsal.isa import describe
 gen = torch.Generator().manual_seed(0)
 rows, vocab = 256, 32768
 logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 2
@@ -173,7 +173,7 @@ def test_the_bf16_radius_bounds_verls_bf16_log_softmax_on_every_cpu_branch(level
     import subprocess
     import sys
 
-    from verl_dppo.cpu import isa
+    from verl_dppo.rehearsal import isa
 
     if level == "avx2" and isa.level() == "avx2":
         pytest.skip("this CPU is AVX2-only: its own branch is the other case")

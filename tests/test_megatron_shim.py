@@ -1,4 +1,4 @@
-"""The plugin's Megatron CPU shim (verl_dppo/cpu/megatron_shim.py) and the CPU settings of model_engine=megatron.
+"""The plugin's Megatron CPU shim (verl_dppo/rehearsal/megatron_shim.py) and the CPU settings of model_engine=megatron.
 
 Megatron's forward, built by mbridge from a transformers checkpoint and run with the shim on the CPU platform, equals
 transformers' forward on the same weights (padded BSHD batch, the valid tokens); the shim stays out of a process
@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
-from verl_dppo.cpu import megatron_shim
+from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
+from verl_dppo.rehearsal import megatron_shim
 
 needs_megatron = pytest.mark.skipif(bool(megatron_cpu_problems(None)),
                                     reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`")
@@ -76,7 +76,7 @@ EQUALITY = textwrap.dedent("""
         else:
             Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(path)
     import megatron.core
-    from verl_dppo.cpu import megatron_shim
+    from verl_dppo.rehearsal import megatron_shim
     megatron_shim.install()  # what verl's MegatronEngine.__init__ does first on the CPU platform (install_on_engine)
     print("PIECES", ",".join(megatron_shim.installed_pieces()))
     dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
@@ -88,7 +88,7 @@ EQUALITY = textwrap.dedent("""
     from verl.utils.megatron_utils import get_hf_rope_theta
     bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
     bridge.hf_config.rope_theta = get_hf_rope_theta(bridge.hf_config)  # as verl's engine supplies it
-    if kind.startswith("moe"):  # what verl-dppo's CPU settings give a MoE model (verl_dppo/cli/megatron_cpu.py)
+    if kind.startswith("moe"):  # what verl-dppo's CPU settings give a MoE model (verl_dppo/rehearsal/setups/megatron_cpu.py)
         bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, bias_activation_fusion=False,
                               bias_dropout_fusion=False, moe_token_dispatcher_type="alltoall")
     if kind == "moe_r3":  # what verl's MegatronEngine does with router_replay.mode=R3
@@ -172,7 +172,7 @@ def test_r3_replays_the_rollout_routes_on_the_rows_a_bshd_batch_routes(tmp_path)
 
 
 def test_bshd_rows_lays_packed_rows_out_s_major_with_zeros_at_padding():
-    from verl_dppo.cpu.megatron_r3 import bshd_rows
+    from verl_dppo.rehearsal.megatron_r3 import bshd_rows
 
     rows = torch.tensor([[1], [2], [3], [4], [5]])  # a sequence of 3 tokens, then one of 2
     assert bshd_rows(rows, [3, 2], 4).flatten().tolist() == [1, 4, 2, 5, 3, 0, 0, 0]
@@ -187,7 +187,7 @@ def test_the_shim_stays_out_of_a_process_that_builds_no_megatron_engine(platform
     processes on the CPU platform, and any process off it, keep torch and megatron-core as they are. Off the CPU
     platform, building the engine installs nothing either."""
     code = ("import verl, torch\nimport verl.workers.engine\nimport verl.workers.engine.megatron.transformer_impl as m\n"
-            "from verl_dppo.cpu import megatron_shim\n"
+            "from verl_dppo.rehearsal import megatron_shim\n"
             "print(megatron_shim.installed_pieces(), type(torch.Tensor.cuda).__name__)\n"
             "try:\n    m.MegatronEngine.__init__(object.__new__(m.MegatronEngine))\nexcept TypeError:\n    pass\n"
             "print(megatron_shim.installed_pieces())")
@@ -218,9 +218,9 @@ def test_the_bshd_mask_masks_later_and_padding_keys():
 
 
 def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
-    from verl_dppo.cli.compose import compose_recipe
+    from verl_dppo.launch.compose import compose_recipe
 
-    from verl_dppo.cli.cpu_engines import engine_settings
+    from verl_dppo.rehearsal.setups.cpu_engines import engine_settings
 
     config = compose_recipe("cpu_tiny", "dppo_binary_tv", overrides=["model_engine=megatron"])
     engine_settings(config)
@@ -241,7 +241,7 @@ def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
 
 
 def test_megatron_on_cpu_without_the_packages_is_one_line_naming_the_pins(monkeypatch):
-    from verl_dppo.cli import megatron_cpu
+    from verl_dppo.rehearsal.setups import megatron_cpu
 
     monkeypatch.setattr(megatron_cpu, "megatron_support",
                         lambda: {"megatron-core": "not installed", "mbridge": "not installed"})

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_dppo.cli import console, main, mismatch, real_model
+from verl_dppo.launch import console
+from verl_dppo.cli import main
+from verl_dppo.studies import mismatch
+from verl_dppo.rehearsal.setups import real_model
 from verl_dppo.plugin.mismatch_dump import ENV
 
 BOUNDS = {"grpo_clip_higher": (0.2, 0.28), "dppo_binary_tv": (0.15, 0.15), "dppo_binary_kl": (0.05, 0.05),

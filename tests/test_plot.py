@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from verl_dppo.cli import plot
+from verl_dppo.studies import plot
 from verl_dppo.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -137,8 +137,8 @@ def test_run_pins_verl_file_logger_under_dppo_root_and_plot_finds_it_by_name(tmp
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
     from verl.utils.tracking import FileLogger
 
-    from verl_dppo.cli.compose import compose_recipe
-    from verl_dppo.cli.run_logs import pin_file_logger
+    from verl_dppo.launch.compose import compose_recipe
+    from verl_dppo.launch.run_logs import pin_file_logger
 
     root = tmp_path / "root"
     monkeypatch.setenv("DPPO_ROOT", str(root))
@@ -193,7 +193,8 @@ def test_the_demos_logs_are_found_as_a_folder_by_latest_and_by_log_root(tmp_path
 
     from verl.utils.tracking import FileLogger
 
-    from verl_dppo.cli import build_parser, run_logs
+    from verl_dppo.cli import build_parser
+    from verl_dppo.launch import run_logs
 
     assert build_parser().parse_args(["demo"]).out == run_logs.DEMO_OUT  # `plot --latest` looks where demo writes
     monkeypatch.chdir(tmp_path)
@@ -240,8 +241,8 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from verl_dppo.cli.demo.figures import draw_all
-    from verl_dppo.cli.demo.rl import COLLAPSE_FRACTION
+    from verl_dppo.studies.demo.figures import draw_all
+    from verl_dppo.studies.demo.rl import COLLAPSE_FRACTION
 
     bins = [0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]
     results = []
@@ -265,7 +266,7 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
     assert "seed 0, one run" in right.get_title()
     from matplotlib.colors import to_hex
 
-    from verl_dppo.cli.colors import METHOD_COLORS
+    from verl_dppo.studies.colors import METHOD_COLORS
 
     method_lines = {line.get_label(): to_hex(line.get_color()) for line in left.get_lines()
                     if line.get_label() in ("pg_is", "grpo_clip", "dppo_binary_tv")}
@@ -334,7 +335,7 @@ def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_step
     values stay visible; one colour per method, the one the demo's figures use; integer ticks on 4 steps."""
     import matplotlib.pyplot as plt
 
-    from verl_dppo.cli.colors import METHOD_COLORS
+    from verl_dppo.studies.colors import METHOD_COLORS
 
     troll = write_family_log(tmp_path / "cpu_tiny-troll-sync.jsonl", "troll")
     figure = drawn_figure(monkeypatch, [str(troll), "-o", str(tmp_path / "troll.png")])
@@ -363,7 +364,7 @@ def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_step
 
 
 def test_demo_and_plot_colour_a_method_alike():
-    from verl_dppo.cli.colors import METHOD_COLORS, colors_for
+    from verl_dppo.studies.colors import METHOD_COLORS, colors_for
 
     assert colors_for(["dppo_binary_tv", "cpu_tiny-dppo_binary_tv-sync", "moe_base-troll-separate_async",
                        "grpo_clip", "x/run", "y/run"]) == [

@@ -20,7 +20,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from verl_dppo import cli
 from verl_dppo.plugin.config import resolve_options
-from verl_dppo.cli.compose import (
+from verl_dppo.launch.compose import (
     RecipeError,
     check_paths,
     check_supported,
@@ -234,7 +234,7 @@ def test_a_missing_data_file_of_the_users_own_gets_a_conversion_hint_not_a_data_
     """Issue 18.10: `verl-dppo data` writes DIR/NAME.parquet for its own data sets only; for any other file name
     the old hint proposed `verl-dppo data train`, a command that fails. A file named after a data set keeps the
     one-line command; DPPO_ROOT is mentioned only for a path under it."""
-    from verl_dppo.cli.data import DATASETS
+    from verl_dppo.datasets import DATASETS
 
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path / "root"))
     mine = str(tmp_path / "mine" / "train.parquet")

@@ -16,10 +16,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_dppo import cli
-from verl_dppo.cli import launch
-from verl_dppo.cli.compose import compose_recipe
-from verl_dppo.cli.run_logs import pin_file_logger
-from verl_dppo.cli.run_record import CHECKPOINT_RECORD, clash_warning, log_path
+from verl_dppo.launch import commands as launch
+from verl_dppo.launch.compose import compose_recipe
+from verl_dppo.launch.run_logs import pin_file_logger
+from verl_dppo.launch.run_record import CHECKPOINT_RECORD, clash_warning, log_path
 
 VERL_TV = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio_low=0.15",
            "actor_rollout_ref.actor.clip_ratio_high=0.15", "actor_rollout_ref.actor.clip_ratio_c=10000"]
@@ -179,7 +179,7 @@ def test_a_resumed_log_keeps_every_record_once(tmp_path, monkeypatch, validate):
 
 def test_every_setup_names_its_trainer_modes_apart():
     """Issue 24.3: a sync and an async run of one recipe get their own experiment name (checkpoints and log)."""
-    from verl_dppo.cli.compose import list_recipes
+    from verl_dppo.launch.compose import list_recipes
 
     setups = [info.name for info in list_recipes()["setup"]]
     assert "sanity_1p5b" in setups and "cpu_tiny" in setups

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from verl_dppo.cli import ray_reaper
+from verl_dppo.launch import ray_reaper
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.isdir(ray_reaper.SHM_DIR),
                                 reason="the reaper reads /proc and /dev/shm")

@@ -11,11 +11,11 @@ import torch
 
 import verl  # noqa: F401  (loads the plugin)
 from verl_dppo.cli import main
-from verl_dppo.cli.demo import rl, staleness
-from verl_dppo.cli.demo.methods import runnable_methods
-from verl_dppo.cli.demo.policy import RolloutEngine, build_policy
-from verl_dppo.cli.demo.settings import DemoSettings
-from verl_dppo.cli.demo.warmup import warm_start
+from verl_dppo.studies.demo import rl, staleness
+from verl_dppo.studies.demo.methods import runnable_methods
+from verl_dppo.studies.demo.policy import RolloutEngine, build_policy
+from verl_dppo.studies.demo.settings import DemoSettings
+from verl_dppo.studies.demo.warmup import warm_start
 
 TINY = dict(steps=2, prompts_per_step=4, samples_per_prompt=4, mini_batches=2, micro_batch_size=4, val_every=1)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -117,7 +117,7 @@ def test_the_decoupled_row_anchors_on_the_recompute(warm, tmp_path):
 
 
 def test_staleness_command_end_to_end(tmp_path, capsys, monkeypatch):
-    from verl_dppo.cli.demo import warmup
+    from verl_dppo.studies.demo import warmup
 
     tiny = DemoSettings(**TINY, warmup_target=0.3, n_train=32, n_val=32)
     monkeypatch.setattr(staleness, "base_settings", lambda: tiny)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_dppo.cli import main, study
+from verl_dppo.cli import main
+from verl_dppo.studies import study
 
 
 def _write_log(out: Path, name: str, steps: list[dict]) -> None:

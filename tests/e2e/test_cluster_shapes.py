@@ -79,8 +79,8 @@ def shape_runs(tmp_path_factory) -> dict[str, loop.Run]:
     root = tmp_path_factory.mktemp("cluster_shapes")
 
     def warm_model() -> None:  # cpu_tiny's warm-started model, built once for both lanes
-        from verl_dppo.cli.compose import compose_recipe
-        from verl_dppo.cli.cpu_tiny import build_assets
+        from verl_dppo.launch.compose import compose_recipe
+        from verl_dppo.rehearsal.setups.cpu_tiny import build_assets
 
         build_assets(compose_recipe("cpu_tiny", "dppo_binary_tv"))
 

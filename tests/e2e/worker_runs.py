@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # one core per process: the ranks and scenarios run side by side on a small machine
 
-from verl_dppo.cpu import platform as cpu_platform  # noqa: E402
+from verl_dppo.rehearsal import platform as cpu_platform  # noqa: E402
 
 cpu_platform.install()  # before anything in verl asks for the platform
 

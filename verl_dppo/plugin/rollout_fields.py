@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "raw_logprobs_problem", "rollout_topk",
+__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "HF_ROLLOUT", "SAMPLE_KWARG", "raw_logprobs_problem", "rollout_topk",
            "truncated_sampling_problem", "warn_truncated_sampling"]
 
 CUSTOM_KEY = "dppo_topk"
@@ -22,6 +22,15 @@ CUSTOM_KEY = "dppo_topk"
 EXTRA_IDS = "dppo_topk_ids"
 
 EXTRA_LOGPROBS = "dppo_topk_logprobs"
+
+HF_ROLLOUT = "hf"
+"""`actor_rollout_ref.rollout.name` of the plugin's own `hf` rollout (`verl_dppo.rehearsal.hf_rollout`)."""
+
+SAMPLE_KWARG = "verl_dppo_sample"
+"""The keyword the plugin's `LLMServerClient.generate` patch (patches/llm_server.py) adds to an `hf` server's
+`generate`: the sample's identity in the run (verl's `priority`, which verl hands on to vLLM only, outside an agent
+loop), from which the server seeds the sample's draws (`verl_dppo.rehearsal.hf_rollout.engine`). Defined here, below
+both, so that the patch a cluster process loads never imports the CPU rehearsal."""
 
 
 def rollout_topk(rollout_config: Any) -> Optional[int]:

@@ -1,0 +1,286 @@
+"""`verl-dppo check`: the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line.
+
+`verl-dppo run` composes a paper setup; a user with a GRPO command of their own wants to know, before a cluster
+job, what the plugin would say about that command as it is. `check` composes verl's own config (`ppo_trainer`, or
+the command's `--config-path` / `--config-name`) with the command's overrides, as `main_ppo` does, and runs on it
+everything `run --dry-run` checks: each override's type against verl's value, verl's own `validate_config` and
+config classes, the plugin's run-level checks (anchor and bypass mode, asynchronous trainers, Ulysses attention),
+the Top-K settings, the thresholds a DPPO mode would inherit from the ratio clip, and whether the data files and
+the model exist here. Nothing is launched. Every problem it can find is named in one run: each override's key
+(a misspelled one with the existing keys it is nearest to) and type are checked against verl's config before Hydra
+composes it (Hydra stops at the first), the config is composed with the overrides that passed, and the plugin's
+checks, the files and verl's own validation (its first complaint) follow; each problem is one line. A command with no
+problem ends with one line of the update rule it trains (`verl_dppo.plugin.update_rule`: loss mode, thresholds,
+ratio cap, anchor, bypass mode, K), as the worker resolves it. Warnings name what costs without stopping the launch:
+no bypass mode (verl recomputes the old log-probs every step), a threshold set outside the paper's range; a DPPO
+threshold inherited from the ratio clip outside that range (GSPO's 0.0003) is a problem.
+
+Exit codes: 0 nothing found; 2 the command is wrong, on any machine; 3 the command is right but cannot
+start here (a data file or a local model missing on this machine); 4 the rehearsal did not train.
+
+    verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
+        actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
+    verl-dppo check algorithm.adv_estimator=grpo ...        # the overrides alone
+    verl-dppo check --rehearse python3 -m verl.trainer.main_ppo ...   # then 2 steps of its update rule on cpu_tiny
+
+`--rehearse` then trains the command's update rule (its policy loss and thresholds, the actor's loss settings, the
+rollout's sampling and log-probs, the advantage estimator: `REHEARSED`) for `--steps` steps on cpu_tiny's model and
+data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`; that `run`
+command line, thousands of characters, in its run record). A wrong command is not rehearsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from verl_dppo.errors import EXIT_USAGE, UsageError
+from verl_dppo.launch.override_checks import group_choices, override_problems
+
+__all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
+           "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
+
+_LAUNCHERS = ("python", "python3", "-m", "verl.trainer.main_ppo")
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
+    """(overrides, --config-path, --config-name) of a main_ppo command line; the launcher words (`python3 -m
+    verl.trainer.main_ppo`, a path to main_ppo.py) are skipped, a shell's trailing `$@` or backslash too."""
+    overrides: list[str] = []
+    config_path, config_name = None, "ppo_trainer"
+    items = list(argv)
+    index = 0
+    while index < len(items):
+        item = items[index]
+        index += 1
+        if item in ("--config-path", "--config-name", "-cp", "-cn"):
+            if index >= len(items):
+                raise UsageError(f"{item} needs a value")
+            value, index = items[index], index + 1
+            if item in ("--config-path", "-cp"):
+                config_path = value
+            else:
+                config_name = value
+        elif item.startswith(("--config-path=", "--config-name=")):
+            key, value = item.split("=", 1)
+            config_path, config_name = (value, config_name) if key == "--config-path" else (config_path, value)
+        elif item in _LAUNCHERS or item.endswith(("python", "python3", "main_ppo.py")) or item in ("\\", "$@"):
+            continue
+        elif "=" in item or item.startswith("~"):
+            overrides.append(item)
+        else:
+            raise UsageError(f"{item!r} is not a Hydra override (key=value) of a main_ppo command line")
+    if not overrides:
+        raise UsageError("give the main_ppo command line (or its overrides) to check")
+    return overrides, config_path, config_name
+
+
+def compose_main_ppo(overrides: Sequence[str], config_path: Optional[str] = None,
+                     config_name: str = "ppo_trainer") -> tuple[Any, Any]:
+    """(verl's config with the overrides, verl's config without them), composed as main_ppo composes them."""
+    return tuple(_compose([list(overrides), []], config_path, config_name))
+
+
+def _compose(override_lists: Sequence[Sequence[str]], config_path: Optional[str], config_name: str) -> list:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import verl.trainer.main_ppo as main_ppo
+    from verl_dppo.launch.compose import RecipeError, stdout_to_stderr
+
+    folder = Path(config_path) if config_path else Path(main_ppo.__file__).parent / "config"
+    if not folder.is_absolute():
+        folder = Path.cwd() / folder
+    try:
+        with stdout_to_stderr(), initialize_config_dir(config_dir=str(folder), version_base=None):
+            return [compose(config_name, overrides=list(overrides)) for overrides in override_lists]
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise RecipeError(" ".join(str(error).split())) from None
+
+
+EXIT_FINE, EXIT_WRONG, EXIT_NOT_HERE, EXIT_REHEARSAL = 0, EXIT_USAGE, 3, 4
+"""`check`'s exit codes, one question each: 0 nothing found; 2 the command is wrong (a problem it would have on any
+machine; a line that is no command too); 3 the command is right but cannot start here (a data file or a local model
+that is not on this machine); 4 `--rehearse` only: the rehearsal did not train. A wrong command is not rehearsed."""
+
+
+@dataclass
+class Verdict:
+    """What `check` found in a main_ppo command line, each finding one line."""
+
+    problems: list[str] = field(default_factory=list)
+    """What is wrong with the command itself, on any machine: it would stop the launch, or train what no paper run
+    did (a DPPO threshold inherited from the ratio clip outside the paper's range) (exit 2)."""
+    not_here: list[str] = field(default_factory=list)
+    """What the command needs that is not on this machine (exit 3 where nothing is wrong)."""
+    warnings: list[str] = field(default_factory=list)
+    config: Optional[Any] = None
+    """verl's config with the command's overrides (those that passed), None where it does not compose."""
+    rule: Optional[str] = None
+    """The update rule in effect (`update_rule`), where the command has no problem."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_WRONG if self.problems else EXIT_NOT_HERE if self.not_here else EXIT_FINE
+
+
+def check_command(argv: Sequence[str]) -> Verdict:
+    """Every problem this check can find in a main_ppo command line, each one line (see the module's docstring), and
+    the update rule the command trains where it has none."""
+    from verl_dppo.launch.compose import RecipeError, check_supported, validate_recipe
+    from verl_dppo.launch.commands import threshold_findings
+    from verl_dppo.plugin.run_config import recompute_pass_warning
+    from verl_dppo.plugin.update_rule import update_rule
+
+    overrides, config_path, config_name = split_command(argv)
+    try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
+        (baseline,) = _compose([group_choices(overrides)], config_path, config_name)
+    except RecipeError:  # a choice that does not compose: composing the command names it below
+        (baseline,) = _compose([[]], config_path, config_name)
+    problems, usable = override_problems(baseline, overrides)
+    verdict = Verdict(problems=problems)
+    try:
+        (verdict.config,) = _compose([usable], config_path, config_name)
+    except RecipeError as error:
+        verdict.problems.append(str(error))
+        return verdict
+    config = verdict.config
+    try:
+        validate_recipe(config, plain=True)
+    except RecipeError as error:
+        verdict.problems.append(str(error))
+    try:
+        verdict.problems += list(check_supported(config))
+    except RecipeError as error:
+        verdict.problems.append(str(error))
+    verdict.not_here = _missing_files(config)
+    try:
+        inherited, verdict.warnings = threshold_findings(config)
+        verdict.problems += [inherited] if inherited else []
+        verdict.warnings += [warning for warning in [recompute_pass_warning(config)] if warning]
+        if not verdict.problems:
+            verdict.rule = update_rule(config)
+    except ValueError as error:  # options the loss would refuse at its first call
+        verdict.problems.append(f"actor_rollout_ref.actor.policy_loss: {' '.join(str(error).split())}")
+    return verdict
+
+
+def _missing_files(config: Any) -> list[str]:
+    problems = []
+    for key in ("train_files", "val_files"):
+        value = config.data.get(key)
+        for path in ([value] if isinstance(value, str) else list(value or [])):
+            if "://" not in str(path) and not Path(str(path)).expanduser().exists():
+                problems.append(f"data.{key}: {path} does not exist here")
+    model = str(config.actor_rollout_ref.model.path)
+    if model.startswith(("/", ".", "~")) and not (Path(model).expanduser() / "config.json").is_file():
+        problems.append(f"actor_rollout_ref.model.path: {model} holds no config.json here")
+    return problems
+
+
+REHEARSED = {
+    "actor_rollout_ref.actor": ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "ppo_epochs"),
+    "actor_rollout_ref.rollout": ("temperature", "top_p", "top_k", "calculate_log_probs", "n"),
+    "algorithm": ("adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "gamma", "lam"),
+    "algorithm.rollout_correction": ("bypass_mode", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_rs",
+                                     "rollout_rs_threshold"),
+}
+"""What a rehearsal takes from the command: the update rule and its inputs (the loss, the advantages, the rollout's
+sampling and log-probs). cpu_tiny supplies the model, data, lengths, batch and hardware."""
+
+
+def _value(value: Any) -> str:
+    """A value as a Hydra override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    return text if text.replace("_", "").replace(".", "").replace("-", "").isalnum() else repr(text)
+
+
+def rehearsal_overrides(config: Any) -> list[str]:
+    """`verl-dppo run cpu_tiny` overrides that train the command's update rule: its policy loss (verl's own
+    PolicyLossConfig becomes the plugin's subclass with no threshold of its own, so the thresholds fall back to the
+    ratio clip's as in the command), the actor's loss settings, the rollout's sampling, the advantage estimator."""
+    from omegaconf import OmegaConf
+
+    overrides = []
+    policy_loss = OmegaConf.to_container(config.actor_rollout_ref.actor.policy_loss, resolve=True)
+    plain = not str(policy_loss.get("_target_", "")).startswith("verl_dppo.")
+    for key, value in policy_loss.items():
+        if key != "_target_" and not isinstance(value, (dict, list)):
+            overrides.append(f"++actor_rollout_ref.actor.policy_loss.{key}={_value(value)}")
+    if plain:  # the command's thresholds are verl's clip_ratio_* keys: no DPPOLossConfig value in the way
+        overrides += [f"actor_rollout_ref.actor.policy_loss.{key}=null" for key in ("delta_low", "delta_high",
+                                                                                    "ratio_cap")]
+    for node, keys in REHEARSED.items():
+        section = OmegaConf.select(config, node)
+        for key in keys:
+            if section is not None and key in section:
+                overrides.append(f"++{node}.{key}={_value(OmegaConf.select(section, key))}")
+    return overrides
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    verdict = check_command(args.command_line)
+    for warning in verdict.warnings:
+        print(f"verl-dppo: warning: {warning}", file=sys.stderr)
+    for problem in verdict.problems:
+        print(f"verl-dppo: problem: {problem}", file=sys.stderr)
+    for missing in verdict.not_here:
+        print(f"verl-dppo: not here: {missing}", file=sys.stderr)
+    if verdict.rule:
+        print(f"verl-dppo: check: {verdict.rule}", file=sys.stderr)
+    print(f"verl-dppo: check: {_verdict_line(verdict)}", file=sys.stderr)
+    if not args.rehearse or verdict.config is None:
+        return verdict.exit_code
+    if verdict.problems:
+        print("verl-dppo: check: not rehearsed: the command's problems above come first", file=sys.stderr)
+        return verdict.exit_code
+    rehearsal = rehearsal_overrides(verdict.config)
+    from verl_dppo.launch.commands import run_command_line
+
+    mode = str(verdict.config.actor_rollout_ref.actor.policy_loss.loss_mode)
+    run = ["run", "cpu_tiny", "--method", "grpo_clip_higher", *rehearsal, f"trainer.total_training_steps={args.steps}",
+           f"dppo.run_label=rehearsal+{mode}", "trainer.resume_mode=disable"]
+    # The `verl-dppo run` line is thousands of characters: the run record keeps it (its "command").
+    print(f"verl-dppo: check: rehearsing {mode} as your command sets it (its loss and thresholds, the actor's loss "
+          f"settings, the rollout's sampling, the advantages) for {args.steps} step(s) on cpu_tiny's model and data, "
+          "on this CPU; the full `verl-dppo run` command goes to the run record", file=sys.stderr)
+    code = run_command_line(run)
+    if code != 0:
+        print(f"verl-dppo: check: the rehearsal of {mode} did not train (exit {code} above)", file=sys.stderr)
+        return EXIT_REHEARSAL
+    return verdict.exit_code
+
+
+def _verdict_line(verdict: Verdict) -> str:
+    if verdict.problems:
+        where = f"; {len(verdict.not_here)} more only here" if verdict.not_here else ""
+        return f"the command is wrong: {len(verdict.problems)} problem(s) above, on any machine{where} (exit {EXIT_WRONG})"
+    if verdict.not_here:
+        return (f"the command passed verl's checks and the plugin's, but cannot start here: {len(verdict.not_here)} "
+                f"thing(s) above that it needs are not on this machine (exit {EXIT_NOT_HERE})")
+    return "the command passed verl's checks and the plugin's; nothing found that would stop the launch from here"
+
+
+def add_command(commands: Any) -> None:
+    parser = commands.add_parser(
+        "check", help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
+        description=__doc__.split("\n\n")[1], epilog=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rehearse", action="store_true",
+                        help="then train the command's update rule (its loss, advantages, rollout sampling) on "
+                             "cpu_tiny's model and data on this CPU, through verl's trainer")
+    parser.add_argument("--steps", type=int, default=2, help="training steps of the rehearsal (default 2)")
+    parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="the main_ppo command line, or its overrides alone")
+    parser.set_defaults(handler=cmd_check)

@@ -1,0 +1,341 @@
+"""Reproduction recipes: find them, compose one on top of verl's config, and check it the way verl will.
+
+A recipe is a pair (setup, method) of Hydra config groups under `recipes/`, run by one of verl's v1 trainer modes
+(a third group, `trainer_mode`: sync by default):
+
+    verl/trainer/config/ppo_trainer.yaml -> recipes/dppo.yaml -> setup/<SETUP>.yaml -> method/<METHOD>.yaml
+    -> trainer_mode/<MODE>.yaml -> the user's overrides
+
+The check is verl's own: `validate_config` (which builds the actor's dataclass, our `DPPOLossConfig` included) and
+the dataclass conversions verl's workers run, plus what verl does not check until the first actor update hours
+into a run: that the loss mode is registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from verl_dppo.launch.override_checks import (check_override_types, field_hint, group_choices, key_hint,
+                                           override_problems)
+from verl_dppo.launch.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
+from verl_dppo.launch.recipe_files import (  # noqa: F401  (part of this module's API)
+    GROUP_KEYS,
+    GROUPS,
+    PRIMARY_CONFIG,
+    TRAINER_MODES,
+    RecipeError,
+    RecipeInfo,
+    check_name,
+    list_recipes,
+    recipes_dir,
+    register_resolvers,
+)
+
+__all__ = [
+    "RecipeError",
+    "RecipeInfo",
+    "check_launch_site",
+    "check_paths",
+    "check_writable",
+    "compose_recipe",
+    "list_recipes",
+    "recipes_dir",
+    "validate_recipe",
+]
+
+_SECTIONS_IN_USE = ("actor_rollout_ref", "data", "algorithm", "trainer", "dppo")
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """verl and Hydra print progress to stdout; a dry run's stdout must carry the YAML and nothing else."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+VERL_PASS_LINE = "[validate_config] All configuration checks passed"
+"""What verl's `validate_config` prints when it finds nothing wrong: left out of `run`'s output, where the launcher's
+own checks come after it (it read as the verdict on a run that the next line then refused)."""
+
+
+@contextlib.contextmanager
+def _without_pass_line() -> Iterator[None]:
+    """verl's output of the block on stderr (stdout carries a dry run's YAML), less VERL_PASS_LINE."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True) if not line.startswith(VERL_PASS_LINE)]
+        sys.stderr.write("".join(kept))
+
+
+def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = (),
+                   trainer_mode: Optional[str] = None) -> Any:
+    """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + trainer mode + overrides into one DictConfig.
+
+    `trainer_mode`: one of TRAINER_MODES (None: sync, the recipes' default), the recipe-level switch to verl's
+    asynchronous trainers (recipes/trainer_mode/<MODE>.yaml sets what they need besides `trainer.v1.trainer_mode`).
+
+    `+key=value` is accepted for a key the recipe already sets (plain `main_ppo` scripts add DPPO's keys that way):
+    it becomes Hydra's `++key=value`, add-or-override. An override must keep the type of the value it replaces
+    (`data.train_batch_size=abc` is refused here, not hours later in a worker). `config_dirs`: the user's own
+    setups and methods (verl_dppo.launch.user_recipes)."""
+    from verl_dppo.launch.user_recipes import check_config_dirs, searchpath_override
+
+    folders = check_config_dirs(config_dirs)
+    check_name("setup", setup, folders)
+    check_name("method", method, folders)
+    if trainer_mode is not None and trainer_mode not in TRAINER_MODES:
+        raise RecipeError(f"unknown trainer mode {trainer_mode!r}: choose one of {', '.join(TRAINER_MODES)}")
+    # Ahead of the user's overrides: the search path, and the trainer mode group's choice.
+    searchpath = [*searchpath_override(recipes_dir(), folders),
+                  *([f"trainer_mode={trainer_mode}"] if trainer_mode is not None else [])]
+    for override in overrides:
+        if "=" not in override and not override.startswith("~"):
+            raise RecipeError(
+                f"bad override {override!r}: write Hydra overrides as key=value (e.g. trainer.nnodes=4), "
+                "+key=value to add a key verl's config lacks, ~key to delete one."
+            )
+    overrides = [f"+{item}" if item.startswith("+") and not item.startswith("++") else item for item in overrides]
+    if not overrides:
+        return _compose(setup, method, searchpath)
+    baseline = _compose(setup, method, searchpath)
+    try:
+        config = _compose(setup, method, [*searchpath, *overrides])
+    except RecipeError as error:
+        # Hydra's answer to a misspelled key is to add it with '+': the nearest existing key instead, looked up in
+        # the config with the overrides' group choices (model_engine=megatron brings actor.megatron.*)
+        try:
+            chosen = _compose(setup, method, [*searchpath, *group_choices(overrides)])
+        except RecipeError:
+            chosen = baseline
+        unknown, _ = override_problems(chosen, overrides, keys_only=True)
+        if unknown:
+            raise RecipeError(f"cannot compose {setup} + {method}: {unknown[0]}") from None
+        raise RecipeError(str(error) + key_hint(str(error), baseline)) from None
+    check_override_types(baseline, config, overrides)
+    _label_loss_mode(baseline, config, method, overrides)
+    return config
+
+
+def _label_loss_mode(baseline: Any, config: Any, method: str, overrides: Sequence[str]) -> None:
+    """A loss_mode override that is not the method's own: the run is named and announced "<method>+<loss_mode>"
+    (unless the user named it), so that a grpo_clip_higher run switched to dppo_binary_tv does not pass for GRPO."""
+    from omegaconf import OmegaConf, open_dict
+
+    key = "actor_rollout_ref.actor.policy_loss.loss_mode"
+    before, after = (OmegaConf.select(c, key, default=None) for c in (baseline, config))
+    named = any(o.lstrip("+").startswith(("dppo.run_label=", "trainer.experiment_name=")) for o in overrides)
+    if before != after and not named and config.get("dppo") is not None:
+        with open_dict(config.dppo):
+            config.dppo.run_label = f"{method}+{after}"
+
+
+def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_resolvers()
+    try:
+        with stdout_to_stderr(), initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+            return compose(PRIMARY_CONFIG, overrides=[f"setup={setup}", f"method={method}", *overrides])
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        message = " ".join(str(error).split())  # Hydra's messages span lines; ours is one
+        if "Could not override" in message or "Key '" in message or "not in struct" in message:
+            hint = (
+                " Check the key's spelling against `verl-dppo run SETUP --method METHOD --dry-run` (the full "
+                "config); prefix a key verl's config does not have with '+' to add it."
+            )
+        else:
+            hint = " Check the override's syntax (Hydra: key=value, +key=value, ~key)."
+        raise RecipeError(f"cannot compose {setup} + {method}: {message}.{hint}") from None
+
+
+def _loss_registered(loss_mode: str) -> bool:
+    import verl  # noqa: F401  (loads the verl.plugins entry points: our loss modes)
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    return loss_mode in POLICY_LOSS_REGISTRY
+
+
+def validate_recipe(config: Any, plain: bool = False) -> None:
+    """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change. `plain`: verl's own
+    config as a `main_ppo` command line composes it (`verl-dppo check`): no recipe keys, any policy-loss class."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        # Every interpolation must resolve before anything is launched.
+        resolved = OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        where = f" (at {key})" if key else ""
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RecipeError(f"the composed config does not resolve{where}: {first}") from None
+    # Mandatory values (???) left unset in the sections a run uses (verl leaves some in disabled sections).
+    missing = [key for section in _SECTIONS_IN_USE for key in _missing_paths(resolved.get(section), section)]
+    if missing:
+        raise RecipeError("set these mandatory values: " + ", ".join(f"{key}=..." for key in missing))
+
+    check_length(config)
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if not _loss_registered(loss_mode):
+        import difflib
+
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        close = difflib.get_close_matches(str(loss_mode), sorted(POLICY_LOSS_REGISTRY), n=1, cutoff=0.6)
+        if close:
+            raise RecipeError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: not registered in verl's "
+                f"POLICY_LOSS_REGISTRY. Did you mean {close[0]!r}? (`verl-dppo doctor` lists the registered modes.)"
+            )
+        raise RecipeError(
+            f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
+            "is not installed or failed to load (run `verl-dppo doctor`), or "
+            "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
+        )
+    chosen = config.dppo.get("trainer_mode", "sync") if config.get("dppo") is not None else None
+    running = config.trainer.v1.get("trainer_mode", "sync")
+    if chosen is not None and chosen != running:
+        raise RecipeError(
+            f"trainer.v1.trainer_mode={running} set by an override: choose the trainer with --trainer-mode {running} "
+            f"(recipes/trainer_mode/{running}.yaml also sets what that trainer needs), not the bare key."
+        )
+    if not config.trainer.get("use_v1", True):
+        raise RecipeError(
+            "trainer.use_v1=False: `verl-dppo run` launches verl's v1 trainer, as `main_ppo` does by default (verl "
+            "0.9.1 deprecates the legacy one; the plugin is tested on v1 only and its Top-K modes need it): remove "
+            "trainer.use_v1=False."
+        )
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from verl_dppo.plugin.config import DPPOLossConfig
+
+    steps = (
+        ("validate_config", lambda: validate_config(config, need_reference_policy(config), need_critic(config))),
+        ("actor_rollout_ref.actor.policy_loss", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)),
+        ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
+        ("algorithm", lambda: omega_conf_to_dataclass(config.algorithm)),
+    )
+    results = {}
+    for name, step in steps:
+        try:
+            with _without_pass_line(), _quiet_warnings():
+                results[name] = step()
+        except ModuleNotFoundError as error:
+            raise RecipeError(
+                f"verl's check of {name} needs the module {error.name!r}, which is not installed here; run the "
+                "check where the rollout engine is installed, or change the setting that needs it "
+                "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA)."
+            ) from None
+        except (AssertionError, ValueError, TypeError, HydraException, OmegaConfBaseException) as error:
+            cause = error.__cause__ if isinstance(error, HydraException) and error.__cause__ else error
+            text = " ".join(str(cause).split())
+            if _raised_by_plugin(cause):  # DPPOLossConfig's own checks, run inside verl's dataclass build
+                raise RecipeError(
+                    f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
+                ) from None
+            raise RecipeError(f"verl rejects the config ({name}): {text}{field_hint(text)}") from None
+    if not plain and not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
+        raise RecipeError(
+            "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
+            "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
+        )
+    _check_anchor(config)
+    _check_topk_rollout(config)
+
+
+def check_length(config: Any) -> None:
+    """A run that would train nothing: verl starts Ray, trains no step and exits 0 with an empty log."""
+    steps = config.trainer.get("total_training_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise RecipeError(f"trainer.total_training_steps={steps}: a run trains at least one step; set a positive "
+                          "number, or null to train trainer.total_epochs over the data")
+    epochs = config.trainer.get("total_epochs")
+    if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise RecipeError(f"trainer.total_epochs={epochs}: a run trains at least one epoch; set a positive number")
+
+
+def _raised_by_plugin(error: BaseException) -> bool:
+    """Whether the innermost frame that raised `error` is verl-dppo's code (not verl's)."""
+    import traceback
+
+    package = str(Path(__file__).resolve().parent.parent)
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package)
+
+
+def _check_topk_rollout(config: Any) -> None:
+    """The Top-K modes' driver-side rollout check (it runs again at launch), on a copy: the config stays as composed."""
+    import copy
+
+    from verl_dppo.patches.llm_server import sync_rollout_config
+
+    try:
+        sync_rollout_config(copy.deepcopy(config))
+    except ValueError as error:
+        raise RecipeError(str(error)) from None
+
+
+def _missing_paths(node: Any, prefix: str) -> list[str]:
+    if isinstance(node, dict):
+        return [path for key, value in node.items() for path in _missing_paths(value, f"{prefix}.{key}")]
+    if isinstance(node, list):
+        return [path for index, value in enumerate(node) for path in _missing_paths(value, f"{prefix}[{index}]")]
+    return [prefix] if node == "???" else []
+
+
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _check_anchor(config: Any) -> None:
+    """The run-level checks the plugin repeats at launch (anchor vs bypass mode, how the rollout computes mu)."""
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
+
+    try:
+        check_run_config(config)
+    except RunConfigError as error:
+        raise RecipeError(str(error)) from None
+    from verl_dppo.plugin.run_config import is_plugin_mode
+
+    if is_plugin_mode(config) and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise RecipeError(
+            "the DPPO losses need the rollout engine's log-probs (mu): set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True."
+        )
+
+
+def check_supported(config: Any) -> list[str]:
+    """Combinations verl-dppo does not run, each saying what to do; [] when none. They compose and pass verl's
+    checks, so a dry-run only warns, but `run` refuses them instead of failing at the first actor update."""
+    from verl_dppo.plugin.topk_mode import unsupported_settings
+
+    return unsupported_settings(config)
+
+
+def resolved_yaml(config: Any) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(config, resolve=True)
+
+
+def compose_and_validate(setup: str, method: str, overrides: Sequence[str] = ()) -> Any:
+    config = compose_recipe(setup, method, overrides)
+    validate_recipe(config)
+    return config
+

@@ -1,0 +1,358 @@
+"""The `hf` rollout's generation engine: a transformers causal LM generating batches of requests with a KV cache.
+
+Requests that arrive together are generated together: `generate` queues a request and a scheduler task takes every
+request queued by then (up to `max_num_seqs`) into one batch: one left-padded prefill, then one decode step per
+token for the whole batch, each step in a worker thread so that the event loop keeps answering (new requests
+queue for the next batch; aborts stop a request at the next step and return its tokens so far).
+
+Sampling follows vLLM with `logprobs_mode=processed_logprobs`: logits / temperature, then top-k, then top-p; the
+token is drawn from that truncated distribution and its log-prob is taken from it (the distribution it was actually
+sampled from). The draw is vLLM's exponential race (argmax of p_i / E_i, one E_i ~ Exp(1) per vocabulary entry): a
+change of the logits in their last bits changes the token only where two scores tie, where the inverse CDF over
+sorted probabilities moved a boundary whenever two near-equal logits swapped ranks. temperature 0 is greedy, with the log-prob of the untruncated log-softmax (as vLLM reports it).
+The top-K row of a token (Top-K DPPO, TROLL) is the top-K of the temperature-scaled log-softmax before truncation.
+
+Reproducible: each request draws its noise from its own generator, seeded from the rollout seed, the weight
+version, the sample's identity in the run (its prompt's dataset index, which of the prompt's n samples it is, and
+whether it validates: handed on by the plugin's patch of `LLMServerClient.generate`), the prompt, and how many times
+that (identity, prompt) was seen at that version on this server; so the samples of a prompt are distinct draws on any
+number of replicas, and a run restarted from a checkpoint samples what the uninterrupted run sampled, whatever the
+order the requests arrive in. Without an identity (a caller other than verl's agent loop), the n samples of a prompt
+are told apart by their order of arrival on one server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from verl_dppo.rehearsal.hf_rollout.weights import WeightTargets
+
+__all__ = ["SamplingSettings", "GenerationResult", "HFGenerationEngine", "parse_sampling_params",
+           "sample_next", "HFRolloutError"]
+
+logger = logging.getLogger("verl_dppo")
+
+
+class HFRolloutError(ValueError):
+    """A request the hf rollout cannot serve (the message names the setting to change)."""
+
+
+_ACCEPTED = {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "logprobs", "repetition_penalty",
+             "ignore_eos", "stop_token_ids", "seed"}
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    logprobs: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+
+def parse_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingSettings:
+    """verl's sampling-params dict -> SamplingSettings; a setting the engine cannot honour raises HFRolloutError."""
+    unknown = sorted(set(params) - _ACCEPTED)
+    if unknown:
+        raise HFRolloutError(
+            f"the hf rollout does not support the sampling setting(s) {', '.join(f'{k}={params[k]!r}' for k in unknown)}"
+            f": remove them or use actor_rollout_ref.rollout.name=vllm (it supports {', '.join(sorted(_ACCEPTED))})"
+        )
+    repetition_penalty = params.get("repetition_penalty", 1.0)
+    if repetition_penalty not in (None, 1.0):
+        raise HFRolloutError(f"the hf rollout does not support repetition_penalty={repetition_penalty}: set "
+                             "actor_rollout_ref.rollout.repetition_penalty=1.0 or use rollout.name=vllm")
+    temperature = float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0)
+    top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
+    top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
+    if temperature < 0:
+        raise HFRolloutError(f"temperature={temperature} < 0: set actor_rollout_ref.rollout.temperature >= 0")
+    if not 0.0 < top_p <= 1.0:
+        raise HFRolloutError(f"top_p={top_p} outside (0, 1]: set actor_rollout_ref.rollout.top_p in (0, 1]")
+    if top_k == 0 or top_k < -1:
+        raise HFRolloutError(f"top_k={top_k}: set actor_rollout_ref.rollout.top_k to -1 (off) or a positive count")
+    max_tokens = params.get("max_tokens", params.get("max_new_tokens", default_max_tokens))
+    max_tokens = default_max_tokens if max_tokens is None else int(max_tokens)
+    stop = params.get("stop_token_ids") or ()
+    seed = params.get("seed")
+    return SamplingSettings(temperature, top_p, top_k, max_tokens, bool(params.get("logprobs", False)),
+                            bool(params.get("ignore_eos", False)), tuple(int(t) for t in stop),
+                            None if seed is None else int(seed))
+
+
+def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                noise: torch.Tensor, k: Optional[int]):
+    """One token per row of `logits` [B, V] (fp32), drawn with `noise` [B, V] (Exp(1) draws, one per vocabulary id:
+    the token is the kept one with the largest p / noise, vLLM's sampler). Returns (tokens [B], log-probs [B] under
+    the distribution sampled from, top-K ids [B, k] and log-probs [B, k] of the temperature-scaled log-softmax, or
+    None).
+
+    Truncation in sorted space, as vLLM does it: logits below the top_k-th largest dropped (vLLM's threshold rule:
+    a tie with the top_k-th is kept), then the tail whose preceding cumulative probability already reaches top_p
+    (the token that crosses top_p is kept; the top token always is).
+    """
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    full_sorted = torch.log_softmax(sorted_logits, dim=-1)
+    kth = sorted_logits.gather(1, (top_k.clamp(1, logits.shape[-1]) - 1)[:, None])
+    drop = (top_k[:, None] > 0) & (sorted_logits < kth)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    truncated = torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Dropped ranks score -inf whatever their noise (a zero draw, clamped, cannot revive one).
+    race = truncated - noise.gather(1, order).clamp_min(torch.finfo(noise.dtype).tiny).log()
+    position = race.argmax(dim=-1, keepdim=True)
+    position = torch.where(greedy[:, None], torch.zeros_like(position), position)
+    sampled_logprob = torch.where(greedy[:, None], full_sorted.gather(1, position), truncated.gather(1, position))
+    tokens = order.gather(1, position)[:, 0]
+    topk = None if not k else (order[:, :k], full_sorted[:, :k])
+    return tokens, sampled_logprob[:, 0], topk
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    log_probs: Optional[list[float]]
+    stop_reason: str  # "completed" or "aborted"
+    topk_ids: Optional[np.ndarray] = None  # [T, K] int64
+    topk_logprobs: Optional[np.ndarray] = None  # [T, K] float32
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    topk: Optional[int]
+    rng: torch.Generator
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[np.ndarray] = field(default_factory=list)
+    topk_lps: list[np.ndarray] = field(default_factory=list)
+    aborted: bool = False
+    done: bool = False
+
+
+class HFGenerationEngine:
+    """Batches of requests through one transformers model; one instance per rollout server."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], max_model_len: int, max_num_seqs: int,
+                 seed: int, pad_token_id: int = 0):
+        self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max(1, max_num_seqs)
+        self.seed = seed
+        self.pad_token_id = pad_token_id
+        self.version: Optional[int] = None
+        self._queue: list[_Request] = []
+        self._running: list[_Request] = []
+        self._seen: dict[tuple, int] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._scheduler: Optional[asyncio.Task] = None
+        self.batch_sizes: list[int] = []  # size of every batch generated, for tests and diagnostics
+        self._weights = WeightTargets(model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def _request_seed(self, prompt_ids: list[int], settings: SamplingSettings, sample: Optional[int]) -> int:
+        if settings.seed is not None:
+            return settings.seed
+        sample = -1 if sample is None else int(sample)
+        key = (self.version, sample, tuple(prompt_ids))
+        occurrence = self._seen.get(key, 0)
+        self._seen[key] = occurrence + 1
+        digest = hashlib.blake2b(np.asarray([self.seed, -1 if self.version is None else self.version, sample,
+                                             occurrence, *prompt_ids], dtype=np.int64).tobytes(),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+    async def generate(self, prompt_ids: list[int], settings: SamplingSettings, request_id: str,
+                       topk: Optional[int] = None, sample: Optional[int] = None) -> GenerationResult:
+        """Queue one request; `sample` is its identity in the run (patches/agent_loop.sample_identity): with it, its
+        draws depend neither on the order in which the samples of one prompt arrive nor on the replica serving it."""
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise HFRolloutError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's context of "
+                f"{self.max_model_len} tokens: lower data.max_prompt_length or raise actor_rollout_ref.rollout."
+                "max_model_len (at most the model's max_position_embeddings)"
+            )
+        if settings.max_tokens < 1:
+            raise HFRolloutError(f"max_tokens={settings.max_tokens}: a request must allow at least one token")
+        settings = SamplingSettings(**{**settings.__dict__, "max_tokens": min(settings.max_tokens, room)})
+        rng = torch.Generator().manual_seed(self._request_seed(prompt_ids, settings, sample))
+        request = _Request(request_id, list(prompt_ids), settings, topk, rng, asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        self._ensure_scheduler()
+        self._wakeup.set()
+        return await request.future
+
+    def abort(self, request_id: Optional[str] = None) -> list[str]:
+        """Mark one request (or, with None, every queued and running one) aborted; each returns its tokens so far
+        at the next step. Returns the ids marked."""
+        marked = []
+        for request in [*self._running, *self._queue]:
+            if not request.done and (request_id is None or request.request_id == request_id):
+                request.aborted = True
+                marked.append(request.request_id)
+        if self._queue and self._loop is not None:
+            self._wakeup.set()
+        return marked
+
+    async def wait_idle(self) -> None:
+        while self._running or self._queue:
+            await asyncio.sleep(0.005)
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    async def load_weights(self, named_tensors, version: Optional[int] = None, lora: Optional[dict] = None) -> int:
+        """Copy (name, tensor) pairs into the model, in the names vLLM takes (Hugging Face names, LoRA's base-layer
+        names, per-expert MoE names: `weights.WeightTargets`); `lora` marks an adapter sync's tensors, merged at
+        `finish_weights`. Returns how many tensors were taken; an unknown name raises."""
+        self._bind_loop()
+        async with self._model_lock:
+            count = self._weights.load(named_tensors, lora)
+            if version is not None:
+                self.set_version(version)
+            return count
+
+    async def finish_weights(self, lora: Optional[dict] = None) -> int:
+        """The push is complete: merge an adapter sync's LoRA tensors into the weights; returns how many merged."""
+        self._bind_loop()
+        async with self._model_lock:
+            return self._weights.finish(lora)
+
+    def set_version(self, version: Optional[int]) -> None:
+        if version != self.version:
+            self._seen.clear()
+        self.version = version
+
+    # ------------------------------------------------------------------------------------------------ scheduler
+
+    def _bind_loop(self) -> None:
+        """The scheduler, its event and the model lock belong to the running event loop (one in a Ray actor; each
+        asyncio.run of a caller outside Ray brings its own)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._scheduler = loop, None
+            self._wakeup, self._model_lock = asyncio.Event(), asyncio.Lock()
+
+    def _ensure_scheduler(self) -> None:
+        self._bind_loop()
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = self._loop.create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await asyncio.sleep(0.002)  # requests sent together arrive a few event-loop turns apart: take them all
+            while self._queue:
+                batch, self._queue = self._queue[: self.max_num_seqs], self._queue[self.max_num_seqs:]
+                self._running = batch
+                try:
+                    async with self._model_lock:
+                        await self._run_batch(batch)
+                except Exception as error:  # every caller gets the error instead of a hang
+                    logger.exception("hf rollout: a generation batch failed")
+                    for request in batch:
+                        if not request.future.done():
+                            request.future.set_exception(error)
+                finally:
+                    self._running = []
+
+    def _finish(self, request: _Request) -> None:
+        request.done = True
+        if request.future.done():
+            return
+        has_topk = request.topk and request.tokens
+        request.future.set_result(GenerationResult(
+            token_ids=list(request.tokens),
+            log_probs=list(request.logprobs) if request.settings.logprobs else None,
+            stop_reason="aborted" if request.aborted else "completed",
+            topk_ids=np.stack(request.topk_ids).astype(np.int64) if has_topk else None,
+            topk_logprobs=np.stack(request.topk_lps).astype(np.float32) if has_topk else None,
+        ))
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        live = [r for r in batch if not r.aborted]
+        for request in batch:
+            if request.aborted:
+                self._finish(request)
+        if not live:
+            return
+        self.batch_sizes.append(len(live))
+        device = self.device
+        width = max(len(r.prompt_ids) for r in live)
+        input_ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(live), width), dtype=torch.long)
+        for i, request in enumerate(live):  # left padding: every row's next token is at the last column
+            input_ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask[i, width - len(request.prompt_ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        temperature = torch.tensor([r.settings.temperature for r in live], dtype=torch.float32, device=device)
+        top_k = torch.tensor([r.settings.top_k for r in live], dtype=torch.long, device=device)
+        top_p = torch.tensor([r.settings.top_p for r in live], dtype=torch.float32, device=device)
+        k = max((r.topk or 0) for r in live)
+        state = {"cache": None, "mask": mask, "positions": (mask.cumsum(-1) - 1).clamp_min(0), "ids": input_ids}
+        steps = max(r.settings.max_tokens for r in live)
+        for _ in range(steps):
+            tokens, logprobs, topk = await asyncio.to_thread(self._step, state, temperature, top_k, top_p,
+                                                             [r.rng for r in live], k)
+            tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
+            if topk is not None:
+                topk_ids, topk_lps = topk[0].cpu().numpy(), topk[1].float().cpu().numpy()
+            for i, request in enumerate(live):
+                if request.done:
+                    continue
+                if request.aborted:  # aborted while this step ran: its token is not returned
+                    self._finish(request)
+                    continue
+                token = tokens_l[i]
+                request.tokens.append(token)
+                request.logprobs.append(logprobs_l[i])
+                if request.topk:
+                    request.topk_ids.append(topk_ids[i, : request.topk])
+                    request.topk_lps.append(topk_lps[i, : request.topk])
+                stops = request.settings.stop_token_ids + (() if request.settings.ignore_eos else self.eos_token_ids)
+                if token in stops or len(request.tokens) >= request.settings.max_tokens:
+                    self._finish(request)
+            if all(r.done for r in live):
+                return
+            state["ids"] = tokens[:, None]
+            state["mask"] = torch.cat([state["mask"], torch.ones_like(state["ids"])], dim=-1)
+            state["positions"] = state["positions"][:, -1:] + 1
+        for request in live:
+            self._finish(request)
+
+    @torch.no_grad()
+    def _step(self, state: dict, temperature, top_k, top_p, generators: list, k: int):
+        from transformers import DynamicCache
+
+        if state["cache"] is None:
+            state["cache"] = DynamicCache()
+        out = self.model(input_ids=state["ids"], attention_mask=state["mask"], position_ids=state["positions"],
+                         past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
+        state["cache"] = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        # Each row's noise from its request's own generator (on the CPU: the same draws on any device).
+        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
+        return sample_next(logits, temperature, top_k, top_p, noise.to(logits.device), k or None)
