@@ -43,8 +43,13 @@ staleness: $(STAMP)
 study: $(STAMP)
 	$(VENV)/bin/verl-dppo study --out out/study
 
+# Two phases: the unit tests on two pytest-xdist workers (a test file to a worker: its fixtures built once), which
+# alone would leave one of these two cores idle; then the e2e tiers, one after another, each running its launches in
+# two lanes of its own. Both phases run; the exit status fails if either failed.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not e2e" tests; unit=$$?; \
+	$(PY) -m pytest -q --durations=15 -m e2e tests; e2e=$$?; \
+	test $$unit -eq 0 && test $$e2e -eq 0
 
 bench: $(STAMP)
 	$(PY) bench/bench_loss.py --repeats 25

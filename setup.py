@@ -40,7 +40,7 @@ setup(
         "TransferQueue>=0.1.10",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "pytest-xdist>=3.6"],  # make test: two workers (tests/conftest.py)
     },
     entry_points={
         # The plugin (every process of a run) and the CPU rehearsal (what runs verl on CPUs), each its own entry.

@@ -13,6 +13,21 @@ def pytest_configure(config):
 import pytest  # noqa: E402
 
 
+def pytest_sessionfinish(session):
+    """On an xdist worker (`make test` runs the unit tests on two): hand the CPU branches its vLLM-CPU tests ran on
+    to the controller (`workeroutput`)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["dppo_cpu_branches"] = list(getattr(session.config, "_dppo_cpu_branches", []))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without pytest-xdist
+def pytest_testnodedown(node, error):
+    """On the xdist controller: what each worker's vLLM-CPU tests ran on, for the summary line below."""
+    branches = getattr(node, "workeroutput", {}).get("dppo_cpu_branches", [])
+    node.config._dppo_cpu_branches = getattr(node.config, "_dppo_cpu_branches", []) + list(branches)
+
+
 @pytest.fixture(scope="session")
 def real_model_checkpoint(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face checkpoint, built once per session from the set-up's package
@@ -34,5 +49,5 @@ def pytest_terminal_summary(terminalreporter, config):
     except Exception:  # noqa: BLE001  (the suite's summary must not fail on it)
         return
     terminalreporter.write_line(describe())
-    for line in getattr(config, "_dppo_cpu_branches", []):
+    for line in dict.fromkeys(getattr(config, "_dppo_cpu_branches", [])):
         terminalreporter.write_line(f"  tests/test_vllm_cpu_moe.py ran on: {line}")
