@@ -28,6 +28,18 @@ def pytest_testnodedown(node, error):
     node.config._dppo_cpu_branches = getattr(node.config, "_dppo_cpu_branches", []) + list(branches)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _environment_per_test_file():
+    """Each test file leaves the process's environment as it found it. `make test` gives the unit tests' files to two
+    workers in an order that varies from run to run (pytest-xdist), so what one file sets in `os.environ` (a platform,
+    a log path, vLLM's settings) must not reach the next one on its worker."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def real_model_checkpoint(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face checkpoint, built once per session from the set-up's package

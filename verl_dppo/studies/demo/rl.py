@@ -178,9 +178,18 @@ def train_method(
     bypass = settings.bypass and method.policy_loss.get("anchor", "rollout") != "recompute"
 
     run_name = run_name or method.name
+    # verl's FileLogger reads its path from the environment when it is built: set for that moment only, so that a
+    # process that runs the demo in-process (the tests) keeps its own environment.
+    saved = os.environ.get("VERL_FILE_LOGGER_PATH")
     os.environ["VERL_FILE_LOGGER_PATH"] = os.path.join(out_dir, f"{run_name}.jsonl")
-    with contextlib.redirect_stdout(io.StringIO()):  # FileLogger announces its path on stdout
-        tracker = Tracking("verl_dppo_demo", run_name, default_backend=["file"])
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # FileLogger announces its path on stdout
+            tracker = Tracking("verl_dppo_demo", run_name, default_backend=["file"])
+    finally:
+        if saved is None:
+            os.environ.pop("VERL_FILE_LOGGER_PATH", None)
+        else:
+            os.environ["VERL_FILE_LOGGER_PATH"] = saved
     blocked_tokens = BlockedTokens()
     scores, clipfracs, held_out = [], [], []
     val_key = f"val-core/{task.DATA_SOURCE}/acc/mean@1"
