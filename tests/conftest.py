@@ -8,6 +8,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "e2e: trains verl's real worker in subprocesses (tests/e2e; deselect with -m 'not e2e')"
     )
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s two workers on two cores: one thread each
+        import torch
+
+        torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402
@@ -30,14 +34,17 @@ def pytest_testnodedown(node, error):
 
 @pytest.fixture(autouse=True, scope="module")
 def _environment_per_test_file():
-    """Each test file leaves the process's environment as it found it. `make test` gives the unit tests' files to two
-    workers in an order that varies from run to run (pytest-xdist), so what one file sets in `os.environ` (a platform,
-    a log path, vLLM's settings) must not reach the next one on its worker."""
-    saved = dict(os.environ)
+    """Each test file leaves the process's environment and torch's thread count as it found them. `make test` gives
+    the unit tests' files to two workers in an order that varies from run to run (pytest-xdist), so what one file
+    sets in `os.environ` (a platform, a log path, vLLM's settings) must not reach the next one on its worker."""
+    import torch
+
+    saved, threads = dict(os.environ), torch.get_num_threads()
     yield
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+    torch.set_num_threads(threads)  # several files take one thread for their tiny models
 
 
 @pytest.fixture(scope="session")
