@@ -6,8 +6,11 @@ Covered there, each with the kernels' launches counted (a dispatch that fell bac
 statistics on peaked rows (top-1 1 - 1e-9), log-probs down to -100, bf16/fp16/fp32 logits, masked and padded rows,
 vocabularies below and above one block and not a multiple of it, a_t inside and outside the top-K, K = 1..20; the
 vocabulary-parallel path on two gloo ranks with Megatron's padded vocabulary; TROLL's forward and backward (K = 64,
-peaked and flat rows, masks, the in-place gradient) and its guard against overwritten logits; the kernels' edges
-(a row of -inf, a row subset, ids outside the vocabulary). On a GPU, bench/gpu_suite.py runs the compiled kernels.
+peaked and flat rows, masks, the in-place gradient, pi's top-K read by the threshold kernels) and its guard against
+overwritten logits; TROLL's crowded rows (more logits at the threshold than the candidates' room: read again with
+torch's top-k); Top-K and TROLL fused with the LM head (bf16 chunks read in place, forward and backward); the
+kernels' edges (a row of -inf, a row subset, ids outside the vocabulary). A second child compiles every kernel for
+an H100 (sm_90) with Triton's own ptxas. On a GPU, bench/gpu_suite.py runs the compiled kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ def test_the_kernels_equal_the_torch_paths_under_tritons_interpreter():
     done = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "kernel agreement: all cases agree" in done.stdout, done.stdout
+
+
+def test_every_kernel_compiles_for_an_h100_without_one():
+    """tests/probes/kernel_compile.py: Triton's own ptxas builds each kernel's sm_90 cubin on this CPU (the
+    interpreter above runs the kernels' semantics; this catches what only the compiler refuses)."""
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=os.pathsep.join(
+        [str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(PROBE.with_name("kernel_compile.py"))], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "all kernels compile for sm_90" in done.stdout, done.stdout
+    assert done.stdout.count("sm_90 cubin of") == 4, done.stdout
 
 
 def test_the_torch_path_runs_where_triton_does_not_import_and_on_cpu_tensors():

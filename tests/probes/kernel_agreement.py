@@ -154,6 +154,89 @@ def troll_cases():
     print("troll backward under the kernels refuses overwritten logits")
 
 
+def troll_crowded_case():
+    """Rows with more logits at pi's threshold than the candidates' room (a flat row, a row of few bf16 values) are
+    read again with torch's top-k, the other rows by the two kernels: both agree with the torch path."""
+    import verl_dppo.math.troll_support as support
+
+    rows, vocab = 8, 1_000
+    logits = llm_logits(rows, vocab, 31, top1_prob=1 - 1e-6)
+    logits[0] = 0.0  # flat: every column is a candidate
+    logits[1] = (logits[1] * 2).round() / 2  # ties everywhere at the threshold
+    _, ids, lp, sampled, sampled_lp = rollout_topk(logits + 0.3, 64, 31, inside=False)
+    logits = logits.to(torch.bfloat16)
+    calls = []
+    by_topk = support._support_by_topk
+
+    def counted(logits_, rows_, *args, **kwargs):
+        calls.append(None if rows_ is None else rows_.tolist())
+        return by_topk(logits_, rows_, *args, **kwargs)
+
+    support._support_by_topk = counted
+
+    def run():
+        x = logits.clone().requires_grad_()
+        terms = troll_token_terms(x, ids, lp, sampled, sampled_lp)
+        (grad,) = torch.autograd.grad(troll_token_loss(terms, torch.ones(rows)).sum(), x)
+        return terms, grad.float()
+
+    try:
+        (want, want_grad), (got, got_grad) = both(run)
+    finally:
+        support._support_by_topk = by_topk
+    assert calls and calls[0][0] == 0 and len(calls[0]) < rows, f"crowded rows re-read: {calls}"
+    assert torch.equal(got.diagnostics["support_size"], want.diagnostics["support_size"])
+    for name in ("log_p_sampled", "regression_kl"):
+        close(f"troll crowded {name}", getattr(got, name), getattr(want, name), atol=1e-6)
+    close("troll crowded gradient", got_grad, want_grad, rtol=2.0**-7, atol=1e-6)
+    print(f"troll crowded rows {calls[0]} re-read by torch's top-k, the others by the kernels: agree")
+
+
+def fused_cases():
+    """Top-K and TROLL fused with the LM head: the chunks' logits go to the kernels as the matmul left them (bf16
+    read in place), forward and backward, a temperature, masked rows, T not a multiple of the chunk."""
+    from verl_dppo.math.fused_topk import fused_topk_divergence
+    from verl_dppo.math.fused_troll import fused_troll_token_terms
+
+    rows, hid = 21, 16
+    mask = torch.arange(rows) % 4 != 1
+    for vocab, dtype, temperature in ((1_000, torch.float32, 1.0), (5_000, torch.bfloat16, 0.7)):
+        gen = torch.Generator().manual_seed(vocab)
+        h = torch.randn(rows, hid, generator=gen).to(dtype)
+        w = (torch.randn(vocab, hid, generator=gen) * 0.8).to(dtype)
+        logits = (h.double() @ w.double().t()) / temperature
+        noise = torch.randn(rows, vocab, dtype=torch.float64, generator=gen)
+        weights = torch.randn(3, rows, generator=gen)
+        for k, mode in ((20, "top-k"), (64, "troll")):
+            _, ids, lp, sampled, sampled_lp = rollout_topk(logits + noise, k, vocab, inside=False)
+
+            def run():
+                hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                if mode == "top-k":
+                    tv, kl, stats = fused_topk_divergence(hh, ww, ids, lp, sampled, sampled_lp, mask,
+                                                          temperature=temperature, chunk_tokens=8)
+                    outs = (tv, kl, stats.log_p_sampled)
+                    loss = ((stats.log_p_sampled * weights[0]).sum() + (stats.log_p_other * weights[1] * mask).sum()
+                            + (stats.log_p_topk.sum(dim=1) * weights[2] * mask).sum())
+                else:
+                    terms, policy = fused_troll_token_terms(hh, ww, ids, lp, sampled, sampled_lp, mask,
+                                                            temperature=temperature, chunk_tokens=8)
+                    outs = (terms.log_p_sampled, terms.regression_kl, policy.log_p_sampled)
+                    loss = (troll_token_loss(terms, weights[0]) * mask).sum() + (policy.log_p_sampled * weights[1]).sum()
+                return outs, torch.autograd.grad(loss, (hh, ww))
+
+            (want, want_grads), (got, got_grads) = both(run)
+            where = f"fused {mode} V={vocab} {dtype} T={temperature}"
+            for i, (g, r) in enumerate(zip(got, want)):
+                close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
+            for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
+                # bf16 gradients: d logits rounded to bf16 once, from float32 values that may differ by rounding
+                scale = float(r.float().abs().max())
+                close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
+                      atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward: agree")
+
+
 def kernel_edges():
     """The two kernels directly: a row that is -inf everywhere, a row subset, excluded ids outside [0, V)."""
     os.environ[kernels.KERNELS_ENV] = "triton"
@@ -185,4 +268,6 @@ if __name__ == "__main__":
     topk_cases()
     vocab_parallel_case()
     troll_cases()
+    troll_crowded_case()
+    fused_cases()
     print(f"kernel agreement: all cases agree ({LAUNCHES['count']} kernel builds looked up)")

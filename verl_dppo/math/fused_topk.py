@@ -40,6 +40,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, scaled_exp_into
 from verl_dppo.math.topk import (
     MASS_TOLERANCE,
     TopKInputError,
@@ -150,18 +151,20 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         slot_logits = torch.empty(n, width, dtype=work, device=dev)
         entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
         rows = min(chunk, n)
+        in_place = _kernels_read(work, dev)
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
-        scratch = torch.empty_like(buffer) if needs_scratch else None
+        scratch = torch.empty_like(buffer) if needs_scratch and not in_place else None
         matmul_dtype = work
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = _chunk_logits(hidden[start:end], weight, temperature, buffer)
             matmul_dtype = logits.dtype
-            block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
+            keep_dtype = logits.dtype == work or (in_place and not want_entropy)
+            block = logits if keep_dtype else buffer[: end - start].copy_(logits)
             del logits
             if want_entropy:
                 entropy[start:end] = _entropy_rows(block, _finite(block.amax(dim=1)))
-            slots = select(block, scratch[: end - start] if needs_scratch else None, start, end)
+            slots = select(block, scratch[: end - start] if scratch is not None else None, start, end)
             ids[start:end], dropped[start:end] = slots.ids, slots.dropped
             row_max[start:end], sum_outside[start:end] = slots.row_max, slots.sum_outside
             slot_logits[start:end] = slots.slot_logits
@@ -208,18 +211,23 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if need_w else None
         device_type, autocast_on, autocast_dtype = ctx.autocast
         chunk, rows = ctx.chunk, min(ctx.chunk, n)
+        in_place = _kernels_read(work, dev)
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
                 h = hidden[start:end]
                 logits = _chunk_logits(h, weight, ctx.temperature, buffer)
-                block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
-                del logits
                 c = slice(start, end)
-                grad = _logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
-                                             log_z_w[c], entropy_w[c], g_h[c] if g_h is not None else None)
-                del block
+                if in_place and g_h is None:  # one kernel pass from the logits as they are, into the buffer
+                    grad = scaled_exp_into(buffer[: end - start], logits, tail_base[c], tail_coef[c])
+                    grad.scatter_(1, ids[c], 0.0).scatter_add_(1, ids[c], on_slots[c])
+                else:
+                    block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
+                    grad = _logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
+                                                 log_z_w[c], entropy_w[c], g_h[c] if g_h is not None else None)
+                    del block
+                del logits
                 if ctx.temperature != 1.0:
                     grad.div_(ctx.temperature)
                 d_logits = grad.to(ctx.matmul_dtype)  # verl casts dlogits to the logits' dtype the same way
@@ -262,9 +270,17 @@ def _topk_slots(sampled: torch.Tensor, topk_ids: torch.Tensor, rows: Optional[to
     return slot_ids, dropped
 
 
+def _kernels_read(work: torch.dtype, device: torch.device) -> bool:
+    """Whether the chunks' logits go to the kernels as the matmul left them (`verl_dppo.math.kernels`)."""
+    return backend_for(torch.empty(0, dtype=work, device=device)) == "triton"
+
+
 def _fixed_selector(slot_ids: torch.Tensor, dropped: torch.Tensor) -> Selector:
     def select(block, scratch, start, end):
         ids = slot_ids[start:end]
+        if backend_for(block) == "triton":  # one read, in place
+            row_max, sum_outside = max_and_sum_exp_outside(block, ids)
+            return ChunkSlots(ids, dropped[start:end], _finite(row_max), sum_outside, logits_at(block, None, ids))
         row_max = _finite(block.amax(dim=-1))
         slot_logits = block.gather(1, ids)
         sum_outside = _sum_exp_outside(block, row_max, ids)  # topk.py's sum; overwrites block

@@ -29,7 +29,8 @@ from verl_dppo.math.troll import (
     TrollTerms,
     troll_terms_from_support,
 )
-from verl_dppo.math.troll_support import pi_read_width, support_in_chunk
+from verl_dppo.math.kernels import backend_for, logits_at
+from verl_dppo.math.troll_support import pi_read_width, support_by_kernel, support_in_chunk
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -41,13 +42,19 @@ class FusedPolicy(NamedTuple):
     entropy: Optional[torch.Tensor]  # None unless asked
 
 
-def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float):
-    """Per chunk, S_t as `support_in_chunk` finds it (S_t first, padding slots repeating a_t and dropped);
-    rows outside `troll_rows` keep {a_t} only. extra = each slot's candidate column (mu's source for `mu_on_atoms`)."""
+def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float, width: int):
+    """Per chunk, S_t as `support_in_chunk` finds it, or `support_by_kernel` on the kernels' path (S_t first in
+    `width` slots, padding slots repeating a_t and dropped); rows outside `troll_rows` keep {a_t} only. extra = each
+    slot's candidate column (mu's source for `mu_on_atoms`)."""
 
     def select(block, scratch, start, end):
-        s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
-                             support_mass, troll_rows[start:end])
+        chunk = (sampled[start:end], mu_ids[start:end], mu_selected[start:end])
+        if backend_for(block) == "triton":  # the kernels read the chunk's logits in place
+            s = support_by_kernel(block, None, *chunk, k_pi, support_mass, troll_rows[start:end])
+            # |S_t| <= 1 + K + k_pi: the slots past the caller's width are padding
+            ids, valid, source = s.ids[:, :width], s.valid[:, :width], s.source[:, :width]
+            return ChunkSlots(ids, ~valid, s.row_max, s.tail, logits_at(block, None, ids), source)
+        s = support_in_chunk(block, scratch, *chunk, k_pi, support_mass, troll_rows[start:end])
         return ChunkSlots(s.ids, ~s.valid, s.row_max, s.tail, block.gather(1, s.ids), s.source)
 
     return select
@@ -106,8 +113,8 @@ def fused_troll_token_terms(
         troll_rows = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         index = slice(None) if rows_arg is None else rows_arg
         mu_ids[index], mu_selected[index], troll_rows[index] = mu_ids_rows, mu_selected_rows, True
-        select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass)
         width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, vocab)
+        select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass, width)
         log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
             hidden, weight, temperature, select, width, entropy, chunk_tokens, scratch=True
         )

@@ -35,7 +35,7 @@ import torch
 
 __all__ = [
     "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
-    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at",
+    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -56,6 +56,8 @@ _WARPS = 4
 """Launch shape: the best of BLOCK 1,024-4,096 x 4-16 warps on an H100 (bench/kernel_sweep.py, docs/benchmarks.md)."""
 _SENTINEL = 2**62  # sorts after every column id; never equals one
 _BLOCK = 1024  # columns per step: 2 KiB of bf16 per load, 149 steps over Qwen3's 151,936-token vocabulary
+LANES = _BLOCK
+"""How many lanes `top_threshold` ranks: a threshold exists for up to LANES of a row's largest logits."""
 
 
 def chunk_bytes_for(device: torch.device) -> int:
@@ -165,7 +167,78 @@ def _kernels():
             tl.store(sum_ptr + pid, tl.sum(lane_sum * weights, axis=0))
             tl.store(max_ptr + pid, row_max)
 
-    return max_and_sum_outside_kernel, scaled_exp_kernel
+    @triton.jit
+    def lane_threshold_kernel(
+        logits_ptr, stride_row, rows_ptr, vocab, kth, max_ptr, threshold_ptr,
+        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # Each lane keeps the max of its columns (no reduction inside the loop); the lanes' maxima are distinct
+        # columns, so their (kth + 1)-th largest is a lower bound of the row's own (kth + 1)-th largest logit.
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            lane_max = tl.maximum(lane_max, x)
+        # The (kth + 1)-th largest lane max by bisection on the float's bits (an int32 key in float order): 32 counts
+        # of the lanes, no sort (tl.sort of 1,024 lanes takes ~1 s a row under the interpreter).
+        bits = lane_max.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        low = tl.full([], -(2**31), tl.int64)  # every lane's key is >= low: a valid answer
+        high = tl.full([], 2**31, tl.int64)  # no key reaches high
+        for _ in range(32):
+            middle = low + (high - low) // 2  # high - low > 0: no rounding toward zero below 0
+            enough = tl.sum((key >= middle).to(tl.int32), axis=0) > kth
+            low = tl.where(enough, middle, low)
+            high = tl.where(enough, high, middle)
+        found = tl.where(low < 0, low ^ 0x7FFFFFFF, low).to(tl.int32)
+        tl.store(max_ptr + pid, tl.max(lane_max, axis=0))
+        tl.store(threshold_ptr + pid, found.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def below_threshold_kernel(
+        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, threshold_ptr, sum_ptr,
+        count_ptr, candidates_ptr, capacity,
+        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # Columns at or above the row's threshold are written out as candidates (their slot from an atomic counter:
+        # a handful per row, so no scan of the block); the rest, less the excluded ids, is summed as exp(x - max).
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        own = excluded_ptr + pid * n_excluded
+        ptr = 0
+        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
+        given = tl.load(max_ptr + pid).to(tl.float32)
+        shift = tl.where(given == float("-inf"), 0.0, given)
+        threshold = tl.load(threshold_ptr + pid).to(tl.float32)
+        counter = count_ptr + pid + tl.zeros([BLOCK], tl.int32)
+        slots = candidates_ptr + pid * capacity
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            inside = cols < vocab
+            x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            skip = cols >= vocab
+            while upcoming < start + BLOCK:
+                skip = skip | (cols == upcoming)
+                ptr += 1
+                upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
+            hit = inside & (x >= threshold)
+            slot = tl.atomic_add(counter, 1, mask=hit)
+            tl.store(slots + slot, cols.to(tl.int32), mask=hit & (slot < capacity))
+            lane_sum += tl.where(skip | hit, 0.0, tl.exp(x - shift))
+        tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
+
+    return max_and_sum_outside_kernel, scaled_exp_kernel, lane_threshold_kernel, below_threshold_kernel
 
 
 def logits_at(logits: torch.Tensor, rows: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -219,6 +292,58 @@ def max_and_sum_exp_outside(
         BLOCK=block, num_warps=num_warps,
     )
     return out_max, out_sum
+
+
+def top_threshold(
+    logits: torch.Tensor, kth: int, rows: Optional[torch.Tensor] = None, block: int = _BLOCK, num_warps: int = _WARPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, a lower bound of the (kth + 1)-th largest logit) per selected row, float32 [n] each, in one read: the
+    (kth + 1)-th largest of the `block` lanes' own maxima (distinct columns). -inf where fewer than kth + 1 lanes
+    hold a finite logit. Needs kth < block."""
+    logits = _unit_stride(logits)
+    if not 0 <= kth < block:
+        raise ValueError(f"kth must lie in [0, {block}), got {kth}")
+    n = logits.shape[0] if rows is None else rows.numel()
+    out_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+    out_threshold = torch.empty_like(out_max)
+    if n:
+        _kernels()[2][(n,)](
+            logits, logits.stride(0), _rows_arg(rows, logits), logits.shape[1], kth, out_max, out_threshold,
+            HAS_ROWS=rows is not None, BLOCK=block, num_warps=num_warps,
+        )
+    return out_max, out_threshold
+
+
+def sum_exp_below(
+    logits: torch.Tensor,
+    excluded: torch.Tensor,
+    row_max: torch.Tensor,
+    threshold: torch.Tensor,
+    capacity: int,
+    rows: Optional[torch.Tensor] = None,
+    block: int = _BLOCK,
+    num_warps: int = _WARPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One read per selected row: (sum of exp(logit - row_max) over the columns below `threshold` and not in
+    `excluded`, float32 [n]; how many columns lie at or above the threshold, int64 [n]; those columns' ids, int32
+    [n, capacity] in no particular order, -1 after the row's count). A row whose count exceeds `capacity` has only
+    `capacity` of them written (the caller reads that row another way); its sum is still that of the others.
+    A -inf row_max shifts by 0."""
+    logits = _unit_stride(logits)
+    n = logits.shape[0] if rows is None else rows.numel()
+    vocab = logits.shape[1]
+    sorted_ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
+    sorted_ids = sorted_ids.sort(dim=1).values.contiguous() if sorted_ids.shape[1] else sorted_ids
+    out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
+    count = torch.zeros(n, dtype=torch.int32, device=logits.device)
+    candidates = torch.full((n, capacity), -1, dtype=torch.int32, device=logits.device)
+    if n:
+        _kernels()[3][(n,)](
+            logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab,
+            row_max.to(torch.float32).contiguous(), threshold.to(torch.float32).contiguous(), out_sum, count,
+            candidates, capacity, HAS_ROWS=rows is not None, BLOCK=block, num_warps=num_warps,
+        )
+    return out_sum, count.long(), candidates
 
 
 def scaled_exp_into(

@@ -10,10 +10,23 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, scaled_exp_into
+from verl_dppo.math.kernels import (
+    LANES,
+    backend_for,
+    logits_at,
+    max_and_sum_exp_outside,
+    scaled_exp_into,
+    sum_exp_below,
+    top_threshold,
+)
 from verl_dppo.math.troll_projection import _logsumexp
 
-__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width"]
+__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width", "support_by_kernel"]
+
+CANDIDATE_ROOM = 256
+"""Room per row for pi's candidates in `support_by_kernel` (at least 4x pi's read width): a real row has a few more
+than k_pi + 1 (the lanes' threshold sits just below pi's (k_pi + 1)-th logit); a flat row of ties may have more,
+and is read again with torch's top-k."""
 
 MU_FLOOR = 1e-12
 """Smallest probability mu' gives an atom it has no report for (each token of S_t outside mu's report, and "other"),
@@ -98,10 +111,64 @@ def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, su
                     k_pi, support_mass, pi_rows)
 
 
-def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float) -> ChunkSupport:
-    """`support_in_chunk` on the selected `rows` of the whole logits, read in place: torch's top-k, then one kernel
-    for the tail's exponentials (`verl_dppo.math.kernels`); no [n, V] temporary."""
-    top_logits, top_ids = logits.topk(pi_read_width(k_pi, logits.shape[1]), dim=1)  # every row: no row copies
+def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
+                      pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
+    """`support_in_chunk` on the selected `rows` of the whole logits, read in place by two kernels
+    (`verl_dppo.math.kernels`), no [n, V] temporary and no sort of the vocabulary:
+
+    1. `top_threshold`: the row max and a lower bound t of pi's (k_pi + 1)-th largest logit;
+    2. `sum_exp_below`: the ids at or above t (a few more than k_pi + 1 on real rows), and the tail's sum of
+       exp(l - max) over the columns below t that are neither a_t nor mu's ids.
+
+    pi's top k_pi + 1 are the largest of those candidates, exactly (every logit >= t is among them, ties included);
+    all of them stay candidates of S_t, so the tail is the same sum as the torch path's, grouped otherwise. A row
+    with more candidates than room (a flat row of ties) is read again with torch's top-k (`_support_by_topk`)."""
+    width = pi_read_width(k_pi, logits.shape[1])
+    if width > LANES:
+        return _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
+    row_max, threshold = top_threshold(logits, width - 1, rows)
+    capacity = max(CANDIDATE_ROOM, 4 * width)
+    rest, count, found = sum_exp_below(logits, torch.cat([sampled[:, None], mu_ids], dim=1), row_max, threshold,
+                                       capacity, rows)
+    used = max(width, min(int(count.max()), capacity)) if count.numel() else width
+    found = found[:, :used].long()
+    present = found >= 0
+    values = torch.where(present, logits_at(logits, rows, found.clamp(min=0)), -math.inf)
+    values, order = values.sort(dim=1, descending=True)
+    pi_ids = torch.where(present.gather(1, order), found.gather(1, order), sampled[:, None])
+    candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, pi_ids)
+    c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
+    support = _support(values[:, :width], row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected,
+                       k_pi, support_mass, pi_rows, pi_columns=used)
+    crowded = (count > capacity).nonzero().squeeze(1)
+    if crowded.numel() == 0:
+        return support
+    again = _support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
+                             mu_selected[crowded], k_pi, support_mass,
+                             None if pi_rows is None else pi_rows[crowded])
+    return _overwrite_rows(support, crowded, again, sampled)
+
+
+def _overwrite_rows(support: ChunkSupport, at: torch.Tensor, other: ChunkSupport, sampled) -> ChunkSupport:
+    """`support` with its rows `at` replaced by `other`'s, the slot columns padded to the wider of the two."""
+    width = max(support.ids.shape[1], other.ids.shape[1])
+
+    def padded(s: ChunkSupport, fill_ids) -> ChunkSupport:
+        extra = width - s.ids.shape[1]
+        if extra == 0:
+            return s
+        pad = fill_ids[:, None].expand(-1, extra)
+        return s._replace(ids=torch.cat([s.ids, pad], dim=1), source=torch.cat([s.source, torch.zeros_like(pad)], 1),
+                          valid=torch.cat([s.valid, torch.zeros_like(pad, dtype=torch.bool)], dim=1))
+
+    support, other = padded(support, sampled), padded(other, sampled[at])
+    return ChunkSupport(*(mine.index_copy(0, at, theirs) for mine, theirs in zip(support, other)))
+
+
+def _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows=None) -> ChunkSupport:
+    """`support_by_kernel` with torch's top-k for pi's most likely ids (every row read, no row copies), then one
+    kernel for the tail's exponentials."""
+    top_logits, top_ids = logits.topk(pi_read_width(k_pi, logits.shape[1]), dim=1)
     if rows is not None:
         top_logits, top_ids = top_logits.index_select(0, rows), top_ids.index_select(0, rows)
     top_logits = top_logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -110,15 +177,18 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     _, rest = max_and_sum_exp_outside(logits, candidates, rows, row_max)
     c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
     return _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi,
-                    support_mass)
+                    support_mass, pi_rows)
 
 
 def _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi, support_mass,
-             pi_rows=None) -> ChunkSupport:
+             pi_rows=None, pi_columns: Optional[int] = None) -> ChunkSupport:
     """S_t and pi's normaliser and tail from pi's top logits, the sum of exp(l - max) over the non-candidates
-    (`rest`) and the candidates' own exp(l - max) (`c_exp`, 0 on repeats)."""
+    (`rest`) and the candidates' own exp(l - max) (`c_exp`, 0 on repeats). pi_columns: how many of the candidate
+    columns are pi's (None: as many as top_logits; more when pi's candidates go on past its top)."""
     log_z = row_max + (rest + c_exp.sum(dim=1)).log()
     pi_selected = top_selected(top_logits, (top_logits - log_z[:, None]).exp(), k_pi, support_mass)
+    if pi_columns is not None and pi_columns > pi_selected.shape[1]:
+        pi_selected = torch.nn.functional.pad(pi_selected, (0, pi_columns - pi_selected.shape[1]), value=False)
     if pi_rows is not None:
         pi_selected &= pi_rows[:, None]
     always = torch.ones_like(sampled[:, None], dtype=torch.bool)  # a_t
