@@ -11,7 +11,8 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    events around the call) and its extra peak memory (the allocator's peak minus what was allocated before), with its
    ratio to one read of the logits (`amax`) and to torch's cross entropy (forward, or forward + backward):
    `topk_divergence` and TROLL's `troll_token_terms` + `troll_token_loss` + backward on the kernels (the default on a
-   GPU) and on the torch path (VERL_DPPO_KERNELS=torch: chunks sized by the device, and the old 8 MiB chunks).
+   GPU; TROLL also with Top(pi) by torch's top-k, the kernels' first version, for the threshold kernels' gain) and on
+   the torch path (VERL_DPPO_KERNELS=torch: chunks sized by the device, and the old 8 MiB chunks).
 2. fused: the LM-head-fused paths (T tokens, H = 1,024): verl's own chunked torch path (`FusedLinearForPPO`, what
    dppo_binary_tv runs with use_fused_kernels=True) against fused Top-K and fused TROLL, forward + backward
    (bench_fused_topk.step_fn).
@@ -30,7 +31,7 @@ it, recipes and patches included. The call that ran on 2026-11-27 (H100, 175 s f
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
         set -o pipefail; PYTHONUNBUFFERED=1 timeout 380 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
 
-Also: launch_shapes (the kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
+Also: launch_shapes (the four kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
 TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker took about 45 s
 on an H100; the worker about two minutes (its rollout and six worker builds). --parts picks a subset.
 """
@@ -68,14 +69,20 @@ class Clock:
 
 @contextlib.contextmanager
 def kernels(choice: str):
-    """VERL_DPPO_KERNELS for the block ('auto': the default, the kernels on a GPU)."""
+    """VERL_DPPO_KERNELS for the block ('auto': the default, the kernels on a GPU). 'auto+topk': the kernels, with
+    TROLL's Top(pi) read by torch's top-k as before the threshold kernels (the same answer; for the comparison)."""
+    from verl_dppo.math import troll_support
     from verl_dppo.math.kernels import KERNELS_ENV
 
     before = os.environ.get(KERNELS_ENV)
-    os.environ[KERNELS_ENV] = choice
+    os.environ[KERNELS_ENV] = choice.split("+")[0]
+    reader = troll_support.support_by_kernel
+    if choice.endswith("+topk"):
+        troll_support.support_by_kernel = troll_support._support_by_topk
     try:
         yield
     finally:
+        troll_support.support_by_kernel = reader
         if before is None:
             os.environ.pop(KERNELS_ENV)
         else:
@@ -144,6 +151,7 @@ def per_token(args, device, clock) -> dict:
         "fwd+bwd torch cross_entropy": (
             None, backward_of(lambda x: (F.cross_entropy(x, sampled, reduction="none") * advantages).sum())),
         "fwd+bwd TROLL, kernels": ("auto", backward_of(troll_loss)),
+        "fwd+bwd TROLL, kernels, Top(pi) by torch.topk": ("auto+topk", backward_of(troll_loss)),
         "fwd+bwd TROLL, torch path, device chunks": ("torch", backward_of(troll_loss)),
     }
     rows = {}
@@ -185,7 +193,13 @@ def launch_shapes(args, device, clock) -> dict:
                     logits, slots, block=block, num_warps=warps), args.repeats)["seconds"]
                 second = measure(device, lambda: kernels.scaled_exp_into(
                     out, logits, base, coef, block=block, num_warps=warps), args.repeats)["seconds"]
-                result[f"{block}/{warps}"] = {"max_and_sum_ms": first * 1e3, "scaled_exp_ms": second * 1e3}
+                threshold = measure(device, lambda: kernels.top_threshold(
+                    logits, 64, block=block, num_warps=warps), args.repeats)["seconds"]
+                row_max, at = kernels.top_threshold(logits, 64, block=block, num_warps=warps)
+                below = measure(device, lambda: kernels.sum_exp_below(
+                    logits, slots, row_max, at, 260, block=block, num_warps=warps), args.repeats)["seconds"]
+                result[f"{block}/{warps}"] = {"max_and_sum_ms": first * 1e3, "scaled_exp_ms": second * 1e3,
+                                              "top_threshold_ms": threshold * 1e3, "sum_exp_below_ms": below * 1e3}
             except Exception as error:
                 result[f"{block}/{warps}"] = {"error": f"{type(error).__name__}: {error}"[:300]}
             clock(f"launch_shapes: BLOCK {block}, {warps} warps: {result[f'{block}/{warps}']}")
@@ -331,12 +345,14 @@ def markdown(result: dict) -> str:
     part = result.get("launch_shapes")
     if part and "one_read_ms" in part:
         lines += [f"## Launch shapes (BLOCK/warps): the kernels in ms; one read of the logits {part['one_read_ms']:.2f} ms",
-                  "", "| BLOCK/warps | max_and_sum_exp_outside | scaled_exp_into |", "|---|---|---|"]
+                  "", "| BLOCK/warps | max_and_sum_exp_outside | scaled_exp_into | top_threshold (K + 1 = 65) | "
+                  "sum_exp_below |", "|---|---|---|---|---|"]
         for name, row in part.items():
             if name != "one_read_ms":
                 lines.append(f"| {name} | {row.get('max_and_sum_ms', math.nan):.2f} | "
-                             f"{row.get('scaled_exp_ms', math.nan):.2f} |" if "error" not in row else
-                             f"| {name} | {row['error']} | |")
+                             f"{row.get('scaled_exp_ms', math.nan):.2f} | {row.get('top_threshold_ms', math.nan):.2f} | "
+                             f"{row.get('sum_exp_below_ms', math.nan):.2f} |" if "error" not in row else
+                             f"| {name} | {row['error']} | | | |")
         lines.append("")
     part = result.get("fused")
     if part:

@@ -23,7 +23,9 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
     entropy:     - g_H pi_j (log pi_j + H)
 
 (q rather than pi_j / pi(other): exact where pi(other) underflows), then dh = dlogits W / temperature and
-dW += dlogits^T h. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
+dW += dlogits^T h. On a GPU (`kernels.backend_for`) the chunk's logits are read as the matmul left them (bf16, no
+float32 copy) by the Triton kernels: `max_and_sum_exp_outside` in the forward, `scaled_exp_into` into the float32
+buffer in the backward; the entropy, when asked for, keeps the torch passes. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
 a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
 
 Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with

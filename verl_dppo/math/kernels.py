@@ -15,9 +15,19 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
   block at every step took 8.2 ms, and 35 ms with TROLL's 130 excluded ids.
 - `scaled_exp_into(out, logits, base, coef, rows=None)`: out[r, j] = exp(logit[r, j] - base[r]) * coef[r], in
   `out`'s dtype (TROLL's backward off the support: one read, one write; `out` may be the logits themselves).
+- `top_threshold(logits, kth, rows=None)`: per row, the max and the (kth + 1)-th largest of the BLOCK lanes' own
+  maxima (lane = column mod BLOCK), a lower bound of the row's (kth + 1)-th largest logit, found by bisection on the
+  float's bits (32 counts of the lanes; a sort of 1,024 lanes costs ~1 s a row under the interpreter).
+- `sum_exp_below(logits, excluded, row_max, threshold, capacity, rows=None)`: per row, the ids at or above the
+  threshold (their slots from an atomic counter: a handful per row, so no scan of each block) and the sum of
+  exp(logit - max) over the other columns, less `excluded`. With `top_threshold`, pi's top K + 1 in two reads
+  (TROLL's support: `troll_support.support_by_kernel`), where torch's `topk` took two thirds of TROLL's time.
 
 Which columns a row excludes: its ids sorted ascending (sentinels for "none"), walked with a scalar pointer as the
 blocks of columns pass them, so a row's exclusion costs its number of ids, not ids x columns.
+
+The fused LM-head paths (`fused_topk`, `fused_troll`) give each chunk's logits to these kernels as the matmul
+left them (bf16 read in place, forward and backward).
 
 Which path runs (`backend_for`): Triton for CUDA tensors when Triton imports, the torch path otherwise.
 `VERL_DPPO_KERNELS=torch` forces torch everywhere; `VERL_DPPO_KERNELS=triton` forces the kernels, also on CPU
