@@ -166,11 +166,15 @@ def _overwrite_rows(support: ChunkSupport, at: torch.Tensor, other: ChunkSupport
 
 
 def _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows=None) -> ChunkSupport:
-    """`support_by_kernel` with torch's top-k for pi's most likely ids (every row read, no row copies), then one
-    kernel for the tail's exponentials."""
-    top_logits, top_ids = logits.topk(pi_read_width(k_pi, logits.shape[1]), dim=1)
-    if rows is not None:
-        top_logits, top_ids = top_logits.index_select(0, rows), top_ids.index_select(0, rows)
+    """`support_by_kernel` with torch's top-k for pi's most likely ids, then one kernel for the tail's exponentials.
+    Most rows: every row read in place, no row copies; a few rows (the crowded ones): those rows copied first."""
+    width = pi_read_width(k_pi, logits.shape[1])
+    if rows is not None and 4 * rows.numel() < logits.shape[0]:
+        top_logits, top_ids = logits.index_select(0, rows).topk(width, dim=1)
+    else:
+        top_logits, top_ids = logits.topk(width, dim=1)
+        if rows is not None:
+            top_logits, top_ids = top_logits.index_select(0, rows), top_ids.index_select(0, rows)
     top_logits = top_logits.to(torch.promote_types(logits.dtype, torch.float32))
     row_max = top_logits[:, 0]
     candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
