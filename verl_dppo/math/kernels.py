@@ -243,7 +243,8 @@ def _kernels():
                 ptr += 1
                 upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
             hit = inside & (x >= threshold)
-            slot = tl.atomic_add(counter, 1, mask=hit)
+            # relaxed, CTA scope: only this program counts its row, and torch reads the count after the kernel
+            slot = tl.atomic_add(counter, 1, mask=hit, sem="relaxed", scope="cta")
             tl.store(slots + slot, cols.to(tl.int32), mask=hit & (slot < capacity))
             lane_sum += tl.where(skip | hit, 0.0, tl.exp(x - shift))
         tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
