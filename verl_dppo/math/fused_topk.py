@@ -24,8 +24,9 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
 
 (q rather than pi_j / pi(other): exact where pi(other) underflows), then dh = dlogits W / temperature and
 dW += dlogits^T h. On a GPU (`kernels.backend_for`) the chunk's logits are read as the matmul left them (bf16, no
-float32 copy) by the Triton kernels: `max_and_sum_exp_outside` in the forward, `scaled_exp_into` into the float32
-buffer in the backward; the entropy, when asked for, keeps the torch passes. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
+float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` in the
+forward, `scaled_exp_into` into the float32 buffer in the backward; the entropy, when asked for, keeps the torch
+passes. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
 a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
 
 Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with
@@ -154,7 +155,9 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
         rows = min(chunk, n)
         in_place = _kernels_read(work, dev)
-        buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev)
+        # The kernels read bf16 chunks as they are: a float32 buffer only for a float32 matmul or the entropy.
+        buffered = not in_place or want_entropy or hidden.dtype == weight.dtype == work
+        buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev) if buffered else None
         scratch = torch.empty_like(buffer) if needs_scratch and not in_place else None
         matmul_dtype = work
         for start in range(0, n, chunk):
