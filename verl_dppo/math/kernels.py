@@ -112,14 +112,33 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def scaled_exp_kernel(
-        logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
+    def _program_row(rows_ptr, HAS_ROWS: tl.constexpr):
+        """(this program's index, the logits row it reads: rows[index] when given)."""
         pid = tl.program_id(0).to(tl.int64)
         row = pid
         if HAS_ROWS:
             row = tl.load(rows_ptr + pid).to(tl.int64)
+        return pid, row
+
+    @triton.jit
+    def _skip_excluded(skip, cols, block_end, own, ptr, upcoming, n_excluded):
+        """Marks in `skip` the row's excluded ids (sorted, at own[ptr:]) below block_end; returns the walk's state."""
+        while upcoming < block_end:
+            skip = skip | (cols == upcoming)
+            ptr += 1
+            upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
+        return skip, ptr, upcoming
+
+    # The kernels call these by their global names (Triton's interpreter resolves calls in the module's globals):
+    # module-level functions, defined here because Triton is imported only when a kernel is first used.
+    globals().update(_program_row=_program_row, _skip_excluded=_skip_excluded)
+
+    @triton.jit
+    def scaled_exp_kernel(
+        logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
+        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid, row = _program_row(rows_ptr, HAS_ROWS)
         src = logits_ptr + row * stride_row
         dst = out_ptr + row * stride_out
         shift = tl.load(base_ptr + pid).to(tl.float32)
@@ -138,10 +157,7 @@ def _kernels():
     ):
         # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
         # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + pid).to(tl.int64)
+        pid, row = _program_row(rows_ptr, HAS_ROWS)
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
         own = excluded_ptr + pid * n_excluded
@@ -156,10 +172,7 @@ def _kernels():
             cols = start + lanes
             x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
             skip = cols >= vocab
-            while upcoming < start + BLOCK:
-                skip = skip | (cols == upcoming)
-                ptr += 1
-                upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
+            skip, ptr, upcoming = _skip_excluded(skip, cols, start + BLOCK, own, ptr, upcoming, n_excluded)
             keep = tl.where(skip, 0.0, 1.0)
             if HAS_MAX:
                 lane_sum += keep * tl.exp(x - shift)
@@ -184,10 +197,7 @@ def _kernels():
     ):
         # Each lane keeps the max of its columns (no reduction inside the loop); the lanes' maxima are distinct
         # columns, so their (kth + 1)-th largest is a lower bound of the row's own (kth + 1)-th largest logit.
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + pid).to(tl.int64)
+        pid, row = _program_row(rows_ptr, HAS_ROWS)
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -218,10 +228,7 @@ def _kernels():
     ):
         # Columns at or above the row's threshold are written out as candidates (their slot from an atomic counter:
         # a handful per row, so no scan of the block); the rest, less the excluded ids, is summed as exp(x - max).
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + pid).to(tl.int64)
+        pid, row = _program_row(rows_ptr, HAS_ROWS)
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
         own = excluded_ptr + pid * n_excluded
@@ -238,10 +245,7 @@ def _kernels():
             inside = cols < vocab
             x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
             skip = cols >= vocab
-            while upcoming < start + BLOCK:
-                skip = skip | (cols == upcoming)
-                ptr += 1
-                upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
+            skip, ptr, upcoming = _skip_excluded(skip, cols, start + BLOCK, own, ptr, upcoming, n_excluded)
             hit = inside & (x >= threshold)
             # relaxed, CTA scope: only this program counts its row, and torch reads the count after the kernel
             slot = tl.atomic_add(counter, 1, mask=hit, sem="relaxed", scope="cta")
