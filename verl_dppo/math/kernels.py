@@ -266,6 +266,12 @@ def _rows_arg(rows: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return rows.contiguous() if rows is not None else torch.empty(1, dtype=torch.long, device=like.device)
 
 
+def _sorted_excluded(excluded: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's excluded ids ascending, as the kernels walk them; ids outside [0, vocab) become sentinels."""
+    ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
+    return ids.sort(dim=1).values.contiguous() if ids.shape[1] else ids
+
+
 def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"expected [N, V] logits, got {tuple(logits.shape)}")
@@ -293,8 +299,7 @@ def max_and_sum_exp_outside(
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
-    sorted_ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
-    sorted_ids = sorted_ids.sort(dim=1).values.contiguous() if sorted_ids.shape[1] else sorted_ids
+    sorted_ids = _sorted_excluded(excluded, vocab)
     out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
                else row_max.to(torch.float32).contiguous())
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -347,8 +352,7 @@ def sum_exp_below(
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
-    sorted_ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
-    sorted_ids = sorted_ids.sort(dim=1).values.contiguous() if sorted_ids.shape[1] else sorted_ids
+    sorted_ids = _sorted_excluded(excluded, vocab)
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
     count = torch.zeros(n, dtype=torch.int32, device=logits.device)
     candidates = torch.full((n, capacity), -1, dtype=torch.int32, device=logits.device)
