@@ -14,8 +14,9 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    GPU; TROLL also with Top(pi) by torch's top-k, the kernels' first version, for the threshold kernels' gain) and on
    the torch path (VERL_DPPO_KERNELS=torch: chunks sized by the device, and the old 8 MiB chunks).
 2. fused: the LM-head-fused paths (T tokens, H = 1,024): verl's own chunked torch path (`FusedLinearForPPO`, what
-   dppo_binary_tv runs with use_fused_kernels=True) against fused Top-K and fused TROLL, forward + backward
-   (bench_fused_topk.step_fn).
+   dppo_binary_tv runs with use_fused_kernels=True) against fused Top-K and fused TROLL, forward + backward with the
+   entropy (bench_fused_topk.step_fn), on the kernels and on the torch path, and torch.profiler's top device ops of
+   the fused steps on the kernels.
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
@@ -240,14 +241,31 @@ def profile(args, device, clock) -> dict:
     return result
 
 
+FUSED_ROWS = (  # (row name, step_fn's method, VERL_DPPO_KERNELS)
+    ("fused_binary", "fused_binary", "auto"),
+    ("fused_topk", "fused_topk", "auto"),
+    ("fused_troll", "fused_troll", "auto"),
+    ("fused_topk, torch path", "fused_topk", "torch"),
+    ("fused_troll, torch path", "fused_troll", "torch"),
+)
+
+
 def fused(args, device, clock) -> dict:
+    """The fused paths' forward + backward (entropy asked for, as the recipes' calculate_entropy does) against verl's
+    own, on the kernels (the default on a GPU) and on the torch path; torch.profiler's top device ops of each of our
+    fused steps on the kernels, for where the time beyond verl's goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     from bench_fused_topk import make_inputs, step_fn
+    from verl_dppo.math.kernels import backend_for
 
     shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
                                dtype="bfloat16" if device.type == "cuda" else "float32")
     x = make_inputs(shape, device)
-    rows = {}
-    for method in ("fused_binary", "fused_topk", "fused_troll"):
+    rows, profiles = {}, {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, method, choice in FUSED_ROWS:
         forward, stats = step_fn(method, x)
 
         def step():
@@ -257,14 +275,25 @@ def fused(args, device, clock) -> dict:
             return h.grad
 
         try:
-            rows[method] = {**measure(device, step, args.repeats), **stats}
+            with kernels(choice):
+                rows[name] = {**measure(device, step, args.repeats), **stats,
+                              "backend": backend_for(x["hidden"].float())}
+                if method != "fused_binary" and choice == "auto":
+                    with torch_profile(activities=activities) as prof:
+                        step()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                    profiles[name] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60)
+                    print(f"profile of {name}:\n{profiles[name]}", flush=True)
         except Exception as error:
-            rows[method] = {"error": f"{type(error).__name__}: {error}"[:500]}
-        clock(f"fused: {method}: {rows[method]}")
-    for method in rows:
-        if "seconds" in rows[method] and "seconds" in rows["fused_binary"]:
-            rows[method]["x_fused_binary"] = rows[method]["seconds"] / rows["fused_binary"]["seconds"]
-    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows}
+            rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        clock(f"fused: {name}: {rows[name]}")
+    for name in rows:
+        if "seconds" in rows[name] and "seconds" in rows["fused_binary"]:
+            rows[name]["x_fused_binary"] = rows[name]["seconds"] / rows["fused_binary"]["seconds"]
+    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows,
+            "profiles": profiles}
 
 
 def troll_devices(args, device, clock) -> dict:
@@ -362,7 +391,8 @@ def markdown(result: dict) -> str:
             if "error" in row:
                 lines.append(f"| {name} | {row['error']} | | |")
             else:
-                lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
+                label = f"{name} ({row['backend']})" if "backend" in row and name != "fused_binary" else name
+                lines.append(f"| {label} | {row['seconds'] * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
                              f"{row['extra_peak_MiB']:,.0f} |")
         lines.append("")
     part = result.get("troll_devices")

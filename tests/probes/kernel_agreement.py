@@ -194,39 +194,60 @@ def troll_crowded_case():
 
 def fused_cases():
     """Top-K and TROLL fused with the LM head: the chunks' logits go to the kernels as the matmul left them (bf16
-    read in place), forward and backward, a temperature, masked rows, T not a multiple of the chunk."""
+    read in place), forward and backward, a temperature, masked rows, T not a multiple of the chunk, with and
+    without the entropy (and its gradient); two flat rows in two chunks, which TROLL's kernels flag as crowded
+    without waiting for the device and which are read again with torch's top-k once the pass is over."""
+    import verl_dppo.math.fused_troll as fused_troll
     from verl_dppo.math.fused_topk import fused_topk_divergence
     from verl_dppo.math.fused_troll import fused_troll_token_terms
+
+    calls = []
+    by_topk = fused_troll._support_by_topk
+
+    def counted(logits_, rows_, sampled_, *args, **kwargs):
+        calls.append(sampled_.numel())
+        return by_topk(logits_, rows_, sampled_, *args, **kwargs)
+
+    fused_troll._support_by_topk = counted
 
     rows, hid = 21, 16
     mask = torch.arange(rows) % 4 != 1
     for vocab, dtype, temperature in ((1_000, torch.float32, 1.0), (5_000, torch.bfloat16, 0.7)):
         gen = torch.Generator().manual_seed(vocab)
         h = torch.randn(rows, hid, generator=gen).to(dtype)
+        h[[3, 10]] = 0.0  # flat rows (every logit 0): more ties at pi's threshold than the candidates' room
         w = (torch.randn(vocab, hid, generator=gen) * 0.8).to(dtype)
         logits = (h.double() @ w.double().t()) / temperature
         noise = torch.randn(rows, vocab, dtype=torch.float64, generator=gen)
-        weights = torch.randn(3, rows, generator=gen)
-        for k, mode in ((20, "top-k"), (64, "troll")):
+        weights = torch.randn(4, rows, generator=gen)
+        for k, mode, entropy in ((20, "top-k", True), (64, "troll", vocab == 1_000), (20, "top-k", False)):
             _, ids, lp, sampled, sampled_lp = rollout_topk(logits + noise, k, vocab, inside=False)
 
             def run():
                 hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
                 if mode == "top-k":
                     tv, kl, stats = fused_topk_divergence(hh, ww, ids, lp, sampled, sampled_lp, mask,
-                                                          temperature=temperature, chunk_tokens=8)
-                    outs = (tv, kl, stats.log_p_sampled)
+                                                          temperature=temperature, chunk_tokens=8, entropy=entropy)
+                    outs = (tv, kl, stats.log_p_sampled) + ((stats.entropy,) if entropy else ())
                     loss = ((stats.log_p_sampled * weights[0]).sum() + (stats.log_p_other * weights[1] * mask).sum()
                             + (stats.log_p_topk.sum(dim=1) * weights[2] * mask).sum())
+                    if entropy:
+                        loss = loss + (stats.entropy * weights[3]).sum()
                 else:
                     terms, policy = fused_troll_token_terms(hh, ww, ids, lp, sampled, sampled_lp, mask,
-                                                            temperature=temperature, chunk_tokens=8)
+                                                            temperature=temperature, chunk_tokens=8, entropy=entropy)
                     outs = (terms.log_p_sampled, terms.regression_kl, policy.log_p_sampled)
                     loss = (troll_token_loss(terms, weights[0]) * mask).sum() + (policy.log_p_sampled * weights[1]).sum()
+                    if entropy:
+                        outs += (policy.entropy,)
+                        loss = loss + (policy.entropy * weights[3]).sum()
                 return outs, torch.autograd.grad(loss, (hh, ww))
 
+            calls.clear()
             (want, want_grads), (got, got_grads) = both(run)
-            where = f"fused {mode} V={vocab} {dtype} T={temperature}"
+            where = f"fused {mode} V={vocab} {dtype} T={temperature} entropy={entropy}"
+            if mode == "troll":  # the two flat rows, read again together after the pass (and no other row)
+                assert calls == [2], f"{where}: crowded rows read again {calls}"
             for i, (g, r) in enumerate(zip(got, want)):
                 close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
             for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
@@ -234,7 +255,9 @@ def fused_cases():
                 scale = float(r.float().abs().max())
                 close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
                       atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
-        print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward: agree")
+        print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward, with the entropy, "
+              "flat rows read again after the pass: agree")
+    fused_troll._support_by_topk = by_topk
 
 
 def kernel_edges():
@@ -258,7 +281,23 @@ def kernel_edges():
     assert bool((out[[1, 3]] == 3.0).all()), "rows outside the selection were written"
     want = ((xf - torch.tensor([1.0, 2.0, 0.0])[:, None]).exp() * torch.tensor([0.5, -1.0, 2.0])[:, None])
     close("kernel scaled exp", out[rows].float(), want.to(torch.bfloat16).float(), rtol=2.0**-7, atol=0.0)
-    print("kernels: -inf row, row subset, ids outside the vocabulary: agree")
+    # the entropy in one read against the torch path's, on peaked rows (top-1 1 - 1e-9), log-probs to -100, flat
+    # rows, and more than one block of columns
+    from verl_dppo.math.fused_chunk import entropy_rows
+
+    y = torch.randn(6, 4_100, generator=torch.Generator().manual_seed(1)) * 3
+    y[0] = -100.0
+    y[0, 17] = math.log(1e9) + math.log(4_099) - 100.0  # top-1 ~ 1 - 1e-9
+    y[1] = torch.linspace(-100.0, 0.0, 4_100)
+    y[2] = 0.25  # flat: log V
+    y[3, 4_099] = 60.0  # the max in the last, partial block
+    for dtype in (torch.float32, torch.bfloat16):
+        z = y.to(dtype)
+        got = kernels.row_entropy(z, block=1_024).double()
+        want = entropy_rows(z.float(), z.float().amax(dim=1))
+        close(f"kernel entropy {dtype}", got, want, rtol=2e-5, atol=1e-9)
+    assert float(kernels.row_entropy(y[:1])) < 1e-6, "peaked row's entropy"
+    print("kernels: -inf row, row subset, ids outside the vocabulary, the entropy on peaked rows: agree")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ POINTERS = {"logits_ptr": "*bf16", "rows_ptr": "*i64", "excluded_ptr": "*i64", "
             "candidates_ptr": "*i32"}  # every other pointer: float32
 WIDE = {"stride_row", "stride_out"}  # int64 arguments; every other scalar: int32
 CONSTANTS = {"HAS_ROWS": True, "HAS_MAX": False, "BLOCK": 1024}
+VARIANTS = ({"ENTROPY": False}, {"ENTROPY": True})  # the kernels with an entropy flag compile both ways
 
 
-def signature(fn):
+def signature(fn, variant):
     types = {}
     for param in fn.params:
         name = param.name
@@ -30,17 +31,21 @@ def signature(fn):
             types[name] = POINTERS.get(name, "*fp32")
         else:
             types[name] = "i64" if name in WIDE else "i32"
-    return types, {name: CONSTANTS[name] for name, kind in types.items() if kind == "constexpr"}
+    constants = {**CONSTANTS, **variant}
+    return types, {name: constants[name] for name, kind in types.items() if kind == "constexpr"}
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET: this compiles"
     target = GPUTarget("cuda", 90, 32)
     for fn in kernels._kernels():
-        start = time.perf_counter()
-        types, constants = signature(fn)
-        source = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=constants)
-        compiled = triton.compile(source, target=target, options={"num_warps": kernels._WARPS})
-        assert compiled.asm["cubin"], fn.__name__
-        print(f"{fn.__name__}: sm_90 cubin of {len(compiled.asm['cubin'])} bytes in {time.perf_counter() - start:.1f} s")
+        flagged = any(param.name == "ENTROPY" for param in fn.params)
+        for variant in VARIANTS if flagged else ({},):
+            start = time.perf_counter()
+            types, constants = signature(fn, variant)
+            source = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=constants)
+            compiled = triton.compile(source, target=target, options={"num_warps": kernels._WARPS})
+            assert compiled.asm["cubin"], fn.__name__
+            print(f"{fn.__name__}{variant or ''}: sm_90 cubin of {len(compiled.asm['cubin'])} bytes in "
+                  f"{time.perf_counter() - start:.1f} s")
     print(f"kernel compile: all kernels compile for sm_90 with Triton {triton.__version__}")

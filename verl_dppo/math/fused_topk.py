@@ -24,16 +24,19 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
 
 (q rather than pi_j / pi(other): exact where pi(other) underflows), then dh = dlogits W / temperature and
 dW += dlogits^T h. On a GPU (`kernels.backend_for`) the chunk's logits are read as the matmul left them (bf16, no
-float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` in the
-forward, `scaled_exp_into` into the float32 buffer in the backward; the entropy, when asked for, keeps the torch
-passes. A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold
-a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
+float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` (and
+`row_entropy` when the entropy is asked for) in the forward, `scaled_exp_into` (with the entropy's term) into the
+float32 buffer in the backward. The torch path's entropy works in row blocks (16 rows on a CPU, sized by the free
+memory on an accelerator).
+
+A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
 
 Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with
-dL/dlogits), the logits in the matmul's dtype beside it when that is not float32 (bf16), and the entropy's row
-blocks (`_ENTROPY_ROWS` rows at a time); TROLL's selector one more float32 buffer. Between forward and backward
-only [T, S] and [T] tensors beside the inputs; the weight's gradient is accumulated in place (addmm_). `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per
-chunk, so a GPU needs chunks of a few hundred tokens to be compute-bound rather than bandwidth-bound.
+dL/dlogits; the kernels' forward needs none for bf16 chunks), the logits in the matmul's dtype beside it when that
+is not float32 (bf16), and on the torch path the entropy's row blocks; TROLL's torch selector one more float32
+buffer. Between forward and backward only [T, S] and [T] tensors beside the inputs; the weight's gradient is
+accumulated in place (addmm_). `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per chunk,
+so a GPU needs chunks of a few hundred tokens to be compute-bound rather than bandwidth-bound.
 """
 
 from __future__ import annotations
@@ -43,7 +46,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, scaled_exp_into
+from verl_dppo.math.fused_chunk import chunk_logits, entropy_grad, entropy_rows, logits_grad_in_place
+from verl_dppo.math.kernels import (
+    backend_for,
+    logits_at,
+    max_and_sum_exp_outside,
+    row_entropy,
+    scaled_exp_into,
+)
 from verl_dppo.math.topk import (
     MASS_TOLERANCE,
     TopKInputError,
@@ -67,10 +77,6 @@ __all__ = [
 DEFAULT_CHUNK_TOKENS = 512
 """Tokens per chunk: verl's FusedLinearForPPO default (311 MB of float32 logits per chunk at V = 151,936)."""
 
-_ENTROPY_ROWS = 16
-"""Rows per block of the entropy's temporaries (a few MiB each at Qwen3's vocabulary)."""
-
-
 class ChunkSlots(NamedTuple):
     """What a slot selector returns for one chunk of rows ([c, S] and [c] tensors)."""
 
@@ -80,11 +86,15 @@ class ChunkSlots(NamedTuple):
     sum_outside: torch.Tensor  # [c]: sum of exp(logit - row_max) over the ids in no slot
     slot_logits: torch.Tensor  # [c, S]: the logits at the slot ids
     extra: Optional[torch.Tensor] = None  # [c, S] long, the selector's own per-slot data (TROLL: the source)
+    again: Optional[torch.Tensor] = None  # [c] bool: rows whose slots are wrong, to select again after the pass
 
 
-Selector = Callable[[torch.Tensor, torch.Tensor, int, int], ChunkSlots]
-"""(block, scratch, start, end) -> ChunkSlots: block holds the chunk's logits in float32 at least (the selector may
-overwrite it), scratch a buffer of the same size when asked for (else None); start:end are the chunk's rows."""
+Selector = Callable[..., ChunkSlots]
+"""(block, scratch, index, again=False) -> ChunkSlots: block holds the chunk's logits (in float32 at least on the
+torch path, which may overwrite it; as the matmul left them on the kernels' path), scratch a buffer of the same
+size when asked for (else None); index (a slice, or a tensor of row ids) the rows. A selector that returns `again`
+rows (TROLL's crowded rows, flagged without waiting for the GPU) is called once more on them after the pass, with
+again=True and their logits recomputed, and must then select them for good."""
 
 
 class FusedTopK(NamedTuple):
@@ -94,48 +104,6 @@ class FusedTopK(NamedTuple):
     log_p_topk: torch.Tensor  # [T, K] log pi at mu's top-K ids, float64, with gradient
     log_p_other: torch.Tensor  # [T] log pi(other): pi's mass outside A'_t, float64, with gradient
     entropy: Optional[torch.Tensor]  # [T] entropy of pi, float32 (float64 for float64 inputs), with gradient
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, out: Optional[torch.Tensor]):
-    """hidden @ W^T / temperature in the matmul's dtype (verl's order of operations), into `out` when it fits."""
-    autocast = torch.is_autocast_enabled(hidden.device.type)
-    if out is not None and not autocast and hidden.dtype == weight.dtype == out.dtype:
-        logits = torch.matmul(hidden, weight.t(), out=out[: hidden.shape[0]])
-    else:
-        logits = hidden @ weight.t()
-    return logits.div_(temperature) if temperature != 1.0 else logits
-
-
-def _entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """H = log sum exp(s) - sum exp(s) s / sum exp(s), s = logit - max: no cancellation on peaked rows."""
-    out = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
-    for r in range(0, block.shape[0], _ENTROPY_ROWS):
-        shifted = block[r : r + _ENTROPY_ROWS] - row_max[r : r + _ENTROPY_ROWS, None]
-        e = shifted.exp()
-        z = e.sum(dim=1)
-        out[r : r + _ENTROPY_ROWS] = z.double().log() - (e.mul_(shifted).sum(dim=1) / z).double()
-    return out
-
-
-def _entropy_grad(logits, log_z, entropy, g_entropy) -> torch.Tensor:
-    """dL/dlogit from the entropy: -g_H pi (log pi + H)."""
-    log_p = logits - log_z[:, None]
-    return log_p.exp().mul_(log_p.add_(entropy[:, None])).mul_(-g_entropy[:, None])
-
-
-def _logits_grad_in_place(block, ids, dropped, tail_base, tail_coef, on_slots, log_z, entropy, g_entropy):
-    """Overwrite the chunk's logits with dL/dlogits (the module doc's three lines): one chunk-sized buffer."""
-    if g_entropy is not None:  # the entropy term at the slots (once per id), before their logits are overwritten
-        at_slots = _entropy_grad(block.gather(1, ids), log_z, entropy, g_entropy)
-        on_slots = on_slots + torch.where(dropped, 0.0, at_slots)
-    if g_entropy is None:
-        block.sub_(tail_base[:, None]).exp_().mul_(tail_coef[:, None])
-    else:
-        for r in range(0, block.shape[0], _ENTROPY_ROWS):  # row blocks: the entropy term needs the logits too
-            rows = slice(r, r + _ENTROPY_ROWS)
-            term = _entropy_grad(block[rows], log_z[rows], entropy[rows], g_entropy[rows])
-            block[rows].sub_(tail_base[rows, None]).exp_().mul_(tail_coef[rows, None]).add_(term)
-    return block.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_slots)
 
 
 class _FusedSlotLogprobs(torch.autograd.Function):
@@ -155,27 +123,45 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
         rows = min(chunk, n)
         in_place = _kernels_read(work, dev)
-        # The kernels read bf16 chunks as they are: a float32 buffer only for a float32 matmul or the entropy.
-        buffered = not in_place or want_entropy or hidden.dtype == weight.dtype == work
+        # The kernels read bf16 chunks as they are: a float32 buffer only for a float32 matmul's output.
+        buffered = not in_place or hidden.dtype == weight.dtype == work
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev) if buffered else None
         scratch = torch.empty_like(buffer) if needs_scratch and not in_place else None
+        again = None  # rows a selector flagged for a second look: [n] bool on the device, read once after the pass
+
+        def chunk_block(index, size):
+            logits = chunk_logits(hidden[index], weight, temperature, buffer)
+            if logits.dtype == work or in_place:
+                return logits, logits.dtype
+            return buffer[:size].copy_(logits), logits.dtype
+
+        def store(index, slots):
+            ids[index], dropped[index] = slots.ids, slots.dropped
+            row_max[index], sum_outside[index] = slots.row_max, slots.sum_outside
+            slot_logits[index] = slots.slot_logits
+            if slots.extra is not None:
+                extra[index] = slots.extra
+
         matmul_dtype = work
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _chunk_logits(hidden[start:end], weight, temperature, buffer)
-            matmul_dtype = logits.dtype
-            keep_dtype = logits.dtype == work or (in_place and not want_entropy)
-            block = logits if keep_dtype else buffer[: end - start].copy_(logits)
-            del logits
+            block, matmul_dtype = chunk_block(slice(start, end), end - start)
             if want_entropy:
-                entropy[start:end] = _entropy_rows(block, _finite(block.amax(dim=1)))
-            slots = select(block, scratch[: end - start] if scratch is not None else None, start, end)
-            ids[start:end], dropped[start:end] = slots.ids, slots.dropped
-            row_max[start:end], sum_outside[start:end] = slots.row_max, slots.sum_outside
-            slot_logits[start:end] = slots.slot_logits
-            if slots.extra is not None:
-                extra[start:end] = slots.extra
+                entropy[start:end] = (row_entropy(block) if in_place
+                                      else entropy_rows(block, _finite(block.amax(dim=1))))
+            slots = select(block, scratch[: end - start] if scratch is not None else None, slice(start, end))
+            store(slice(start, end), slots)
+            if slots.again is not None:
+                if again is None:
+                    again = torch.zeros(n, dtype=torch.bool, device=dev)
+                again[start:end] = slots.again
             del block, slots
+        redo = again.nonzero().squeeze(1) if again is not None else None  # the pass's one wait for the device
+        for start in range(0, redo.numel() if redo is not None else 0, chunk):
+            index = redo[start : start + chunk]
+            block, _ = chunk_block(index, index.numel())
+            store(index, select(block, scratch[: index.numel()] if scratch is not None else None, index, again=True))
+            del block
         del buffer, scratch
         log_pi, log_other = _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
         # log Z and log Z_tail for the backward, from the same sums as _pi_at_slots's
@@ -222,14 +208,20 @@ class _FusedSlotLogprobs(torch.autograd.Function):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
                 h = hidden[start:end]
-                logits = _chunk_logits(h, weight, ctx.temperature, buffer)
+                logits = chunk_logits(h, weight, ctx.temperature, buffer)
                 c = slice(start, end)
-                if in_place and g_h is None:  # one kernel pass from the logits as they are, into the buffer
-                    grad = scaled_exp_into(buffer[: end - start], logits, tail_base[c], tail_coef[c])
-                    grad.scatter_(1, ids[c], 0.0).scatter_add_(1, ids[c], on_slots[c])
+                if in_place:  # one kernel pass from the logits as they are, into the buffer
+                    on, term = on_slots[c], None
+                    if g_h is not None:  # the entropy's term: at the slots here, elsewhere in the kernel
+                        at_slots = entropy_grad(logits_at(logits, None, ids[c]), log_z_w[c], entropy_w[c], g_h[c])
+                        on = on + torch.where(dropped[c], 0.0, at_slots)
+                        term = (log_z_w[c], entropy_w[c], -g_h[c])
+                    grad = scaled_exp_into(buffer[: end - start], logits, tail_base[c], tail_coef[c],
+                                           entropy_term=term)
+                    grad.scatter_(1, ids[c], 0.0).scatter_add_(1, ids[c], on)
                 else:
                     block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
-                    grad = _logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
+                    grad = logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
                                                  log_z_w[c], entropy_w[c], g_h[c] if g_h is not None else None)
                     del block
                 del logits
@@ -281,15 +273,15 @@ def _kernels_read(work: torch.dtype, device: torch.device) -> bool:
 
 
 def _fixed_selector(slot_ids: torch.Tensor, dropped: torch.Tensor) -> Selector:
-    def select(block, scratch, start, end):
-        ids = slot_ids[start:end]
+    def select(block, scratch, index, again=False):
+        ids = slot_ids[index]
         if backend_for(block) == "triton":  # one read, in place
             row_max, sum_outside = max_and_sum_exp_outside(block, ids)
-            return ChunkSlots(ids, dropped[start:end], _finite(row_max), sum_outside, logits_at(block, None, ids))
+            return ChunkSlots(ids, dropped[index], _finite(row_max), sum_outside, logits_at(block, None, ids))
         row_max = _finite(block.amax(dim=-1))
         slot_logits = block.gather(1, ids)
         sum_outside = _sum_exp_outside(block, row_max, ids)  # topk.py's sum; overwrites block
-        return ChunkSlots(ids, dropped[start:end], row_max, sum_outside, slot_logits)
+        return ChunkSlots(ids, dropped[index], row_max, sum_outside, slot_logits)
 
     return select
 

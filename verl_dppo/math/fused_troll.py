@@ -30,7 +30,7 @@ from verl_dppo.math.troll import (
     troll_terms_from_support,
 )
 from verl_dppo.math.kernels import backend_for, logits_at
-from verl_dppo.math.troll_support import pi_read_width, support_by_kernel, support_in_chunk
+from verl_dppo.math.troll_support import _support_by_topk, pi_read_width, support_by_kernel, support_in_chunk
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -47,14 +47,19 @@ def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, suppo
     `width` slots, padding slots repeating a_t and dropped); rows outside `troll_rows` keep {a_t} only. extra = each
     slot's candidate column (mu's source for `mu_on_atoms`)."""
 
-    def select(block, scratch, start, end):
-        chunk = (sampled[start:end], mu_ids[start:end], mu_selected[start:end])
+    def select(block, scratch, index, again=False):
+        chunk = (sampled[index], mu_ids[index], mu_selected[index])
         if backend_for(block) == "triton":  # the kernels read the chunk's logits in place
-            s = support_by_kernel(block, None, *chunk, k_pi, support_mass, troll_rows[start:end])
+            crowded = None
+            if again:  # the rows support_by_kernel flagged: more logits at its threshold than candidates' room
+                s = _support_by_topk(block, None, *chunk, k_pi, support_mass, troll_rows[index])
+            else:  # no wait for the device per chunk: crowded rows come back once the pass is over
+                s, crowded = support_by_kernel(block, None, *chunk, k_pi, support_mass, troll_rows[index],
+                                               defer_crowded=True)
             # |S_t| <= 1 + K + k_pi: the slots past the caller's width are padding
             ids, valid, source = s.ids[:, :width], s.valid[:, :width], s.source[:, :width]
-            return ChunkSlots(ids, ~valid, s.row_max, s.tail, logits_at(block, None, ids), source)
-        s = support_in_chunk(block, scratch, *chunk, k_pi, support_mass, troll_rows[start:end])
+            return ChunkSlots(ids, ~valid, s.row_max, s.tail, logits_at(block, None, ids), source, crowded)
+        s = support_in_chunk(block, scratch, *chunk, k_pi, support_mass, troll_rows[index])
         return ChunkSlots(s.ids, ~s.valid, s.row_max, s.tail, block.gather(1, s.ids), s.source)
 
     return select

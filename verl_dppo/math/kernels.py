@@ -13,8 +13,11 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
   vocabulary-parallel path all-reduces the max first). 2.2 ms on an H100 at N = 16,384 x 151,936 bf16, one read
   of the logits being 1.9 ms (docs/benchmarks.md); a first version with a max and a slot count reduced across the
   block at every step took 8.2 ms, and 35 ms with TROLL's 130 excluded ids.
-- `scaled_exp_into(out, logits, base, coef, rows=None)`: out[r, j] = exp(logit[r, j] - base[r]) * coef[r], in
-  `out`'s dtype (TROLL's backward off the support: one read, one write; `out` may be the logits themselves).
+- `row_entropy(logits)`: the entropy of each row's softmax in one read, by the same kernel (per lane, also the sum of
+  exp(s) s relative to the lane's max; the fused paths' entropy, where verl's `FusedLinearForPPO` returns one).
+- `scaled_exp_into(out, logits, base, coef, rows=None, entropy_term=None)`: out[r, j] = exp(logit[r, j] - base[r]) *
+  coef[r], plus the entropy's gradient when asked, in `out`'s dtype (TROLL's backward off the support, the fused
+  backward: one read, one write; `out` may be the logits themselves).
 - `top_threshold(logits, kth, rows=None)`: per row, the max and the (kth + 1)-th largest of the BLOCK lanes' own
   maxima (lane = column mod BLOCK), a lower bound of the row's (kth + 1)-th largest logit, found by bisection on the
   float's bits (32 counts of the lanes; a sort of 1,024 lanes costs ~1 s a row under the interpreter).
@@ -43,9 +46,11 @@ from typing import Optional
 
 import torch
 
+from verl_dppo.math.kernel_jit import build_kernels as _kernels
+
 __all__ = [
     "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
-    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES",
+    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES", "row_entropy",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -105,157 +110,6 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda and triton_importable() else "torch"
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """The jitted kernels, built on first use (importing Triton costs ~1 s; the torch path never pays it)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _program_row(rows_ptr, HAS_ROWS: tl.constexpr):
-        """(this program's index, the logits row it reads: rows[index] when given)."""
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + pid).to(tl.int64)
-        return pid, row
-
-    @triton.jit
-    def _skip_excluded(skip, cols, block_end, own, ptr, upcoming, n_excluded):
-        """Marks in `skip` the row's excluded ids (sorted, at own[ptr:]) below block_end; returns the walk's state."""
-        while upcoming < block_end:
-            skip = skip | (cols == upcoming)
-            ptr += 1
-            upcoming = tl.load(own + ptr, mask=ptr < n_excluded, other=2**62)
-        return skip, ptr, upcoming
-
-    # The kernels call these by their global names (Triton's interpreter resolves calls in the module's globals):
-    # module-level functions, defined here because Triton is imported only when a kernel is first used.
-    globals().update(_program_row=_program_row, _skip_excluded=_skip_excluded)
-
-    @triton.jit
-    def scaled_exp_kernel(
-        logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        pid, row = _program_row(rows_ptr, HAS_ROWS)
-        src = logits_ptr + row * stride_row
-        dst = out_ptr + row * stride_out
-        shift = tl.load(base_ptr + pid).to(tl.float32)
-        coef = tl.load(coef_ptr + pid).to(tl.float32)
-        lanes = tl.arange(0, BLOCK)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            x = tl.load(src + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            value = tl.exp(x - shift) * coef
-            tl.store(dst + cols, value.to(dst.dtype.element_ty), mask=cols < vocab)
-
-    @triton.jit
-    def max_and_sum_outside_kernel(
-        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr,
-        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
-        # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
-        pid, row = _program_row(rows_ptr, HAS_ROWS)
-        base = logits_ptr + row * stride_row
-        lanes = tl.arange(0, BLOCK)
-        own = excluded_ptr + pid * n_excluded
-        ptr = 0
-        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
-        if HAS_MAX:
-            given = tl.load(max_ptr + pid).to(tl.float32)
-            shift = tl.where(given == float("-inf"), 0.0, given)
-        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_sum = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            skip = cols >= vocab
-            skip, ptr, upcoming = _skip_excluded(skip, cols, start + BLOCK, own, ptr, upcoming, n_excluded)
-            keep = tl.where(skip, 0.0, 1.0)
-            if HAS_MAX:
-                lane_sum += keep * tl.exp(x - shift)
-            else:
-                # One exp per element: exp(-|x - max|) rescales the sum when x is the new max, else weighs x.
-                e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - lane_max)))
-                lane_sum = tl.where(x > lane_max, lane_sum * e + keep, lane_sum + keep * e)
-                lane_max = tl.maximum(lane_max, x)
-        if HAS_MAX:
-            tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
-        else:
-            row_max = tl.max(lane_max, axis=0)
-            top = tl.where(row_max == float("-inf"), 0.0, row_max)
-            weights = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - top))
-            tl.store(sum_ptr + pid, tl.sum(lane_sum * weights, axis=0))
-            tl.store(max_ptr + pid, row_max)
-
-    @triton.jit
-    def lane_threshold_kernel(
-        logits_ptr, stride_row, rows_ptr, vocab, kth, max_ptr, threshold_ptr,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        # Each lane keeps the max of its columns (no reduction inside the loop); the lanes' maxima are distinct
-        # columns, so their (kth + 1)-th largest is a lower bound of the row's own (kth + 1)-th largest logit.
-        pid, row = _program_row(rows_ptr, HAS_ROWS)
-        base = logits_ptr + row * stride_row
-        lanes = tl.arange(0, BLOCK)
-        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            lane_max = tl.maximum(lane_max, x)
-        # The (kth + 1)-th largest lane max by bisection on the float's bits (an int32 key in float order): 32 counts
-        # of the lanes, no sort (tl.sort of 1,024 lanes takes ~1 s a row under the interpreter).
-        bits = lane_max.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        low = tl.full([], -(2**31), tl.int64)  # every lane's key is >= low: a valid answer
-        high = tl.full([], 2**31, tl.int64)  # no key reaches high
-        for _ in range(32):
-            middle = low + (high - low) // 2  # high - low > 0: no rounding toward zero below 0
-            enough = tl.sum((key >= middle).to(tl.int32), axis=0) > kth
-            low = tl.where(enough, middle, low)
-            high = tl.where(enough, high, middle)
-        found = tl.where(low < 0, low ^ 0x7FFFFFFF, low).to(tl.int32)
-        tl.store(max_ptr + pid, tl.max(lane_max, axis=0))
-        tl.store(threshold_ptr + pid, found.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def below_threshold_kernel(
-        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, threshold_ptr, sum_ptr,
-        count_ptr, candidates_ptr, capacity,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        # Columns at or above the row's threshold are written out as candidates (their slot from an atomic counter:
-        # a handful per row, so no scan of the block); the rest, less the excluded ids, is summed as exp(x - max).
-        pid, row = _program_row(rows_ptr, HAS_ROWS)
-        base = logits_ptr + row * stride_row
-        lanes = tl.arange(0, BLOCK)
-        own = excluded_ptr + pid * n_excluded
-        ptr = 0
-        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
-        given = tl.load(max_ptr + pid).to(tl.float32)
-        shift = tl.where(given == float("-inf"), 0.0, given)
-        threshold = tl.load(threshold_ptr + pid).to(tl.float32)
-        counter = count_ptr + pid + tl.zeros([BLOCK], tl.int32)
-        slots = candidates_ptr + pid * capacity
-        lane_sum = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            inside = cols < vocab
-            x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-            skip = cols >= vocab
-            skip, ptr, upcoming = _skip_excluded(skip, cols, start + BLOCK, own, ptr, upcoming, n_excluded)
-            hit = inside & (x >= threshold)
-            # relaxed, CTA scope: only this program counts its row, and torch reads the count after the kernel
-            slot = tl.atomic_add(counter, 1, mask=hit, sem="relaxed", scope="cta")
-            tl.store(slots + slot, cols.to(tl.int32), mask=hit & (slot < capacity))
-            lane_sum += tl.where(skip | hit, 0.0, tl.exp(x - shift))
-        tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
-
-    return max_and_sum_outside_kernel, scaled_exp_kernel, lane_threshold_kernel, below_threshold_kernel
-
-
 def logits_at(logits: torch.Tensor, rows: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """logits[rows][:, ids] ([n, S]) in float32 at least, without copying whole rows."""
     picked = logits.gather(1, ids) if rows is None else logits[rows[:, None], ids]
@@ -296,6 +150,18 @@ def max_and_sum_exp_outside(
             and returned as it is. A -inf max shifts by 0.
         block: columns per step (a power of two; tests use small ones).
     """
+    return _max_and_sums(logits, excluded, rows, row_max, False, block, num_warps)[:2]
+
+
+def row_entropy(logits: torch.Tensor, block: int = _BLOCK, num_warps: int = _WARPS) -> torch.Tensor:
+    """The entropy of softmax(logits) per row, float32 [N], in one read: log Z - sum exp(s) s / Z with s = logit - the
+    row max, as the torch path (`fused_chunk.entropy_rows`) computes it in float32 (no cancellation on peaked rows:
+    every s <= 0). A row that is -inf everywhere gives NaN, as there."""
+    return _max_and_sums(logits, logits.new_empty(logits.shape[0], 0, dtype=torch.long), None, None, True, block,
+                         num_warps)[2]
+
+
+def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
@@ -303,15 +169,16 @@ def max_and_sum_exp_outside(
     out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
                else row_max.to(torch.float32).contiguous())
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
+    out_entropy = torch.empty(n if entropy else 1, dtype=torch.float32, device=logits.device)
     if n == 0:
-        return out_max, out_sum
+        return out_max, out_sum, out_entropy[:n]
     kernel = _kernels()[0]
     kernel[(n,)](
         logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
-        HAS_ROWS=rows is not None, HAS_MAX=row_max is not None,
+        out_entropy, HAS_ROWS=rows is not None, HAS_MAX=row_max is not None, ENTROPY=entropy,
         BLOCK=block, num_warps=num_warps,
     )
-    return out_max, out_sum
+    return out_max, out_sum, out_entropy
 
 
 def top_threshold(
@@ -373,19 +240,26 @@ def scaled_exp_into(
     rows: Optional[torch.Tensor] = None,
     block: int = _BLOCK,
     num_warps: int = _WARPS,
+    entropy_term: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """out[r] = exp(logits[r] - base) * coef on the selected rows (others untouched), in out's dtype; returns out.
 
+    entropy_term: optional per-row (log_z, entropy, entropy_coef), adding the entropy's gradient
+    exp(log_p) (log_p + entropy) entropy_coef with log_p = logit - log_z (entropy_coef = -g_H: the fused backward's
+    dL/dlogit of the entropy H, where logits are pi's).
     `out` may be `logits` itself (each element is read before it is written, by the same program)."""
     logits = _unit_stride(logits)
     if out.stride(1) != 1:
         raise ValueError("out must have unit column stride")
     n = logits.shape[0] if rows is None else rows.numel()
     if n:
+        per_row = [t.to(torch.float32).contiguous() for t in (base, coef, *(entropy_term or ()))]
+        if entropy_term is None:
+            per_row += [per_row[0]] * 3  # not read
         kernel = _kernels()[1]
         kernel[(n,)](
-            logits, logits.stride(0), out, out.stride(0), _rows_arg(rows, logits),
-            base.to(torch.float32).contiguous(), coef.to(torch.float32).contiguous(), logits.shape[1],
-            HAS_ROWS=rows is not None, BLOCK=block, num_warps=num_warps,
+            logits, logits.stride(0), out, out.stride(0), _rows_arg(rows, logits), *per_row[:2], logits.shape[1],
+            *per_row[2:5], HAS_ROWS=rows is not None, ENTROPY=entropy_term is not None, BLOCK=block,
+            num_warps=num_warps,
         )
     return out

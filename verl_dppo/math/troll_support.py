@@ -112,7 +112,7 @@ def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, su
 
 
 def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
-                      pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
+                      pi_rows: Optional[torch.Tensor] = None, defer_crowded: bool = False):
     """`support_in_chunk` on the selected `rows` of the whole logits, read in place by two kernels
     (`verl_dppo.math.kernels`), no [n, V] temporary and no sort of the vocabulary:
 
@@ -122,15 +122,24 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
 
     pi's top k_pi + 1 are the largest of those candidates, exactly (every logit >= t is among them, ties included);
     all of them stay candidates of S_t, so the tail is the same sum as the torch path's, grouped otherwise. A row
-    with more candidates than room (a flat row of ties) is read again with torch's top-k (`_support_by_topk`)."""
+    with more candidates than room (a flat row of ties) is read again with torch's top-k (`_support_by_topk`).
+
+    defer_crowded: no wait for the GPU (the fused path calls this once per chunk of a few hundred rows, and each
+    wait stalls the launches queued behind it): every one of the candidates' columns is kept, and the crowded rows
+    are not read again but returned, as (ChunkSupport, crowded bool [n]), for the caller to read with
+    `_support_by_topk` (their S_t here is wrong)."""
     width = pi_read_width(k_pi, logits.shape[1])
     if width > LANES:
-        return _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
+        support = _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
+        return (support, torch.zeros_like(sampled, dtype=torch.bool)) if defer_crowded else support
     row_max, threshold = top_threshold(logits, width - 1, rows)
     capacity = max(CANDIDATE_ROOM, 4 * width)
     rest, count, found = sum_exp_below(logits, torch.cat([sampled[:, None], mu_ids], dim=1), row_max, threshold,
                                        capacity, rows)
-    used = max(width, min(int(count.max()), capacity)) if count.numel() else width
+    if defer_crowded:
+        used = capacity
+    else:
+        used = max(width, min(int(count.max()), capacity)) if count.numel() else width
     found = found[:, :used].long()
     present = found >= 0
     values = torch.where(present, logits_at(logits, rows, found.clamp(min=0)), -math.inf)
@@ -140,6 +149,8 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
     support = _support(values[:, :width], row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected,
                        k_pi, support_mass, pi_rows, pi_columns=used)
+    if defer_crowded:
+        return support, count > capacity
     crowded = (count > capacity).nonzero().squeeze(1)
     if crowded.numel() == 0:
         return support

@@ -1,0 +1,70 @@
+"""One chunk's work in the fused LM-head passes (`verl_dppo.math.fused_topk`): the chunk's logits from the hidden
+states, and on the torch path the entropy and dL/dlogits in place (the kernels' path: `verl_dppo.math.kernels`).
+
+Pure torch (no verl import). The torch path's entropy works in row blocks: 16 rows on a CPU, sized by the free memory
+on an accelerator, where every op of every block costs a launch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from verl_dppo.math.kernels import chunk_bytes_for
+
+__all__ = ["chunk_logits", "entropy_rows", "entropy_grad", "logits_grad_in_place"]
+
+_ENTROPY_ROWS = 16
+"""Rows per block of the entropy's temporaries on the torch path on a CPU (a few MiB each at Qwen3's vocabulary);
+on an accelerator the block is sized by `kernels.chunk_bytes_for` (a launch per op per block costs there)."""
+
+
+def _entropy_block_rows(block: torch.Tensor) -> int:
+    if block.device.type == "cpu":
+        return _ENTROPY_ROWS
+    return max(_ENTROPY_ROWS, chunk_bytes_for(block.device) // (3 * 4 * max(block.shape[1], 1)))
+
+
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, out: Optional[torch.Tensor]):
+    """hidden @ W^T / temperature in the matmul's dtype (verl's order of operations), into `out` when it fits."""
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    if out is not None and not autocast and hidden.dtype == weight.dtype == out.dtype:
+        logits = torch.matmul(hidden, weight.t(), out=out[: hidden.shape[0]])
+    else:
+        logits = hidden @ weight.t()
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """H = log sum exp(s) - sum exp(s) s / sum exp(s), s = logit - max: no cancellation on peaked rows."""
+    out = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
+    step = _entropy_block_rows(block)
+    for r in range(0, block.shape[0], step):
+        shifted = block[r : r + step] - row_max[r : r + step, None]
+        e = shifted.exp()
+        z = e.sum(dim=1)
+        out[r : r + step] = z.double().log() - (e.mul_(shifted).sum(dim=1) / z).double()
+    return out
+
+
+def entropy_grad(logits, log_z, entropy, g_entropy) -> torch.Tensor:
+    """dL/dlogit from the entropy: -g_H pi (log pi + H)."""
+    log_p = logits - log_z[:, None]
+    return log_p.exp().mul_(log_p.add_(entropy[:, None])).mul_(-g_entropy[:, None])
+
+
+def logits_grad_in_place(block, ids, dropped, tail_base, tail_coef, on_slots, log_z, entropy, g_entropy):
+    """Overwrite the chunk's logits with dL/dlogits (the module doc's three lines): one chunk-sized buffer."""
+    if g_entropy is not None:  # the entropy term at the slots (once per id), before their logits are overwritten
+        at_slots = entropy_grad(block.gather(1, ids), log_z, entropy, g_entropy)
+        on_slots = on_slots + torch.where(dropped, 0.0, at_slots)
+    if g_entropy is None:
+        block.sub_(tail_base[:, None]).exp_().mul_(tail_coef[:, None])
+    else:
+        step = _entropy_block_rows(block)
+        for r in range(0, block.shape[0], step):  # row blocks: the entropy term needs the logits too
+            rows = slice(r, r + step)
+            term = entropy_grad(block[rows], log_z[rows], entropy[rows], g_entropy[rows])
+            block[rows].sub_(tail_base[rows, None]).exp_().mul_(tail_coef[rows, None]).add_(term)
+    return block.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_slots)
