@@ -1,6 +1,6 @@
 """The prepared GPU check (issue 41): what the plugin's per-token work costs on a GPU, in one command.
 
-    python3 bench/gpu_suite.py --out $OUT                  # on a GPU (an H100: about 4 minutes with the worker)
+    python3 bench/gpu_suite.py --out $OUT                  # on a GPU (an H100: about 3 minutes with the worker)
     .venv/bin/python bench/gpu_suite.py --device cpu --smoke --out out/gpu_suite   # the CPU smoke path (tests)
 
 Parts, each printed as it ends and written to OUT/gpu_suite.json (rewritten after each part, "complete": false until
@@ -26,7 +26,8 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
 With the `device` tool: verl, its pure-Python needs and this package travel as wheels in .whl (gpu_real_worker.py's
 docstring says how to build them). Rebuild this package's wheel from the tree before each call
 (`rm -f .whl/verl_dppo-*.whl && .venv/bin/pip wheel -q --no-deps -w .whl .`): the GPU machine imports verl_dppo from
-it, recipes and patches included. The call that ran on 2026-11-27 (H100, 175 s for every part):
+it, recipes and patches included. The call that ran on 2026-11-27 (H100: 170-202 s for every part, the machine's
+start not counted; `--parts fused --repeats 5` alone: 35 s):
 
     run(carry=[".whl"], timeout_s=400, command="python3 -m pip install -q --no-index --no-deps --no-compile
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
@@ -34,7 +35,8 @@ it, recipes and patches included. The call that ran on 2026-11-27 (H100, 175 s f
 
 Also: launch_shapes (the four kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
 TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker took about 45 s
-on an H100; the worker about two minutes (its rollout and six worker builds). --parts picks a subset.
+on an H100; the worker about two minutes (its rollout and six worker builds). --parts picks a subset. Machine
+start and transfers come on top: 30-60 s on a warm call, a few minutes on a cold one.
 """
 
 from __future__ import annotations
