@@ -81,7 +81,7 @@ def kernels(choice: str):
     os.environ[KERNELS_ENV] = choice.split("+")[0]
     reader = troll_support.support_by_kernel
     if choice.endswith("+topk"):
-        troll_support.support_by_kernel = troll_support._support_by_topk
+        troll_support.support_by_kernel = troll_support.support_by_topk
     try:
         yield
     finally:

@@ -166,13 +166,13 @@ def troll_crowded_case():
     _, ids, lp, sampled, sampled_lp = rollout_topk(logits + 0.3, 64, 31, inside=False)
     logits = logits.to(torch.bfloat16)
     calls = []
-    by_topk = support._support_by_topk
+    by_topk = support.support_by_topk
 
     def counted(logits_, rows_, *args, **kwargs):
         calls.append(None if rows_ is None else rows_.tolist())
         return by_topk(logits_, rows_, *args, **kwargs)
 
-    support._support_by_topk = counted
+    support.support_by_topk = counted
 
     def run():
         x = logits.clone().requires_grad_()
@@ -183,7 +183,7 @@ def troll_crowded_case():
     try:
         (want, want_grad), (got, got_grad) = both(run)
     finally:
-        support._support_by_topk = by_topk
+        support.support_by_topk = by_topk
     assert calls and calls[0][0] == 0 and len(calls[0]) < rows, f"crowded rows re-read: {calls}"
     assert torch.equal(got.diagnostics["support_size"], want.diagnostics["support_size"])
     for name in ("log_p_sampled", "regression_kl"):
@@ -202,13 +202,13 @@ def fused_cases():
     from verl_dppo.math.fused_troll import fused_troll_token_terms
 
     calls = []
-    by_topk = fused_troll._support_by_topk
+    by_topk = fused_troll.support_by_topk
 
     def counted(logits_, rows_, sampled_, *args, **kwargs):
         calls.append(sampled_.numel())
         return by_topk(logits_, rows_, sampled_, *args, **kwargs)
 
-    fused_troll._support_by_topk = counted
+    fused_troll.support_by_topk = counted
 
     rows, hid = 21, 16
     mask = torch.arange(rows) % 4 != 1
@@ -257,7 +257,7 @@ def fused_cases():
                       atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
         print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward, with the entropy, "
               "flat rows read again after the pass: agree")
-    fused_troll._support_by_topk = by_topk
+    fused_troll.support_by_topk = by_topk
 
 
 def kernel_edges():

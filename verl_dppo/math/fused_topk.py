@@ -29,7 +29,8 @@ float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_
 float32 buffer in the backward. The torch path's entropy works in row blocks (16 rows on a CPU, sized by the free
 memory on an accelerator).
 
-A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold a_t) is "dropped": left out of Z and of the complement, but its output is still log pi of its id, with gradient.
+A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold a_t) is "dropped":
+left out of Z and of the complement, but its output is still log pi of its id, with gradient.
 
 Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with
 dL/dlogits; the kernels' forward needs none for bf16 chunks), the logits in the matmul's dtype beside it when that
@@ -47,13 +48,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from verl_dppo.math.fused_chunk import chunk_logits, entropy_grad, entropy_rows, logits_grad_in_place
-from verl_dppo.math.kernels import (
-    backend_for,
-    logits_at,
-    max_and_sum_exp_outside,
-    row_entropy,
-    scaled_exp_into,
-)
+from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, row_entropy, scaled_exp_into
 from verl_dppo.math.topk import (
     MASS_TOLERANCE,
     TopKInputError,

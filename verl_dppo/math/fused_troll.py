@@ -30,7 +30,7 @@ from verl_dppo.math.troll import (
     troll_terms_from_support,
 )
 from verl_dppo.math.kernels import backend_for, logits_at
-from verl_dppo.math.troll_support import _support_by_topk, pi_read_width, support_by_kernel, support_in_chunk
+from verl_dppo.math.troll_support import pi_read_width, support_by_kernel, support_by_topk, support_in_chunk
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -52,7 +52,7 @@ def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, suppo
         if backend_for(block) == "triton":  # the kernels read the chunk's logits in place
             crowded = None
             if again:  # the rows support_by_kernel flagged: more logits at its threshold than candidates' room
-                s = _support_by_topk(block, None, *chunk, k_pi, support_mass, troll_rows[index])
+                s = support_by_topk(block, None, *chunk, k_pi, support_mass, troll_rows[index])
             else:  # no wait for the device per chunk: crowded rows come back once the pass is over
                 s, crowded = support_by_kernel(block, None, *chunk, k_pi, support_mass, troll_rows[index],
                                                defer_crowded=True)

@@ -21,7 +21,8 @@ from verl_dppo.math.kernels import (
 )
 from verl_dppo.math.troll_projection import _logsumexp
 
-__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width", "support_by_kernel"]
+__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width", "support_by_kernel",
+           "support_by_topk"]
 
 CANDIDATE_ROOM = 256
 """Room per row for pi's candidates in `support_by_kernel` (at least 4x pi's read width): a real row has a few more
@@ -122,15 +123,15 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
 
     pi's top k_pi + 1 are the largest of those candidates, exactly (every logit >= t is among them, ties included);
     all of them stay candidates of S_t, so the tail is the same sum as the torch path's, grouped otherwise. A row
-    with more candidates than room (a flat row of ties) is read again with torch's top-k (`_support_by_topk`).
+    with more candidates than room (a flat row of ties) is read again with torch's top-k (`support_by_topk`).
 
     defer_crowded: no wait for the GPU (the fused path calls this once per chunk of a few hundred rows, and each
     wait stalls the launches queued behind it): every one of the candidates' columns is kept, and the crowded rows
     are not read again but returned, as (ChunkSupport, crowded bool [n]), for the caller to read with
-    `_support_by_topk` (their S_t here is wrong)."""
+    `support_by_topk` (their S_t here is wrong)."""
     width = pi_read_width(k_pi, logits.shape[1])
     if width > LANES:
-        support = _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
+        support = support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
         return (support, torch.zeros_like(sampled, dtype=torch.bool)) if defer_crowded else support
     row_max, threshold = top_threshold(logits, width - 1, rows)
     capacity = max(CANDIDATE_ROOM, 4 * width)
@@ -154,7 +155,7 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     crowded = (count > capacity).nonzero().squeeze(1)
     if crowded.numel() == 0:
         return support
-    again = _support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
+    again = support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
                              mu_selected[crowded], k_pi, support_mass,
                              None if pi_rows is None else pi_rows[crowded])
     return _overwrite_rows(support, crowded, again, sampled)
@@ -176,7 +177,7 @@ def _overwrite_rows(support: ChunkSupport, at: torch.Tensor, other: ChunkSupport
     return ChunkSupport(*(mine.index_copy(0, at, theirs) for mine, theirs in zip(support, other)))
 
 
-def _support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows=None) -> ChunkSupport:
+def support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows=None) -> ChunkSupport:
     """`support_by_kernel` with torch's top-k for pi's most likely ids, then one kernel for the tail's exponentials.
     Most rows: every row read in place, no row copies; a few rows (the crowded ones): those rows copied first."""
     width = pi_read_width(k_pi, logits.shape[1])
