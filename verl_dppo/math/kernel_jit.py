@@ -28,6 +28,12 @@ def build_kernels():
         return pid, row
 
     @triton.jit
+    def _excluded_walk(excluded_ptr, pid, n_excluded):
+        """The walk over this program's excluded ids (sorted, n_excluded a row): (their start, the first of them)."""
+        own = excluded_ptr + pid * n_excluded
+        return own, tl.load(own, mask=n_excluded > 0, other=2**62)
+
+    @triton.jit
     def _skip_excluded(skip, cols, block_end, own, ptr, upcoming, n_excluded):
         """Marks in `skip` the row's excluded ids (sorted, at own[ptr:]) below block_end; returns the walk's state."""
         while upcoming < block_end:
@@ -38,7 +44,7 @@ def build_kernels():
 
     # The kernels call these by their global names (Triton's interpreter resolves calls in the module's globals):
     # module-level functions, defined here because Triton is imported only when a kernel is first used.
-    globals().update(_program_row=_program_row, _skip_excluded=_skip_excluded)
+    globals().update(_program_row=_program_row, _excluded_walk=_excluded_walk, _skip_excluded=_skip_excluded)
 
     @triton.jit
     def scaled_exp_kernel(
@@ -75,9 +81,8 @@ def build_kernels():
         pid, row = _program_row(rows_ptr, HAS_ROWS)
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
-        own = excluded_ptr + pid * n_excluded
+        own, upcoming = _excluded_walk(excluded_ptr, pid, n_excluded)
         ptr = 0
-        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
         if HAS_MAX:
             given = tl.load(max_ptr + pid).to(tl.float32)
             shift = tl.where(given == float("-inf"), 0.0, given)
@@ -162,9 +167,8 @@ def build_kernels():
         pid, row = _program_row(rows_ptr, HAS_ROWS)
         base = logits_ptr + row * stride_row
         lanes = tl.arange(0, BLOCK)
-        own = excluded_ptr + pid * n_excluded
+        own, upcoming = _excluded_walk(excluded_ptr, pid, n_excluded)
         ptr = 0
-        upcoming = tl.load(own, mask=n_excluded > 0, other=2**62)
         given = tl.load(max_ptr + pid).to(tl.float32)
         shift = tl.where(given == float("-inf"), 0.0, given)
         threshold = tl.load(threshold_ptr + pid).to(tl.float32)
