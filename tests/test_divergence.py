@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from verl_dppo.math.divergence import binary_kl, binary_tv, log1mexp, ratio_deviation
+from verl_dppo.math.divergence import (binary_kl, binary_tv, log1mexp, nearest_within_rounding, ratio_deviation,
+                                       rounding_radius)
 from verl_dppo.math.trust_region import trust_region_keep
 
 lg = math.log
@@ -80,6 +81,47 @@ def test_binary_divergences_lower_bound_the_exact_ones():
     exact_kl = (mu * (mu.log() - pi.log())).sum(-1)
     assert (binary_tv(mu_a.log(), pi_a.log()) <= exact_tv.float() + 1e-6).all()
     assert (binary_kl(mu_a.log(), pi_a.log()) <= exact_kl.float() + 1e-6).all()
+
+
+def _kl64(log_mu: torch.Tensor, log_pi: torch.Tensor) -> torch.Tensor:
+    """Eq. (14) in float64, 1 - p by expm1, 0 log 0 = 0."""
+    mu, one_minus_mu, one_minus_pi = log_mu.exp(), -torch.expm1(log_mu), (-torch.expm1(log_pi)).clamp(min=1e-300)
+    other = torch.where(one_minus_mu > 0, one_minus_mu * torch.log(one_minus_mu.clamp(min=1e-300) / one_minus_pi), 0.0)
+    return mu * (log_mu - log_pi) + other
+
+
+def test_nearest_pair_within_each_sides_rounding_is_the_least_divergence_of_the_box():
+    """Issue 53.1: (mu', pi'), each log-prob within its own side's bf16 radius of the value given, is where binary TV
+    and KL take their least value over every pair the two roundings allow: checked against a float64 grid of the box
+    (its corners included; to its step where the intervals overlap), on confident, middling and rare tokens, both orders, overlapping intervals (least 0,
+    mu' = pi') and a float32 side (radius 0). Both radii on pi alone (the rule before) read KL 0.046 for bf16 mu 0.95
+    against pi 0.999; every pair in the box is at least 0.063."""
+    pairs = [(0.95, 0.999), (0.999, 0.95), (0.97, 0.999), (0.9999, 0.99), (0.5, 0.6), (0.6, 0.5), (0.3, 0.302),
+             (1e-3, 3e-3), (0.2, 1e-4), (0.99, 1.0), (1.0, 0.995), (0.9, 0.9), (0.999, 0.9995)]
+    dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+    grid, apart = torch.linspace(0.0, 1.0, 801, dtype=torch.float64), 0
+    for (mu_p, pi_p), (mu_dtype, pi_dtype) in ((p, d) for p in pairs for d in dtypes):
+        mu = torch.tensor([math.log(mu_p)]).to(mu_dtype).double()
+        pi = torch.tensor([math.log(pi_p)]).to(pi_dtype).double()
+        mu_r, pi_r = rounding_radius(mu, mu_dtype).double(), rounding_radius(pi, pi_dtype).double()
+        mu_near, pi_near = nearest_within_rounding(mu, pi, mu_r, pi_r)
+        assert (mu_near - mu).abs() <= mu_r + 1e-15 and (pi_near - pi).abs() <= pi_r + 1e-15
+        mu_box = ((mu - mu_r) + grid * ((mu + mu_r).clamp(max=0.0) - (mu - mu_r)))[:, None]
+        pi_box = ((pi - pi_r) + grid * ((pi + pi_r).clamp(max=0.0) - (pi - pi_r)))[None, :]
+        least_kl, least_tv = float(_kl64(mu_box, pi_box).min()), float((mu_box.exp() - pi_box.exp()).abs().min())
+        case = (mu_p, pi_p, mu_dtype, pi_dtype, least_kl)
+        kl_near, tv_near = float(_kl64(mu_near, pi_near)), float((mu_near.exp() - pi_near.exp()).abs())
+        assert kl_near <= least_kl * (1 + 1e-9) and tv_near <= least_tv * (1 + 1e-9), case  # none in the box less
+        if float((pi - mu).abs()) <= float(mu_r + pi_r):  # the intervals overlap: nothing the rounding can tell
+            assert float(mu_near) == float(pi_near), case
+            continue
+        assert kl_near == pytest.approx(least_kl, rel=1e-9) and tv_near == pytest.approx(least_tv, rel=1e-9), case
+        apart += 0 if mu_dtype is torch.float32 or pi_dtype is torch.float32 else 1
+    assert 0 < apart < len(pairs)  # both sides bf16: some pairs apart, some overlapping
+    mu, pi = torch.tensor([math.log(0.95)]).bfloat16(), torch.tensor([math.log(0.999)]).bfloat16()
+    mu_near, pi_near = nearest_within_rounding(mu.float(), pi.float(), rounding_radius(mu, mu.dtype),
+                                               rounding_radius(pi, pi.dtype))
+    assert 0.06 < float(binary_kl(mu_near, pi_near)) < 0.065 < 0.14 < float(binary_kl(mu, pi))
 
 
 def test_ratio_deviation_is_abs_ratio_minus_one():

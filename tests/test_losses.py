@@ -302,6 +302,40 @@ def test_bf16_exempts_no_more_than_the_rounding_bound_near_p_one():
     assert outcomes == [True, False, False, False, False, True, True], outcomes
 
 
+def test_bf16_on_both_sides_moves_each_within_its_own_bound():
+    """Issue 53.1: with mu in bf16 too, each side moves within its own bf16 bound only, not both bounds on pi: a token
+    is masked exactly where every pair (mu', pi') the two bounds allow has a KL above delta (a float64 grid of that
+    box). mu 0.95 -> 0.999 (KL 0.148) was kept before (0.046 at pi moved by both radii; the box's least is 0.063),
+    and on the policy that sampled (pi verl's bf16 log-softmax, mu the engine's float32 one handed over in bf16)
+    nothing is masked."""
+    pi, mu, adv = torch.zeros(len(LENS), T), torch.zeros(len(LENS), T), torch.ones(len(LENS), T)
+    for t, (mu_p, pi_p, sign) in enumerate(BF16_NEAR_ONE):
+        mu[0 if t < 6 else 2, t % 6], pi[0 if t < 6 else 2, t % 6] = math.log(mu_p), math.log(pi_p)
+        adv[0 if t < 6 else 2, t % 6] = sign
+    mu, pi = mu.bfloat16(), pi.bfloat16()
+    config = actor_config("dppo_binary_kl", delta_low=0.05, delta_high=0.05, ratio_cap=10000.0)
+    _, grads, _ = run_ppo_loss(config, pi, mu, adv, rollout=mu)
+    grid = torch.linspace(0.0, 1.0, 1001, dtype=torch.float64)
+    outcomes = []
+    for t in range(len(BF16_NEAR_ONE)):
+        row, col = (0 if t < 6 else 2), t % 6
+        box = []
+        for value in (float(mu[row, col]), float(pi[row, col])):
+            radius = 2.0 ** -8 * (1.0 + abs(value))
+            box.append((value - radius) + grid * (min(0.0, value + radius) - (value - radius)))
+        log_mu, log_pi = box[0][:, None], box[1][None, :]
+        one_minus_pi = (-torch.expm1(log_pi)).clamp(min=1e-300)
+        kl = log_mu.exp() * (log_mu - log_pi) - torch.expm1(log_mu) * torch.log(-torch.expm1(log_mu) / one_minus_pi)
+        masked = grads[row][col] == 0.0
+        assert masked == (float(kl.min()) > 0.05), (BF16_NEAR_ONE[t], grads[row][col], float(kl.min()))
+        outcomes.append(masked)
+    assert outcomes == [True, False, False, False, False, True, False], outcomes
+    pi_bf16, mu_fp32, adv = _bf16_on_policy_case()  # the engine's float32 log-softmax, handed over in bf16
+    *_, metrics = run_ppo_loss(config, pi_bf16, mu_fp32.bfloat16(), adv, rollout=mu_fp32.bfloat16())
+    values = {name: m.values[0] if hasattr(m, "values") else m for name, m in metrics.items()}
+    assert values["actor/dppo/masked_frac_pos"] == 0.0 and values["actor/dppo/mismatch_kl_mean"] == 0.0, values
+
+
 def test_thresholds_inherited_from_the_ratio_clip_are_warned_once_in_the_worker(caplog):
     """Issue 32.3: a GRPO command switched by its loss_mode line alone trains DPPO with PPO's eps as delta (verl's
     PolicyLossConfig has no delta): the worker says so in one line naming the fix; with DPPOLossConfig's own values

@@ -26,8 +26,8 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 import verl_dppo.plugin
-from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, rounding_radius,
-                                       within_rounding)
+from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, nearest_within_rounding,
+                                       rounding_radius)
 from verl_dppo.math.trust_region import trust_region_blocked
 from verl_dppo.plugin.config import inherited_thresholds_warning, tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
@@ -175,21 +175,24 @@ def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, r
 def _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
              anchored_on_mu, hook, unusable, mu_dtype) -> Tokens:
     """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads. A log-prob computed in
-    bf16 does not resolve a confident token's 1 - p below bf16's eps: the binary divergences are measured at the pi
-    nearest mu within the rounding of both (rounding_radius; 0 for float32 inputs), the ratio at pi as given."""
-    radius = rounding_radius(pi, log_prob.dtype) + rounding_radius(mu, mu_dtype)
+    bf16 does not resolve a confident token's 1 - p below bf16's eps: the binary divergences are measured at the pair
+    (mu', pi') nearest each other with each side within its own rounding (rounding_radius; 0 for float32 inputs),
+    the ratio and mu(a_t) (Relax's alpha, the metrics) at the values given."""
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
-    mu_floored, pi_floored = floor_logprob(mu), floor_logprob(within_rounding(mu, pi, radius))
-    mu_prob, pi_prob = torch.exp(mu_floored), torch.exp(pi_floored)
-    drop = mu_prob - pi_prob  # mu(a_t) - pi(a_t)
+    mu_near, pi_near = nearest_within_rounding(mu, pi, rounding_radius(mu, mu_dtype),
+                                               rounding_radius(pi, log_prob.dtype))
+    mu_floored, pi_floored = floor_logprob(mu_near), floor_logprob(pi_near)
+    mu_near_prob = torch.exp(mu_floored)
+    drop = mu_near_prob - torch.exp(pi_floored)  # mu(a_t) - pi(a_t), at the nearest pair
+    mu_prob = torch.exp(floor_logprob(mu))  # mu(a_t) as given
     return Tokens(
         mode=mode, options=options, family_options=family_options, log_prob=log_prob, pi=pi, mu=mu, anchor=anchor,
         adv=adv, response=response, valid=valid, sanitized=sanitized, anchored_on_mu=anchored_on_mu, ratio=ratio,
         weight=ratio.clamp(max=options.ratio_cap),
         log_ratio_to_anchor=log_ratio if anchored_on_mu else pi - anchor, mu_prob=mu_prob, drop=drop,
         mismatch_tv=drop.abs(),  # Eq. (13) against mu
-        mismatch_kl=binary_kl_floored(mu_floored, pi_floored, mu_prob),  # Eq. (14) against mu
+        mismatch_kl=binary_kl_floored(mu_floored, pi_floored, mu_near_prob),  # Eq. (14) against mu
         hook=hook, unusable=unusable,
     )
 

@@ -93,19 +93,18 @@ def _dtype(name: Any):
 
 def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[dict]:
     """Per bucket of mu(a_t): counts, deviations and the fraction each region acts on (see the module's docstring)."""
-    from verl_dppo.math.divergence import binary_kl, binary_tv, rounding_radius, within_rounding
+    from verl_dppo.math.divergence import binary_kl, binary_tv, nearest_within_rounding, rounding_radius
     from verl_dppo.math.trust_region import trust_region_blocked
 
     mu_lp, pi_lp = tokens["mu"].float(), tokens["pi"].float()
     mu, pi = mu_lp.double().exp(), pi_lp.double().exp()
     ratio = (pi_lp.double() - mu_lp.double()).exp()
-    # as the loss measures them (losses._measure): the binary divergences at the pi nearest mu within the rounding of
-    # the dtypes the two log-probs were computed in, the ratio at pi as given
-    radius = (rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype")))
-              + rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))))
-    resolved = within_rounding(mu_lp, pi_lp, radius)
-    measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_lp, resolved).double(),
-                "binary_kl": binary_kl(mu_lp, resolved).double()}
+    # as the loss measures them (losses._measure): the binary divergences at the pair nearest each other with each
+    # side within the rounding of the dtype it was computed in, the ratio at the values given
+    mu_near, pi_near = nearest_within_rounding(mu_lp, pi_lp, rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))),
+                                               rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype"))))
+    measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_near, pi_near).double(),
+                "binary_kl": binary_kl(mu_near, pi_near).double()}
     for name in ("topk_tv", "topk_kl"):
         if name in tokens:
             measures[name] = tokens[name].double()
