@@ -123,6 +123,29 @@ def test_float64_troll_equals_the_unfused_path():
     assert (policy.entropy - entropy).abs().max() < 1e-10
 
 
+def test_troll_rows_with_nan_or_inf_logits_answer_nan_as_topk_does():
+    """Issue 53.2, fused: a row whose hidden state holds a NaN or an inf (NaN or +-inf logits) has no pi: TROLL's
+    log p(a_t), regression KL, eta, kl_before, kl_after and loss are NaN there, where fused Top-K's D is NaN (0
+    before); a masked-out row of NaN is not read (0); the other rows keep the values of the clean input."""
+    h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(12, 6, 30, 4, seed=21, dtype=torch.float32)
+    mask[:] = True
+    mask[7] = False
+    bad = h.clone()
+    bad[2, 1], bad[4, 0], bad[7] = math.nan, math.inf, math.nan
+    terms, _ = fused_troll_token_terms(bad, w, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=8, chunk_tokens=5)
+    _, topk_kl, _ = fused_topk_divergence(bad, w, topk_ids, topk_lp, sampled, sampled_lp, mask, chunk_tokens=5)
+    clean, _ = fused_troll_token_terms(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=8, chunk_tokens=5)
+    no_pi = [r in (2, 4) for r in range(12)]
+    assert torch.isnan(topk_kl).tolist() == no_pi
+    values = {"loss": troll_token_loss(terms, torch.ones(12)), "log_p_sampled": terms.log_p_sampled,
+              "regression_kl": terms.regression_kl, **{k: terms.diagnostics[k] for k in ("eta", "kl_before", "kl_after")}}
+    for name, value in values.items():
+        assert torch.isnan(value).tolist() == no_pi and float(value[7].detach()) == 0.0, (name, value)
+    keep = ~torch.tensor(no_pi) & mask
+    for name in ("log_p_sampled", "regression_kl"):
+        assert torch.equal(getattr(terms, name)[keep].detach(), getattr(clean, name)[keep].detach()), name
+
+
 def test_gradcheck():
     """The autograd function's backward (the slots, the complement, the entropy; a_t inside and outside the
     top-K, a masked row) against finite differences."""

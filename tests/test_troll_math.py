@@ -512,6 +512,39 @@ def test_masked_and_dropped_rows_are_zero_and_the_rest_unchanged():
     assert bool((nothing.log_p_sampled == 0).all()) and not bool(nothing.diagnostics["valid"].any())
 
 
+def test_a_row_with_a_nan_or_inf_logit_answers_nan_as_topk_does():
+    """Issue 53.2: a row in the update whose logits hold a NaN or +inf, or are -inf throughout, has no pi: its log
+    p(a_t), regression KL, eta, kl_before, kl_after and loss are NaN, where Top-K's D is NaN on the same input (they
+    read 0 before, only the gradient NaN). A masked-out row of NaN is not read (0, as Top-K's); the other rows keep
+    their values, and a -inf logit beside finite ones is probability 0, no error."""
+    from verl_dppo.math.topk import topk_divergence
+
+    logits, ids, lps, sampled, sampled_lp = make_case(8, 40, reported=6, seed=5, dtype=torch.float32)
+    lps, sampled_lp = lps.float(), sampled_lp.float()
+    bad = logits.clone()
+    bad[1, 7], bad[2, 11], bad[3], bad[5] = math.nan, math.inf, -math.inf, math.nan
+    bad[6, (int(sampled[6]) + 1) % 40] = -math.inf  # not a_t: probability 0 beside finite logits
+    mask = torch.ones(8, dtype=torch.bool)
+    mask[5] = False
+    x = bad.clone().requires_grad_()
+    terms = troll_token_terms(x, ids, lps, sampled, sampled_lp, mask)
+    loss = troll_token_loss(terms, torch.ones(8))
+    _, topk_kl = topk_divergence(bad, ids, lps, sampled, sampled_lp, mask)
+    values = {"loss": loss, "log_p_sampled": terms.log_p_sampled, "regression_kl": terms.regression_kl,
+              **{name: terms.diagnostics[name] for name in ("eta", "kl_before", "kl_after")}}
+    no_pi = torch.tensor([r in (1, 2, 3) for r in range(8)])
+    assert torch.isnan(topk_kl).tolist() == no_pi.tolist()
+    for name, value in values.items():
+        assert torch.isnan(value).tolist() == no_pi.tolist(), (name, value)
+        assert float(value[5].detach()) == 0.0, name  # masked out: not read
+    clean = troll_token_terms(logits, ids, lps, sampled, sampled_lp, mask)
+    keep = ~no_pi & mask
+    keep[6] = False  # its -inf logit moves its normaliser: finite, checked alone
+    for name in ("log_p_sampled", "regression_kl"):
+        torch.testing.assert_close(getattr(terms, name)[keep], getattr(clean, name)[keep].detach())
+    assert bool(torch.isfinite(loss[6].detach())) and bool(terms.diagnostics["valid"][[1, 2, 3]].all())
+
+
 def test_bad_input_names_the_problem():
     logits, ids, lps, sampled, sampled_lp = make_case(4, 20, reported=5, seed=0, dtype=torch.float32)
     lps, sampled_lp = lps.float(), sampled_lp.float()

@@ -154,6 +154,38 @@ def troll_cases():
     print("troll backward under the kernels refuses overwritten logits")
 
 
+def troll_nonfinite_case():
+    """Issue 53.2 on the kernels: rows with a NaN, a +inf or only -inf logits answer NaN in TROLL's terms, unfused
+    and fused, where Top-K's D is NaN; a masked-out NaN row is not read."""
+    from verl_dppo.math.fused_topk import fused_topk_divergence
+    from verl_dppo.math.fused_troll import fused_troll_token_terms
+
+    gen = torch.Generator().manual_seed(5)
+    h, w = torch.randn(8, 8, generator=gen), torch.randn(1_000, 8, generator=gen)
+    _, ids, lp, sampled, sampled_lp = rollout_topk((h @ w.t()).double(), 8, 5, inside=False)
+    logits = h @ w.t()
+    logits[1, 3], logits[2, 7], logits[3], logits[5] = math.nan, math.inf, -math.inf, math.nan
+    bad_h = h.clone()
+    bad_h[1, 0], bad_h[2, 0], bad_h[5] = math.nan, math.inf, math.nan
+    mask = torch.arange(8) != 5
+    no_pi = [r in (1, 2, 3) for r in range(8)]
+    for name, fn in (
+        ("unfused", lambda: (troll_token_terms(logits, ids, lp, sampled, sampled_lp, mask),
+                             topk_divergence(logits, ids, lp, sampled, sampled_lp, mask)[1])),
+        ("fused", lambda: (fused_troll_token_terms(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[0],
+                           fused_topk_divergence(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[1])),
+    ):
+        (want, want_kl), (got, got_kl) = both(fn)
+        rows = no_pi if name == "unfused" else [r in (1, 2) for r in range(8)]
+        for terms, kl in ((want, want_kl), (got, got_kl)):
+            assert torch.isnan(kl).tolist() == rows, (name, kl)
+            for value in (terms.log_p_sampled, terms.regression_kl, terms.diagnostics["kl_before"],
+                          terms.diagnostics["eta"], terms.diagnostics["kl_after"]):
+                assert torch.isnan(value).tolist() == rows and float(value[5]) == 0.0, (name, value)
+        close(f"troll {name} non-finite rows", got.log_p_sampled, want.log_p_sampled, atol=1e-6)
+    print("troll, unfused and fused, on rows with NaN, +inf or only -inf logits: NaN as Top-K, on both paths")
+
+
 def troll_crowded_case():
     """Rows with more logits at pi's threshold than the candidates' room (a flat row, a row of few bf16 values) are
     read again with torch's top-k, the other rows by the two kernels: both agree with the torch path."""
@@ -308,5 +340,6 @@ if __name__ == "__main__":
     vocab_parallel_case()
     troll_cases()
     troll_crowded_case()
+    troll_nonfinite_case()
     fused_cases()
     print(f"kernel agreement: all cases agree ({LAUNCHES['count']} kernel builds looked up)")

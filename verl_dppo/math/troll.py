@@ -185,7 +185,9 @@ def troll_token_terms(
         sampled_ids: [N] the sampled tokens a_t.
         rollout_sampled_logprobs: [N] log mu(a_t) from the engine. Rows where it is NaN or +-inf are dropped
             (no finite ratio; diagnostics["valid"] is False), as in DPPO.
-        mask: optional [N] bool; rows where it is False are neither read nor validated.
+        mask: optional [N] bool; rows where it is False are neither read nor validated. A row in the update whose
+            logits hold a NaN or +inf (or are -inf throughout) has no distribution pi: its log p(a_t), regression
+            KL, eta, kl_before and kl_after are NaN (as `topk_divergence`'s D there), so the loss is too.
         eps: trust-region radius. support_mass, topk: the support rule (1 - delta, K).
         chunk_bytes: float32 working set per chunk of rows of the torch path, forward and backward (None: by
             device, `chunk_bytes_for`). The Triton path (a GPU) reads rows in place, without chunks.
@@ -256,23 +258,27 @@ def troll_terms_from_support(
     ids, source, slot_valid, log_pi_s, log_pi_other = read_support(rows_arg, sampled, mu_ids, mu_selected)
     log_mu = mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, slot_valid, vocab)
     log_pi = torch.cat([log_pi_s.double(), log_pi_other.double()[:, None]], dim=1)
+    # pi's atoms hold mass 1 (log 0) wherever the row's log-normaliser is finite; a NaN or +inf logit, or a row of
+    # -inf, leaves NaN, inf or no mass: such rows answer NaN (as Top-K's D does), never a clean-looking 0
+    atoms = torch.cat([slot_valid, torch.ones_like(slot_valid[:, :1])], dim=1)
+    no_pi = torch.where(torch.isfinite(_logsumexp(torch.where(atoms, log_pi, -math.inf))).squeeze(1), 0.0, math.nan)
     present = torch.cat([slot_valid, torch.isfinite(log_pi_other)[:, None]], dim=1) & torch.isfinite(log_pi)
     log_pi = torch.where(present, log_pi, -math.inf)
     projection = kl_projection(log_pi, log_mu, eps)
 
     slot = ((ids == sampled[:, None]) & slot_valid).long().argmax(dim=1, keepdim=True)
-    log_p_sampled = projection.log_p.gather(1, slot).squeeze(1)
+    log_p_sampled = projection.log_p.gather(1, slot).squeeze(1) + no_pi
     pi_on = torch.where(present, log_pi, 0.0)
     pi_on = pi_on - _logsumexp(torch.where(present, pi_on, -math.inf))
     log_p_det = torch.where(present, projection.log_p.detach(), 0.0)
-    regression_kl = torch.where(present, pi_on.exp() * (pi_on - log_p_det), 0.0).sum(dim=1)
+    regression_kl = torch.where(present, pi_on.exp() * (pi_on - log_p_det), 0.0).sum(dim=1) + no_pi
     log_mu_sampled = log_mu.gather(1, slot).squeeze(1)
 
     diagnostics = {
         "projected": _to_all_rows(projection.projected, rows_arg, n, torch.bool),
-        "eta": _to_all_rows(projection.eta, rows_arg, n, torch.float32),
-        "kl_before": _to_all_rows(projection.kl_before, rows_arg, n, torch.float32),
-        "kl_after": _to_all_rows(projection.kl_after, rows_arg, n, torch.float32),
+        "eta": _to_all_rows(projection.eta + no_pi, rows_arg, n, torch.float32),
+        "kl_before": _to_all_rows(projection.kl_before + no_pi, rows_arg, n, torch.float32),
+        "kl_after": _to_all_rows(projection.kl_after + no_pi, rows_arg, n, torch.float32),
         "support_size": _to_all_rows(slot_valid.sum(dim=1), rows_arg, n, torch.long),
         "valid": valid_rows,
     }
