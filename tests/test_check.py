@@ -58,7 +58,9 @@ def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
 
 
 README_RULE = ("verl-dppo: check: trains dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's "
-               "log-probs, bypass on (no recompute pass), K -")
+               "log-probs, bypass on (no recompute pass), K -; beside it, unlike the paper's recipe: KL loss low_var_kl "
+               "x 0.001 (and a reference model), token-mean aggregation (the paper: seq-mean-token-sum-norm), "
+               "advantages divided by the group's std (the paper: not)")
 """Issue 43.1: what `check` prints for verl's GRPO example switched by the README's lines."""
 
 
@@ -223,7 +225,7 @@ def test_the_rule_in_effect_is_the_workers(tmp_path, extra, rule):
     from verl_dppo.plugin.losses import LOSS_MODES
 
     verdict = check_command([*verl_lora_example(tmp_path), *extra])
-    assert (verdict.problems, verdict.not_here, verdict.rule) == ([], [], f"trains {rule}")
+    assert (verdict.problems, verdict.not_here, verdict.rule.split("; beside it")[0]) == ([], [], f"trains {rule}")
     actor = omega_conf_to_dataclass(verdict.config.actor_rollout_ref.actor)
     mode = next((mode for mode in LOSS_MODES if mode.name == actor.policy_loss.loss_mode), None)
     if mode is None:  # verl's own loss: its clip keys as verl reads them
@@ -329,3 +331,137 @@ def test_the_rehearsal_trains_the_command_on_cpu(tmp_path):
     run = json.loads(jsonl.with_suffix(".run.json").read_text())
     assert run["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), run
     assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in run["command"], run
+
+
+# Issue 51: the scripts verl users actually run (the shapes of verl's examples/**/*.sh near 0.9.1), switched by the
+# README's lines.
+
+def _verdict(argv):
+    from verl_dppo.launch.check import check_command
+
+    return check_command(argv)
+
+
+@pytest.mark.parametrize("launcher", [
+    ["uv", "run", "--frozen", "--all-packages", "--extra", "vllm", "--extra", "fsdp", "python3", "-m",
+     "verl.trainer.main_ppo"],
+    ["PYTHONUNBUFFERED=1", "HYDRA_FULL_ERROR=1", "python3", "-m", "verl.trainer.main_ppo"],
+    ["torchrun", "--nproc_per_node=8", "verl/trainer/main_ppo.py"],
+    ["ray", "job", "submit", "--address=http://127.0.0.1:8265", "--", "python3", "-m", "verl.trainer.main_ppo"],
+    ["HYDRA_FULL_ERROR=1"],
+])
+def test_launch_lines_as_users_type_them(tmp_path, launcher):
+    """51.6: the words before main_ppo are the launcher's, whatever launches it (verl's 0.9-era scripts: uv run)."""
+    command = verl_grpo_example(tmp_path)[3:]  # the overrides, behind each launcher
+    verdict = _verdict([*launcher, *command, *FROM_GRPO])
+    assert (verdict.problems, verdict.not_here, verdict.exit_code) == ([], [], EXIT_FINE), verdict.problems
+    assert verdict.rule == README_RULE.removeprefix("verl-dppo: check: ")
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("verl.experimental.fully_async_policy.fully_async_main", "another entry point than verl.trainer.main_ppo"),
+    ("verl.trainer.main_generation_server_nope", "has no such module"),
+])
+def test_another_entry_point_is_one_line(tmp_path, capsys, entry, fragment):
+    command = ["python3", "-m", entry, *verl_grpo_example(tmp_path)[3:]]
+    assert_one_line_error(capsys, ["check", *command], fragment)
+
+
+def _megatron_example(tmp_path) -> list[str]:
+    """verl's GRPO example as its Megatron scripts write it (no fsdp_config keys)."""
+    return [item for item in verl_grpo_example(tmp_path) if ".fsdp_config." not in item]
+
+
+@pytest.mark.parametrize("path", ["config", "./config", "../trainer/config"])
+def test_a_relative_config_path_is_read_from_main_ppos_folder(tmp_path, monkeypatch, path):
+    """51.1: verl's Megatron scripts pass --config-path=config: Hydra reads it from verl/trainer/, not the working
+    folder (here a folder with no config in it), and the Megatron config is what gets checked."""
+    monkeypatch.chdir(tmp_path)
+    command = _megatron_example(tmp_path)
+    verdict = _verdict([*command[:3], f"--config-path={path}", "--config-name", "ppo_megatron_trainer",
+                        *command[3:], *FROM_GRPO])
+    assert verdict.problems == [] and verdict.config.actor_rollout_ref.actor.strategy == "megatron", verdict.problems
+
+
+def test_router_replay_r2_with_bypass_and_more_of_verls_complaints_in_one_run(tmp_path):
+    """51.2 and 51.8: verl refuses R2 with bypass mode; the plugin's line says what to do with a DPPO switch, and
+    verl's batch-size complaint before it does not hide it."""
+    command = _megatron_example(tmp_path)
+    verdict = _verdict([*command[:3], "--config-path=config", "--config-name=ppo_megatron_trainer", *command[3:],
+                        *FROM_GRPO, "actor_rollout_ref.actor.megatron.router_replay.mode=R2",
+                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    assert len(verdict.problems) == 2, verdict.problems
+    assert "must be divisible by model_parallel_size (3)" in verdict.problems[0]
+    assert "router_replay.mode='R2' requires" in verdict.problems[1]
+    assert "leave out bypass_mode=True" in verdict.problems[1] and "router_replay.mode=R3" in verdict.problems[1]
+
+
+def test_a_config_package_that_is_not_installed_is_one_not_here_line(tmp_path):
+    """51.4: a script that adds a config package to Hydra's search path: one line naming it (exit 3), not a problem
+    for each key it would define."""
+    verdict = _verdict([*verl_grpo_example(tmp_path), "hydra.searchpath=[pkg://verl_dppo_no_such_pkg.config]",
+                        "actor_rollout_ref.actor.no_such_key=1", *FROM_GRPO])
+    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
+    assert len(verdict.not_here) == 1 and "'verl_dppo_no_such_pkg' is not installed here" in verdict.not_here[0]
+
+
+def test_a_critic_model_that_is_not_here_is_named_without_retries(tmp_path):
+    """51.4: a GAE script's critic: verl's check reads its config.json from the hub; `check` downloads nothing, names
+    it once (exit 3) in seconds, and checks everything else."""
+    import time
+
+    start = time.monotonic()
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "algorithm.adv_estimator=gae",
+                        "critic.model.path=verl-dppo-tests/no-such-critic", "critic.ppo_micro_batch_size_per_gpu=8"])
+    assert time.monotonic() - start < 15
+    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
+    assert len(verdict.not_here) == 1 and "verl-dppo-tests/no-such-critic is neither a local folder" in \
+        verdict.not_here[0]
+    assert "gae advantages (the paper: grpo)" in verdict.rule
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.rollout_correction.rollout_is_threshold=0.5_4.0", None),  # str | float in verl's dataclass
+    ("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", None),
+    ("algorithm.rollout_correction.bypass_mode=maybe", "expected a boolean (true/false) like verl's value False"),
+    ("actor_rollout_ref.actor.entropy_coeff=0.01", None),  # a float in verl's ActorConfig, 0 in its YAML
+])
+def test_types_come_from_verls_config_classes(tmp_path, override, expected):
+    """51.5: a value verl accepts is no problem; one it refuses is, said against verl's value (no recipe here)."""
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, override])
+    found = [problem for problem in verdict.problems if override.split("=")[0] in problem]
+    assert (found[0] if found else None) == (expected and f"{override}: {expected}, got str 'maybe'"), \
+        verdict.problems
+
+
+def test_distillation_without_task_rewards_is_a_problem(tmp_path):
+    """51.3: verl's distillation_ppo_loss multiplies the policy loss by zero without task rewards."""
+    command = [*verl_grpo_example(tmp_path), *FROM_GRPO, "distillation.enabled=True"]
+    verdict = _verdict([*command, "distillation.distillation_loss.use_task_rewards=False"])
+    assert len(verdict.problems) == 1 and "multiplies the policy loss (dppo_binary_tv) by zero" in \
+        verdict.problems[0], verdict.problems
+    verdict = _verdict([*command, "distillation.distillation_loss.use_task_rewards=True"])
+    assert verdict.problems == [] and "plus the distillation loss k3 x 1" in verdict.rule, verdict.problems
+
+
+PAPER_LINES = ["actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+               "actor_rollout_ref.actor.loss_scale_factor=1024", "algorithm.norm_adv_by_std_in_grpo=False"]
+"""The README's lines for the paper's whole update, on verl's GRPO example (max_response_length 1024)."""
+
+
+def test_the_summary_names_the_rest_of_the_update(tmp_path, capsys):
+    """51.7: with the README's paper lines the rule has nothing beside the trust region; a dropped rejection sampling
+    and the plugin's thresholds under verl's own loss mode are warnings."""
+    command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+    verdict = _verdict([*command, *PAPER_LINES])
+    assert verdict.problems == [] and verdict.rule == README_RULE.split("; beside it")[0].removeprefix(
+        "verl-dppo: check: "), verdict.rule
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert all(line.split("=")[0] in readme for line in PAPER_LINES)
+    verdict = _verdict([*command, "algorithm.rollout_correction.rollout_rs=token_k1",
+                        "actor_rollout_ref.actor.entropy_coeff=0.001"])
+    assert any("rollout_rs=token_k1: bypass_mode=True makes verl's trainer skip" in w for w in verdict.warnings)
+    assert "entropy bonus 0.001" in verdict.rule and "rollout_rs=token_k1 dropped" in verdict.rule
+    verdict = _verdict([*command[:len(command) - len(FROM_GRPO)], *FROM_GRPO[1:]])
+    assert any("loss_mode=vanilla is verl's own and does not read them" in w for w in verdict.warnings), \
+        verdict.warnings

@@ -1,22 +1,30 @@
 """`verl-dppo check`: the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line.
 
 `verl-dppo run` composes a paper setup; a user with a GRPO command of their own wants to know, before a cluster
-job, what the plugin would say about that command as it is. `check` composes verl's own config (`ppo_trainer`, or
-the command's `--config-path` / `--config-name`) with the command's overrides, as `main_ppo` does, and runs on it
-everything `run --dry-run` checks: each override's type against verl's value, verl's own `validate_config` and
-config classes, the plugin's run-level checks (anchor and bypass mode, asynchronous trainers, Ulysses attention),
-the Top-K settings, the thresholds a DPPO mode would inherit from the ratio clip, and whether the data files and
-the model exist here. Nothing is launched. Every problem it can find is named in one run: each override's key
-(a misspelled one with the existing keys it is nearest to) and type are checked against verl's config before Hydra
-composes it (Hydra stops at the first), the config is composed with the overrides that passed, and the plugin's
-checks, the files and verl's own validation (its first complaint) follow; each problem is one line. A command with no
-problem ends with one line of the update rule it trains (`verl_dppo.plugin.update_rule`: loss mode, thresholds,
-ratio cap, anchor, bypass mode, K), as the worker resolves it. Warnings name what costs without stopping the launch:
-no bypass mode (verl recomputes the old log-probs every step), a threshold set outside the paper's range; a DPPO
-threshold inherited from the ratio clip outside that range (GSPO's 0.0003) is a problem.
+job, what the plugin would say about that command as it is. `check` reads the launch line as it is typed
+(`python3 -m verl.trainer.main_ppo`, behind `uv run ...`, `torchrun ...`, `ray job submit ... --` or `VAR=value`
+words, or `.../main_ppo.py`; only main_ppo: another entry point, or a module verl does not have, is one line, exit 2).
+It composes verl's own config (`ppo_trainer`, or the command's `--config-path`, relative to verl's `trainer/` folder
+as Hydra reads it, and `--config-name`; the command's `hydra.searchpath`) with the command's overrides, as `main_ppo`
+does, and runs on it everything `run --dry-run` checks: each override's key and type (the type verl's config classes
+declare, else verl's value's), verl's own `validate_config` and config classes, the plugin's run-level checks (anchor
+and bypass mode, asynchronous trainers, Ulysses attention), the Top-K settings, the thresholds a DPPO mode would
+inherit from the ratio clip, what cancels or drops part of the update (distillation without task rewards; a
+`rollout_rs` that bypass mode skips), and whether the data files and the models its checks read exist here. Nothing
+is launched and nothing is downloaded. Every problem it can find is named in one run: each override's key (a
+misspelled one with the existing keys it is nearest to) and type are checked before Hydra composes (Hydra stops at
+the first), the config is composed with the overrides that passed, and the plugin's checks, the files and verl's own
+validation follow (after `validate_config`'s first complaint, its parts that stand alone run again one by one); each
+problem is one line. A command with no problem ends with one line of the update rule it trains
+(`verl_dppo.plugin.update_rule`: loss mode, thresholds, ratio cap, anchor, bypass mode, K, then what else shapes the
+update where it differs from the paper's recipe: KL loss, aggregation, advantages, entropy bonus, distillation), as
+the worker resolves it. Warnings name what costs without stopping the launch: no bypass mode (verl recomputes the old
+log-probs every step), a threshold set outside the paper's range; a DPPO threshold inherited from the ratio clip
+outside that range (GSPO's 0.0003) is a problem.
 
 Exit codes: 0 nothing found; 2 the command is wrong, on any machine; 3 the command is right but cannot
-start here (a data file or a local model missing on this machine); 4 the rehearsal did not train.
+start here (a data file, a local model, a critic's model not in the Hugging Face cache, a config package on the
+search path: missing on this machine); 4 the rehearsal did not train.
 
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
@@ -32,74 +40,74 @@ command line, thousands of characters, in its run record). A wrong command is no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.errors import EXIT_USAGE, UsageError
+from verl_dppo.launch.launch_line import Launch, config_folder, missing_search_paths, parse_launch
 from verl_dppo.launch.override_checks import group_choices, override_problems
 
 __all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
            "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
 
-_LAUNCHERS = ("python", "python3", "-m", "verl.trainer.main_ppo")
-
-
 def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
-    """(overrides, --config-path, --config-name) of a main_ppo command line; the launcher words (`python3 -m
-    verl.trainer.main_ppo`, a path to main_ppo.py) are skipped, a shell's trailing `$@` or backslash too."""
-    overrides: list[str] = []
-    config_path, config_name = None, "ppo_trainer"
-    items = list(argv)
-    index = 0
-    while index < len(items):
-        item = items[index]
-        index += 1
-        if item in ("--config-path", "--config-name", "-cp", "-cn"):
-            if index >= len(items):
-                raise UsageError(f"{item} needs a value")
-            value, index = items[index], index + 1
-            if item in ("--config-path", "-cp"):
-                config_path = value
-            else:
-                config_name = value
-        elif item.startswith(("--config-path=", "--config-name=")):
-            key, value = item.split("=", 1)
-            config_path, config_name = (value, config_name) if key == "--config-path" else (config_path, value)
-        elif item in _LAUNCHERS or item.endswith(("python", "python3", "main_ppo.py")) or item in ("\\", "$@"):
-            continue
-        elif "=" in item or item.startswith("~"):
-            overrides.append(item)
-        else:
-            raise UsageError(f"{item!r} is not a Hydra override (key=value) of a main_ppo command line")
-    if not overrides:
-        raise UsageError("give the main_ppo command line (or its overrides) to check")
-    return overrides, config_path, config_name
+    """(overrides, --config-path, --config-name) of a main_ppo command line (`launch_line.parse_launch`: the launcher
+    words such as `uv run ... python3 -m verl.trainer.main_ppo` skipped, a shell's trailing `$@` or backslash too)."""
+    launch = parse_launch(argv)
+    return launch.overrides, launch.config_path, launch.config_name
 
 
 def compose_main_ppo(overrides: Sequence[str], config_path: Optional[str] = None,
                      config_name: str = "ppo_trainer") -> tuple[Any, Any]:
     """(verl's config with the overrides, verl's config without them), composed as main_ppo composes them."""
-    return tuple(_compose([list(overrides), []], config_path, config_name))
+    launch = Launch(overrides=list(overrides), config_path=config_path, config_name=config_name)
+    return tuple(_compose([list(overrides), []], launch))
 
 
-def _compose(override_lists: Sequence[Sequence[str]], config_path: Optional[str], config_name: str) -> list:
+def _compose(override_lists: Sequence[Sequence[str]], launch: Launch) -> list:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    import verl.trainer.main_ppo as main_ppo
     from verl_dppo.launch.compose import RecipeError, stdout_to_stderr
 
-    folder = Path(config_path) if config_path else Path(main_ppo.__file__).parent / "config"
-    if not folder.is_absolute():
-        folder = Path.cwd() / folder
+    folder = config_folder(launch)
+    if not folder.is_dir():
+        given = f"--config-path={launch.config_path}" if launch.config_path is not None else "main_ppo's config"
+        raise RecipeError(f"{given}: no config folder {folder} (Hydra reads a relative --config-path from the folder "
+                          "of the file that declares @hydra.main: verl/trainer/ for main_ppo, not the working folder)")
+    extra = [f"file://{Path(folder).resolve()}" for folder in launch.config_dirs]
     try:
-        with stdout_to_stderr(), initialize_config_dir(config_dir=str(folder), version_base=None):
-            return [compose(config_name, overrides=list(overrides)) for overrides in override_lists]
+        with stdout_to_stderr(), _quiet(), initialize_config_dir(config_dir=str(folder), version_base=None):
+            return [compose(launch.config_name, overrides=_with_config_dirs(list(overrides), extra))
+                    for overrides in override_lists]
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise RecipeError(" ".join(str(error).split())) from None
+
+
+def _with_config_dirs(overrides: list[str], folders: list[str]) -> list[str]:
+    """`--config-dir` folders as Hydra adds them: on the search path, beside the command's own `hydra.searchpath`."""
+    if not folders:
+        return overrides
+    for index, override in enumerate(overrides):
+        if override.startswith("hydra.searchpath=[") and override.endswith("]"):
+            inner = override[len("hydra.searchpath=["):-1]
+            overrides[index] = f"hydra.searchpath=[{','.join([*folders, *([inner] if inner else [])])}]"
+            return overrides
+    return [*overrides, f"hydra.searchpath=[{','.join(folders)}]"]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hydra's warning for a search path that is not here: `missing_search_paths` says it once, as "not here"."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not available")
+        yield
 
 
 EXIT_FINE, EXIT_WRONG, EXIT_NOT_HERE, EXIT_REHEARSAL = 0, EXIT_USAGE, 3, 4
@@ -122,6 +130,8 @@ class Verdict:
     """verl's config with the command's overrides (those that passed), None where it does not compose."""
     rule: Optional[str] = None
     """The update rule in effect (`update_rule`), where the command has no problem."""
+    unchecked: Optional[str] = None
+    """Why the rest of the command could not be checked here (a config package on its search path is missing)."""
 
     @property
     def exit_code(self) -> int:
@@ -131,37 +141,51 @@ class Verdict:
 def check_command(argv: Sequence[str]) -> Verdict:
     """Every problem this check can find in a main_ppo command line, each one line (see the module's docstring), and
     the update rule the command trains where it has none."""
-    from verl_dppo.launch.compose import RecipeError, check_supported, validate_recipe
+    from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
+    from verl_dppo.launch.check_findings import command_findings, hub_offline, unreadable_models
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
 
-    overrides, config_path, config_name = split_command(argv)
+    launch = parse_launch(argv)
+    overrides = launch.overrides
+    verdict = Verdict(not_here=missing_search_paths(overrides))
+    if verdict.not_here:  # the configs that path adds are not here: what they define cannot be checked
+        verdict.unchecked = "the configs on that search path define what the command sets"
+        return verdict
     try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
-        (baseline,) = _compose([group_choices(overrides)], config_path, config_name)
-    except RecipeError:  # a choice that does not compose: composing the command names it below
-        (baseline,) = _compose([[]], config_path, config_name)
-    problems, usable = override_problems(baseline, overrides)
-    verdict = Verdict(problems=problems)
+        (baseline,) = _compose([group_choices(overrides)], launch)
+    except RecipeError as error:  # a choice that does not compose: composing the command names it below
+        try:
+            (baseline,) = _compose([[]], launch)
+        except RecipeError:
+            verdict.problems.append(str(error))
+            return verdict
+    problems, usable = override_problems(baseline, overrides, source="verl's")
+    verdict.problems += problems
     try:
-        (verdict.config,) = _compose([usable], config_path, config_name)
+        (verdict.config,) = _compose([usable], launch)
     except RecipeError as error:
         verdict.problems.append(str(error))
         return verdict
     config = verdict.config
-    try:
-        validate_recipe(config, plain=True)
-    except RecipeError as error:
-        verdict.problems.append(str(error))
+    with hub_offline():  # nothing is downloaded, and no request waits on retries
+        unreadable, skip_critic = unreadable_models(config)
+        found, packages = recipe_problems(config, plain=True, skip_critic=skip_critic)
+    verdict.problems += found
+    verdict.not_here += [*unreadable, *packages]
     try:
         verdict.problems += list(check_supported(config))
     except RecipeError as error:
         verdict.problems.append(str(error))
-    verdict.not_here = _missing_files(config)
+    verdict.not_here += _missing_files(config)
+    more_problems, more_warnings = command_findings(config)
+    verdict.problems += more_problems
     try:
         inherited, verdict.warnings = threshold_findings(config)
         verdict.problems += [inherited] if inherited else []
         verdict.warnings += [warning for warning in [recompute_pass_warning(config)] if warning]
+        verdict.warnings += more_warnings
         if not verdict.problems:
             verdict.rule = update_rule(config)
     except ValueError as error:  # options the loss would refuse at its first call
@@ -266,6 +290,9 @@ def _verdict_line(verdict: Verdict) -> str:
     if verdict.problems:
         where = f"; {len(verdict.not_here)} more only here" if verdict.not_here else ""
         return f"the command is wrong: {len(verdict.problems)} problem(s) above, on any machine{where} (exit {EXIT_WRONG})"
+    if verdict.unchecked:
+        return (f"cannot be checked further here: {verdict.unchecked}, and {len(verdict.not_here)} thing(s) above "
+                f"are not on this machine (exit {EXIT_NOT_HERE})")
     if verdict.not_here:
         return (f"the command passed verl's checks and the plugin's, but cannot start here: {len(verdict.not_here)} "
                 f"thing(s) above that it needs are not on this machine (exit {EXIT_NOT_HERE})")

@@ -49,6 +49,13 @@ __all__ = [
 
 _SECTIONS_IN_USE = ("actor_rollout_ref", "data", "algorithm", "trainer", "dppo")
 
+def _verl_error_types() -> tuple:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return (AssertionError, ValueError, TypeError, HydraException, OmegaConfBaseException, OSError)
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """verl and Hydra print progress to stdout; a dry run's stdout must carry the YAML and nothing else."""
@@ -164,9 +171,19 @@ def _loss_registered(loss_mode: str) -> bool:
 
 
 def validate_recipe(config: Any, plain: bool = False) -> None:
-    """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change. `plain`: verl's own
-    config as a `main_ppo` command line composes it (`verl-dppo check`): no recipe keys, any policy-loss class."""
-    from hydra.errors import HydraException
+    """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change (the first of
+    `recipe_problems`). `plain`: verl's own config as a `main_ppo` command line composes it (`verl-dppo check`): no
+    recipe keys, any policy-loss class."""
+    problems, not_here = recipe_problems(config, plain=plain)
+    if problems or not_here:
+        raise RecipeError((problems or not_here)[0])
+
+
+def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False) -> tuple[list[str], list[str]]:
+    """(every problem verl's checks and the plugin's find in a composed config, each one line; what they need that
+    is not installed here). Each check runs whatever the others found, so that one run names them all; verl's
+    `validate_config`, which stops at its first complaint, is followed by its parts that stand alone
+    (`verl_validation`). `skip_critic`: the critic's model is not readable here (`verl-dppo check` says so)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -177,30 +194,56 @@ def validate_recipe(config: Any, plain: bool = False) -> None:
         key = getattr(error, "full_key", None)
         where = f" (at {key})" if key else ""
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RecipeError(f"the composed config does not resolve{where}: {first}") from None
+        return [f"the composed config does not resolve{where}: {first}"], []
     # Mandatory values (???) left unset in the sections a run uses (verl leaves some in disabled sections).
     missing = [key for section in _SECTIONS_IN_USE for key in _missing_paths(resolved.get(section), section)]
     if missing:
-        raise RecipeError("set these mandatory values: " + ", ".join(f"{key}=..." for key in missing))
+        return ["set these mandatory values: " + ", ".join(f"{key}=..." for key in missing)], []
+    problems: list[str] = []
+    for check in (check_length, _check_loss_registered, _check_trainer_mode):
+        try:
+            check(config)
+        except RecipeError as error:
+            problems.append(str(error))
+    verl_problems, not_here, policy_loss = verl_validation(config, skip_critic=skip_critic)
+    problems += verl_problems
+    from verl_dppo.plugin.config import DPPOLossConfig
 
-    check_length(config)
-    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
-    if not _loss_registered(loss_mode):
-        import difflib
-
-        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-        close = difflib.get_close_matches(str(loss_mode), sorted(POLICY_LOSS_REGISTRY), n=1, cutoff=0.6)
-        if close:
-            raise RecipeError(
-                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: not registered in verl's "
-                f"POLICY_LOSS_REGISTRY. Did you mean {close[0]!r}? (`verl-dppo doctor` lists the registered modes.)"
-            )
-        raise RecipeError(
-            f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
-            "is not installed or failed to load (run `verl-dppo doctor`), or "
-            "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
+    if not plain and policy_loss is not None and not isinstance(policy_loss, DPPOLossConfig):
+        problems.append(
+            "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
+            "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
         )
+    for check in (_check_anchor, _check_topk_rollout):
+        try:
+            check(config)
+        except RecipeError as error:
+            problems.append(str(error))
+    return problems, not_here
+
+
+def _check_loss_registered(config: Any) -> None:
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if _loss_registered(loss_mode):
+        return
+    import difflib
+
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    close = difflib.get_close_matches(str(loss_mode), sorted(POLICY_LOSS_REGISTRY), n=1, cutoff=0.6)
+    if close:
+        raise RecipeError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: not registered in verl's "
+            f"POLICY_LOSS_REGISTRY. Did you mean {close[0]!r}? (`verl-dppo doctor` lists the registered modes.)"
+        )
+    raise RecipeError(
+        f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
+        "is not installed or failed to load (run `verl-dppo doctor`), or "
+        "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
+    )
+
+
+def _check_trainer_mode(config: Any) -> None:
     chosen = config.dppo.get("trainer_mode", "sync") if config.get("dppo") is not None else None
     running = config.trainer.v1.get("trainer_mode", "sync")
     if chosen is not None and chosen != running:
@@ -215,43 +258,70 @@ def validate_recipe(config: Any, plain: bool = False) -> None:
             "trainer.use_v1=False."
         )
 
+
+def verl_validation(config: Any, skip_critic: bool = False) -> tuple[list[str], list[str], Any]:
+    """(verl's complaints about the config, one line each; the modules its checks need that are not installed here;
+    the policy loss's config object, or None where it does not build). verl's `validate_config` stops at its first
+    complaint: where it complains, its parts that stand alone (the actor's dataclass and `validate`, router replay,
+    the critic's dataclass and `validate`) run again one by one, so that each complaint is named in one run."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils import config as verl_config
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from verl_dppo.plugin.config import DPPOLossConfig
+    with _quiet_warnings():
+        use_critic = need_critic(config) and not skip_critic
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    actor = config.actor_rollout_ref.actor
 
-    steps = (
-        ("validate_config", lambda: validate_config(config, need_reference_policy(config), need_critic(config))),
-        ("actor_rollout_ref.actor.policy_loss", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)),
-        ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
-        ("algorithm", lambda: omega_conf_to_dataclass(config.algorithm)),
-    )
-    results = {}
+    def actor_check() -> None:
+        omega_conf_to_dataclass(actor).validate(n_gpus, config.data.train_batch_size, config.actor_rollout_ref.model)
+
+    def router_replay() -> None:
+        verl_config._validate_router_replay_config(omega_conf_to_dataclass(actor),
+                                                  config.algorithm.get("rollout_correction", None))
+
+    def critic_check() -> None:
+        omega_conf_to_dataclass(config.critic).validate(n_gpus, config.data.train_batch_size)
+
+    steps = [("validate_config", lambda: validate_config(config, need_reference_policy(config), use_critic)),
+             ("actor_rollout_ref.actor", actor_check), ("router replay", router_replay),
+             *([("critic", critic_check)] if use_critic else []),
+             ("actor_rollout_ref.actor.policy_loss", lambda: omega_conf_to_dataclass(actor.policy_loss)),
+             ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
+             ("algorithm", lambda: omega_conf_to_dataclass(config.algorithm))]
+    from hydra.errors import HydraException
+
+    errors = _verl_error_types()
+    problems, not_here, results, texts = [], [], {}, set()
     for name, step in steps:
+        if name in ("actor_rollout_ref.actor", "router replay", "critic") and "validate_config" in results:
+            continue  # validate_config ran these and passed
         try:
             with _without_pass_line(), _quiet_warnings():
                 results[name] = step()
         except ModuleNotFoundError as error:
-            raise RecipeError(
-                f"verl's check of {name} needs the module {error.name!r}, which is not installed here; run the "
-                "check where the rollout engine is installed, or change the setting that needs it "
-                "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA)."
-            ) from None
-        except (AssertionError, ValueError, TypeError, HydraException, OmegaConfBaseException) as error:
+            line = (f"verl's check of {name} needs the module {error.name!r}, which is not installed here; run the "
+                    "check where the rollout engine is installed, or change the setting that needs it "
+                    "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA).")
+            if line not in not_here:
+                not_here.append(line)
+        except Exception as error:  # noqa: BLE001  (verl's checks raise assertions, ValueErrors, Hydra's and more)
+            if not isinstance(error, errors):
+                raise
             cause = error.__cause__ if isinstance(error, HydraException) and error.__cause__ else error
             text = " ".join(str(cause).split())
+            if text in texts:
+                continue
+            texts.add(text)
             if _raised_by_plugin(cause):  # DPPOLossConfig's own checks, run inside verl's dataclass build
-                raise RecipeError(
-                    f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
-                ) from None
-            raise RecipeError(f"verl rejects the config ({name}): {text}{field_hint(text)}") from None
-    if not plain and not isinstance(results["actor_rollout_ref.actor.policy_loss"], DPPOLossConfig):
-        raise RecipeError(
-            "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
-            "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
-        )
-    _check_anchor(config)
-    _check_topk_rollout(config)
+                problems.append(f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): "
+                                f"{text}")
+            else:
+                from verl_dppo.launch.check_findings import verl_hint
+
+                hint = field_hint(text) + verl_hint(text)
+                problems.append(f"verl rejects the config ({name}): {text.rstrip('.') if hint else text}{hint}")
+    return problems, not_here, results.get("actor_rollout_ref.actor.policy_loss")
 
 
 def check_length(config: Any) -> None:

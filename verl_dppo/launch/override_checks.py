@@ -73,7 +73,8 @@ def group_choices(overrides: Sequence[str]) -> list[str]:
             if "=" in item and not item.startswith(("~", "+")) and is_group_choice(item.split("=", 1)[0])]
 
 
-def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False) -> tuple[list[str], list[str]]:
+def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False,
+                      source: str = "the recipe's") -> tuple[list[str], list[str]]:
     """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
     config (a change of a key the config lacks, answered with the nearest existing keys, not Hydra's "To append to
     your config use +key") and its value's type against the value it replaces. `keys_only`: the keys alone, and an
@@ -100,7 +101,7 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
                 value = parsed.value()
             except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
                 value = None
-            problem = problem or type_problem(baseline, key, value, given)
+            problem = problem or type_problem(baseline, key, value, given, source)
         if problem:
             problems.append(problem)
         else:
@@ -126,19 +127,21 @@ def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -
             raise RecipeError(problem)
 
 
-def type_problem(baseline: Any, key: str, new: Any, given: str) -> Optional[str]:
-    """The override `key=given` (parsed to `new`) against the type of the value it replaces (or that verl's config
-    dataclass declares): None where it fits, else the one-line problem."""
+def type_problem(baseline: Any, key: str, new: Any, given: str, source: str = "the recipe's") -> Optional[str]:
+    """The override `key=given` (parsed to `new`) against the type verl's config dataclass declares for the key, or
+    where none does, the type of the value it replaces: None where it fits, else the one-line problem. `source`:
+    whose value it replaces ("the recipe's", "verl's")."""
     from omegaconf import OmegaConf
 
     try:
         old = OmegaConf.select(baseline, key, throw_on_missing=False)
     except Exception:  # an interpolation that does not resolve: validate_recipe names it
         return None
-    expected = _declared_type(baseline, key) or _expected_type(old)
+    declared, expected = _declared_type(baseline, key)
+    expected = expected if declared else _expected_type(old)
     if expected is None or new is None or _fits(new, expected):
         return None
-    return f"{key}={given}: expected {expected} like the recipe's value {old!r}, got {type(new).__name__} {new!r}"
+    return f"{key}={given}: expected {expected} like {source} value {old!r}, got {type(new).__name__} {new!r}"
 
 
 def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
@@ -181,32 +184,58 @@ def _no_key(key: str, given: str, baseline: Any, parent: str) -> str:
     return f"{key}={given}: verl's config has no {parent}; {hint}"
 
 
-def _declared_type(baseline: Any, key: str) -> Optional[str]:
-    """The type verl's config dataclass declares for `key` (the `_target_` of the node holding it), where it declares
-    a number: a recipe's `entropy_coeff: 0` is an int in YAML, but verl's `ActorConfig.entropy_coeff` is a float, so
-    0.01 is a value the user may give. None where no dataclass declares the key."""
-    import dataclasses
+def _declared_type(baseline: Any, key: str) -> tuple[bool, Optional[str]]:
+    """(whether one of verl's config dataclasses declares `key`, the kind of value it declares: "a number", "an
+    integer", "a boolean (true/false)", or None for anything else, a string among them). The dataclass is the
+    `_target_` of the nearest node above the key, its fields followed down to the key (`algorithm.rollout_correction.
+    rollout_is_threshold`: `AlgoConfig.rollout_correction` -> `RolloutCorrectionConfig`, declared `str | float`, so
+    verl's `0.5_4.0` form is a value the user may give). A recipe's `entropy_coeff: 0` is an int in YAML, but verl's
+    `ActorConfig.entropy_coeff` is a float, so 0.01 is fine. (False, None) where no dataclass declares the key."""
     import importlib
-    import typing
 
     from omegaconf import OmegaConf
 
-    parent, _, name = key.rpartition(".")
-    try:
-        node = OmegaConf.select(baseline, parent, throw_on_missing=False) if parent else baseline
-        target = node.get("_target_") if node is not None and hasattr(node, "get") else None
+    parts = key.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        try:
+            node = OmegaConf.select(baseline, ".".join(parts[:depth]), throw_on_missing=False) if depth else baseline
+            target = node.get("_target_") if node is not None and hasattr(node, "get") else None
+        except Exception:  # noqa: BLE001  (an interpolation on the way)
+            return False, None
+        if not target:
+            continue
         module, _, cls_name = str(target).rpartition(".")
-        cls = getattr(importlib.import_module(module), cls_name) if target else None
-        hints = typing.get_type_hints(cls) if cls is not None and dataclasses.is_dataclass(cls) else {}
-    except Exception:  # a _target_ that does not import: verl's own instantiation names it
-        return None
-    declared = hints.get(name)
-    if typing.get_origin(declared) is typing.Union:  # Optional[float]
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except Exception:  # noqa: BLE001  (a _target_ that does not import: verl's own instantiation names it)
+            return False, None
+        return _field_type(cls, parts[depth:])
+    return False, None
+
+
+def _field_type(cls: Any, names: Sequence[str]) -> tuple[bool, Optional[str]]:
+    """`_declared_type` below one dataclass: its field `names[0]`, and down through nested dataclasses."""
+    import dataclasses
+    import types
+    import typing
+
+    try:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    except Exception:  # noqa: BLE001  (a hint that does not resolve)
+        return False, None
+    if names[0] not in hints:
+        return False, None
+    declared = hints[names[0]]
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):  # Optional[float], str | float
         args = [a for a in typing.get_args(declared) if a is not type(None)]
-        declared = args[0] if len(args) == 1 else None
-    if declared is float:
-        return "a number"
-    return None
+        if len(args) != 1:
+            numbers = set(args) <= {int, float}
+            return True, "a number" if numbers else None
+        declared = args[0]
+    if len(names) > 1:
+        return _field_type(declared, names[1:]) if dataclasses.is_dataclass(declared) else (False, None)
+    kinds = {bool: "a boolean (true/false)", int: "an integer", float: "a number"}
+    return True, kinds.get(declared)
 
 
 def _expected_type(value: Any) -> Optional[str]:

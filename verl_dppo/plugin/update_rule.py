@@ -7,14 +7,27 @@ The values are the worker's: the loss mode's family resolves them from the actor
 first call (`LossFamily.options`, the values its "in effect" line logs, verl's clip_ratio_* fallbacks included), and
 the run's other sections say where the anchor comes from (`policy_loss.anchor`, the rollout's `calculate_log_probs`)
 and whether verl recomputes the old log-probs (bypass mode). A value that differs from the paper's has the paper's
-beside it; one inherited from verl's ratio clip says so.
+beside it; one inherited from verl's ratio clip says so. After the trust region, what else shapes the update where it
+differs from the paper's recipe (`beside_the_loss`: a KL loss, the aggregation, the advantages' normalisation, an
+entropy bonus, a distillation term, a rejection sampling that bypass mode drops), a few words each:
+
+    ...; beside it, unlike the paper's recipe: KL loss low_var_kl x 0.001 (and a reference model), token-mean
+    aggregation (the paper: seq-mean-token-sum-norm), advantages divided by the group's std (the paper: not)
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["update_rule"]
+__all__ = ["update_rule", "beside_the_loss", "PAPER_UPDATE"]
+
+PAPER_UPDATE = {"actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.entropy_coeff": 0.0,
+                "actor_rollout_ref.actor.ppo_epochs": 1,
+                "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
+                "algorithm.use_kl_in_reward": False}
+"""What the paper's recipe (recipes/dppo.yaml) sets around the policy loss: the rest of the update a command is
+compared against (`beside_the_loss`)."""
 
 
 def update_rule(config: Any) -> str:
@@ -26,8 +39,10 @@ def update_rule(config: Any) -> str:
     actor = config.actor_rollout_ref.actor
     name = str(actor.policy_loss.loss_mode)
     mode = next((mode for mode in LOSS_MODES if mode.name == name), None)
+    beside = beside_the_loss(config)
+    beside_text = f"; beside it, unlike the paper's recipe: {', '.join(beside)}" if beside else ""
     if mode is None:
-        return _verls_own(name, config)
+        return _verls_own(name, config) + beside_text
     options, family_options, _ = mode.family.options(mode, actor)
     parts = _trust_region(mode, options, family_options)
     parts += [_anchor(config, options.anchor), _bypass(config)]
@@ -35,7 +50,45 @@ def update_rule(config: Any) -> str:
         from verl_dppo.plugin.topk_mode import TOPK_MODES, configured_topk
 
         parts.append(f"K {configured_topk(actor)}" if name in TOPK_MODES else "K -")
-    return f"trains {name}: " + ", ".join(parts)
+    return f"trains {name}: " + ", ".join(parts) + beside_text
+
+
+def beside_the_loss(config: Any) -> list[str]:
+    """What else shapes the update where it differs from the paper's recipe (`PAPER_UPDATE`), a few words each: the
+    KL loss, the aggregation, the advantages, an entropy bonus, epochs, a distillation term, a rejection sampling
+    that bypass mode drops."""
+    from omegaconf import OmegaConf
+
+    def get(key: str) -> Any:
+        return OmegaConf.select(config, key, default=None)
+
+    actor, found = "actor_rollout_ref.actor", []
+    if get(f"{actor}.use_kl_loss"):
+        found.append(f"KL loss {get(f'{actor}.kl_loss_type')} x {float(get(f'{actor}.kl_loss_coef') or 0):g} "
+                     "(and a reference model)")
+    if get("algorithm.use_kl_in_reward"):
+        found.append("KL penalty in the reward (and a reference model)")
+    agg = get(f"{actor}.loss_agg_mode")
+    if agg is not None and agg != PAPER_UPDATE[f"{actor}.loss_agg_mode"]:
+        found.append(f"{agg} aggregation (the paper: seq-mean-token-sum-norm)")
+    estimator = get("algorithm.adv_estimator")
+    if estimator is not None and str(estimator) != "grpo":
+        found.append(f"{estimator} advantages (the paper: grpo)")
+    elif get("algorithm.norm_adv_by_std_in_grpo") is not False:
+        found.append("advantages divided by the group's std (the paper: not)")
+    if float(get(f"{actor}.entropy_coeff") or 0) != 0:
+        found.append(f"entropy bonus {float(get(f'{actor}.entropy_coeff')):g}")
+    epochs = get(f"{actor}.ppo_epochs")
+    if epochs is not None and epochs != 1:
+        found.append(f"{epochs} epochs over each batch (the paper: 1)")
+    if get("distillation.enabled") and get("distillation.distillation_loss.use_task_rewards") is not False:
+        coef = float(get("distillation.distillation_loss.distillation_loss_coef") or 0)
+        found.append(f"plus the distillation loss {get('distillation.distillation_loss.loss_mode')} x {coef:g}")
+    correction = _correction(config)
+    if correction.get("bypass_mode", False) and correction.get("rollout_rs", None):
+        found.append(f"rollout_rs={correction.get('rollout_rs')} dropped (bypass mode skips verl's rollout "
+                     "correction)")
+    return found
 
 
 def _trust_region(mode: Any, options: Any, family_options: Any) -> list[str]:

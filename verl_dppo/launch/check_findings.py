@@ -1,0 +1,125 @@
+"""What `verl-dppo check` finds in a composed main_ppo config beyond verl's own checks and the plugin's run checks:
+settings that cancel or quietly change the plugin's update, and the models its checks cannot read here.
+
+- A distillation run without task rewards (`distillation.enabled=True`, `use_task_rewards=False`): verl 0.9.1's
+  actor then trains `distillation_ppo_loss`, which computes the policy loss and multiplies it by zero. A plugin
+  loss mode there trains nothing: a problem, not a summary.
+- Bypass mode with `rollout_rs`: verl's v1 trainer skips its whole rollout correction in bypass mode, the rejection
+  sampling included (the plugin means to drop `rollout_is`: its loss weights by pi/mu itself). A warning.
+- The plugin's thresholds set (`delta_*`, `ratio_cap`) under one of verl's own loss modes, which do not read them.
+- The critic's model: verl's `validate_config` builds the critic's `HFModelConfig`, which reads the model's
+  `config.json` (from the hub for a hub id). `check` downloads nothing (`hub_offline`): a critic model that is
+  neither a local folder nor in this machine's Hugging Face cache is "not here", and the critic's own checks are
+  skipped, instead of a minute of retries and a problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["command_findings", "hub_offline", "unreadable_models", "verl_hint"]
+
+_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """The Hugging Face hub off for the block (its variables, and huggingface_hub's constant where it is imported
+    already); everything as it was after."""
+    saved = {name: os.environ.get(name) for name in _OFFLINE}
+    constants = sys.modules.get("huggingface_hub.constants")
+    saved_constant = getattr(constants, "HF_HUB_OFFLINE", None)
+    os.environ.update({name: "1" for name in _OFFLINE})
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = saved_constant
+
+
+def _readable_here(path: str) -> bool:
+    """Whether a model's config.json can be read on this machine without a download."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return (local / "config.json").is_file()
+    if "://" in path or path.startswith(("/", ".", "~")):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(path, "config.json"), str)
+    except Exception:  # noqa: BLE001  (not a repository id huggingface_hub accepts)
+        return False
+
+
+def unreadable_models(config: Any) -> tuple[list[str], bool]:
+    """("not here" lines for the models verl's checks would read and cannot here, whether to skip the critic's
+    checks). The actor's model is read only at launch (its local folder: `check`'s file checks)."""
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic
+
+    with warnings.catch_warnings():  # verl's "Disabled critic" note: verl prints it again at launch
+        warnings.simplefilter("ignore")
+        critic = need_critic(config)
+    if not critic:
+        return [], False
+    path = str(config.critic.model.path)
+    if _readable_here(path):
+        return [], False
+    return [f"critic.model.path: {path} is neither a local folder with a config.json nor in this machine's Hugging "
+            "Face cache (check downloads nothing); verl's critic checks read it, so they were not run here"], True
+
+
+def verl_hint(text: str) -> str:
+    """The plugin's fix beside one of verl's complaints that a DPPO switch brings out."""
+    if "router_replay.mode='R2' requires algorithm.rollout_correction.bypass_mode=False" in text:
+        return (". With DPPO: keep R2 and leave out bypass_mode=True (the anchor stays the rollout's log-probs; "
+                "verl's recompute pass records the routes, at about a quarter of a step), or replay the rollout's "
+                "own routes with R3 (router_replay.mode=R3 and actor_rollout_ref.rollout."
+                "enable_rollout_routing_replay=True, Megatron engine), as the paper's moe_base_r3")
+    return ""
+
+
+def command_findings(config: Any) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the settings around the policy loss (see the module's docstring)."""
+    from omegaconf import OmegaConf
+
+    from verl_dppo.plugin.run_config import is_plugin_mode
+
+    def get(key: str) -> Any:
+        return OmegaConf.select(config, key, default=None)
+
+    problems, warnings = [], []
+    mode = str(get("actor_rollout_ref.actor.policy_loss.loss_mode"))
+    plugin = is_plugin_mode(config)
+    if plugin and get("distillation.enabled") and get("distillation.distillation_loss.use_task_rewards") is False:
+        problems.append(
+            f"distillation.enabled=True with distillation.distillation_loss.use_task_rewards=False: verl's actor then "
+            f"trains distillation_ppo_loss, which multiplies the policy loss ({mode}) by zero, so the update is the "
+            "distillation loss alone; set distillation.distillation_loss.use_task_rewards=True to train "
+            f"{mode} beside it (weighted by distillation_loss_coef), or leave the loss_mode line out")
+    correction = get("algorithm.rollout_correction") or {}
+    if correction.get("bypass_mode", False) and correction.get("rollout_rs", None):
+        warnings.append(
+            f"algorithm.rollout_correction.rollout_rs={correction.get('rollout_rs')}: bypass_mode=True makes verl's "
+            "trainer skip its rollout correction, this rejection sampling included; to keep it, leave bypass_mode "
+            "out (verl then recomputes the old log-probs every step)")
+    policy_loss = get("actor_rollout_ref.actor.policy_loss") or {}
+    unused = [key for key in ("delta_low", "delta_high", "ratio_cap") if policy_loss.get(key, None) is not None]
+    if unused and not plugin:
+        warnings.append(
+            f"{', '.join(f'policy_loss.{key}' for key in unused)} set, but loss_mode={mode} is verl's own and does not "
+            "read them: add actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv (README, From GRPO)")
+    return problems, warnings
