@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from reference import llm_logits, rollout_topk, topk_reference
+from reference import entropy_reference, llm_logits, rollout_topk, topk_reference
 from verl_dppo.math.fused_topk import fused_topk_divergence, fused_topk_logprobs
 from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import TopKInputError, topk_divergence
@@ -300,6 +300,33 @@ def test_masked_rows_and_chunking_do_not_change_anything():
 
 
 # --- verl ----------------------------------------------------------------------------------------------------------
+
+
+def test_the_entropy_is_relatively_exact_on_peaked_rows():
+    """Issue 53.3: the torch path's entropy (fused Top-K and TROLL, `fused_chunk.entropy_rows`) against a float64
+    reference that keeps Z - 1 apart from the max's 1, on rows with 1 - p(top) from 0.1 to 1e-12 and flat ones:
+    within 1e-4 of H, where a float32 sum rounding Z = 1 + 1e-9 to 1 was off by 3.6% (absolute 1e-9)."""
+    from verl_dppo.math.fused_chunk import entropy_rows
+
+    vocab, gen = 20_000, torch.Generator().manual_seed(53)
+    w = torch.zeros(vocab, 2)
+    w[1:, 0] = torch.randn(vocab - 1, generator=gen) * 2  # every other token's logit: w[j, 0]
+    w[0, 1] = 1.0  # the top token's logit: h[r, 1]
+    rest = torch.logsumexp(w[1:, 0].double(), dim=0)
+    gaps = torch.tensor([0.1, 1e-3, 1e-6, 1e-9, 1e-12], dtype=torch.float64)  # 1 - p(top)
+    h = torch.ones(len(gaps) + 2, 2)
+    h[: len(gaps), 1] = (rest + torch.log((1 - gaps) / gaps)).float()
+    h[len(gaps):, 0], h[len(gaps):, 1] = 0.05, 0.0  # flat rows
+    topk_ids = torch.arange(4).repeat(h.shape[0], 1)
+    topk_lp = torch.full((h.shape[0], 4), -10.0)
+    sampled, sampled_lp = torch.zeros(h.shape[0], dtype=torch.long), torch.full((h.shape[0],), -0.1)
+    *_, stats = fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, entropy=True, chunk_tokens=3)
+    logits = h @ w.t()
+    want = entropy_reference(logits)
+    assert float(want[len(gaps) - 2]) < 1e-7 < float(want[0])  # the peaked rows this is about
+    for got in (stats.entropy.double(), entropy_rows(logits, logits.amax(dim=1))):
+        relative = (got - want).abs() / want
+        assert float(relative.max()) < 1e-4, relative
 
 
 def test_log_prob_and_entropy_equal_verls_fused_kernel():

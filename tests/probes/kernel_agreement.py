@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference.py
 
 import verl_dppo.math.kernels as kernels  # noqa: E402
-from reference import llm_logits, rollout_topk  # noqa: E402
+from reference import entropy_reference, llm_logits, rollout_topk  # noqa: E402
 from verl_dppo.math.topk import topk_divergence, vocab_parallel_topk_divergence  # noqa: E402
 from verl_dppo.math.troll import troll_token_loss, troll_token_terms  # noqa: E402
 
@@ -323,13 +323,19 @@ def kernel_edges():
     y[1] = torch.linspace(-100.0, 0.0, 4_100)
     y[2] = 0.25  # flat: log V
     y[3, 4_099] = 60.0  # the max in the last, partial block
+    y[4] = y[3] - 60.0
+    y[4, 2_000] = 50.0  # top-1 1 - p ~ 1e-12 (issue 53.3: Z - 1 kept apart from the max's 1, relative on peaked rows)
+    y[5, 9] = float(torch.logsumexp(y[5].double(), dim=0)) + math.log(1e6)  # top-1 1 - p ~ 1e-6
     for dtype in (torch.float32, torch.bfloat16):
         z = y.to(dtype)
         got = kernels.row_entropy(z, block=1_024).double()
         want = entropy_rows(z.float(), z.float().amax(dim=1))
-        close(f"kernel entropy {dtype}", got, want, rtol=2e-5, atol=1e-9)
+        close(f"kernel entropy {dtype}", got, want, rtol=2e-5, atol=0.0)
+        truth = entropy_reference(z)
+        close(f"kernel entropy {dtype} against float64", got, truth, rtol=1e-6, atol=0.0)
     assert float(kernels.row_entropy(y[:1])) < 1e-6, "peaked row's entropy"
-    print("kernels: -inf row, row subset, ids outside the vocabulary, the entropy on peaked rows: agree")
+    assert bool(kernels.row_entropy(torch.full((1, 4_100), -math.inf)).isnan().all()), "a row of -inf: NaN"
+    print("kernels: -inf row, row subset, ids outside the vocabulary, the entropy on peaked rows (relative): agree")
 
 
 if __name__ == "__main__":

@@ -88,8 +88,9 @@ def build_kernels():
             shift = tl.where(given == float("-inf"), 0.0, given)
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
         lane_sum = tl.zeros([BLOCK], tl.float32)
-        # ENTROPY: over every column, sum exp(s) and sum exp(s) s, s = x - the lane's max (no cancellation: s <= 0)
-        lane_all = tl.zeros([BLOCK], tl.float32)
+        # ENTROPY: over every column, sum exp(s) but the one term of the lane's max (1), and sum exp(s) s, with
+        # s = x - the lane's max <= 0: kept apart from the 1, Z - 1 keeps its relative accuracy on peaked rows
+        lane_rest = tl.zeros([BLOCK], tl.float32)
         lane_weighted = tl.zeros([BLOCK], tl.float32)
         for start in range(0, vocab, BLOCK):
             cols = start + lanes
@@ -105,12 +106,13 @@ def build_kernels():
                 rises = x > lane_max
                 lane_sum = tl.where(rises, lane_sum * e + keep, lane_sum + keep * e)
                 if ENTROPY:
-                    # new max: the old terms' s drop by (old max - x), a finite amount once a lane has a term
-                    drop = tl.where(lane_all > 0.0, lane_max - x, 0.0)
-                    moved = e * (lane_weighted + drop * lane_all)
+                    # new max: the old terms' s drop by (old max - x), a finite amount once a lane has a term; the
+                    # old terms, its max's 1 included, become the rest (e = 0 while the lane had none)
+                    drop = tl.where(lane_max > float("-inf"), lane_max - x, 0.0)
+                    moved = e * (lane_weighted + drop * (lane_rest + 1.0))
                     own_term = tl.where(x == float("-inf"), 0.0, e * (x - lane_max))
                     lane_weighted = tl.where(rises, moved, lane_weighted + own_term)
-                    lane_all = tl.where(rises, lane_all * e + 1.0, lane_all + e)
+                    lane_rest = tl.where(rises, (lane_rest + 1.0) * e, lane_rest + e)
                 lane_max = tl.maximum(lane_max, x)
         if HAS_MAX:
             tl.store(sum_ptr + pid, tl.sum(lane_sum, axis=0))
@@ -120,11 +122,16 @@ def build_kernels():
             weights = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - top))
             tl.store(sum_ptr + pid, tl.sum(lane_sum * weights, axis=0))
             tl.store(max_ptr + pid, row_max)
-            if ENTROPY:  # H = log Z - sum exp(s) s / Z, s = x - the row max
+            if ENTROPY:  # H = log Z - sum exp(s) s / Z, s = x - the row max; both terms >= 0
                 lane_drop = tl.where(lane_max == float("-inf"), 0.0, lane_max - top)
-                total = tl.sum(lane_all * weights, axis=0)
-                weighted = tl.sum((lane_weighted + lane_drop * lane_all) * weights, axis=0)
-                tl.store(entropy_ptr + pid, tl.log(total) - weighted / total)
+                # Z - 1 with no 1 + tiny rounded: the lanes' rests, the lanes below the top, the top's ties but one
+                # (an all -inf row: -1, H NaN)
+                ties = tl.sum(tl.where((lane_max == top) & (lane_max > float("-inf")), 1.0, 0.0), axis=0)
+                rest = tl.sum(lane_rest * weights + tl.where(lane_max < top, weights, 0.0), axis=0) + (ties - 1.0)
+                total = 1.0 + rest
+                weighted = tl.sum((lane_weighted + lane_drop * (lane_rest + 1.0)) * weights, axis=0)
+                log_z = tl.where(total == 1.0, rest, tl.log(total) * (rest / (total - 1.0)))  # log1p(rest)
+                tl.store(entropy_ptr + pid, log_z - weighted / total)
 
     @triton.jit
     def lane_threshold_kernel(
