@@ -41,16 +41,16 @@ def entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
 
     Both terms are >= 0 (no cancellation), but on a peaked row Z = 1 + (1 - p) / p, and a sum that holds the max's
     own 1 rounds 1 + 1e-9 to 1 (3.6% of H lost at 1 - p = 1e-9 before issue 53.3). Z - 1 is summed apart, without
-    that 1 (the ties of the max beyond one added back), in float64 from float32 exponentials (no [rows, V] float64
-    tensor), and log Z = log1p(Z - 1) (`kernels.row_entropy` does the same; tests/test_fused_topk.py)."""
+    that 1 (one argmax's entry zeroed: the max's ties keep theirs), in float32 (the small terms keep their relative
+    digits), and log Z = log1p(Z - 1) (`kernels.row_entropy` does the same; tests/test_fused_topk.py)."""
     out = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
     step = _entropy_block_rows(block)
     for r in range(0, block.shape[0], step):
         shifted = block[r : r + step] - row_max[r : r + step, None]
         e = shifted.exp()
-        top = shifted == 0.0
-        rest = e.masked_fill_(top, 0.0).sum(dim=1, dtype=torch.float64) + (top.sum(dim=1) - 1)
-        weighted = e.mul_(shifted).sum(dim=1, dtype=torch.float64)  # the top's terms are 0 either way
+        # the max's own 1 out (one argmax per row; its ties keep theirs): Z - 1 summed in float32 holds its digits
+        rest = e.scatter_(1, shifted.argmax(dim=1, keepdim=True), 0.0).sum(dim=1).double()
+        weighted = e.mul_(shifted).sum(dim=1).double()  # the max's term is 0 either way
         out[r : r + step] = torch.log1p(rest) - weighted / (1.0 + rest)
     return out
 
