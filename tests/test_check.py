@@ -465,3 +465,19 @@ def test_the_summary_names_the_rest_of_the_update(tmp_path, capsys):
     verdict = _verdict([*command[:len(command) - len(FROM_GRPO)], *FROM_GRPO[1:]])
     assert any("loss_mode=vanilla is verl's own and does not read them" in w for w in verdict.warnings), \
         verdict.warnings
+
+
+def test_router_replay_on_verls_fsdp_engine_is_refused_not_ignored(tmp_path):
+    """Issue 52 (the refusal until FSDP replays): verl 0.9.1's FSDP engine reads no routes, so R3 asked of it would
+    train on the trainer's own routes without a word. A plugin mode is refused in one line; verl's own loss is warned."""
+    r3 = ["+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *r3])
+    assert len(verdict.problems) == 1 and "on verl's FSDP engine, which replays no routes" in verdict.problems[0] \
+        and "model_engine=megatron" in verdict.problems[0], verdict.problems
+    verdict = _verdict([*verl_grpo_example(tmp_path), r3[1]])
+    assert verdict.problems == [] and any("replays no routes" in warning for warning in verdict.warnings)
+    megatron = _megatron_example(tmp_path)
+    verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
+                        "actor_rollout_ref.actor.megatron.router_replay.mode=R3", r3[1]])
+    assert not any("replays no routes" in line for line in verdict.problems + verdict.warnings), verdict.problems

@@ -119,6 +119,25 @@ FLASH_ATTENTIONS = ("flash_attention_2", "flash_attention_3")
 transformers' `_flash_attention_forward` only (verl/models/transformers/monkey_patch.py:544-552)."""
 
 
+def fsdp_router_replay_problem(config: Any) -> str | None:
+    """Router replay asked of verl's FSDP engine, which has none in verl 0.9.1 (R2/R3 live in its Megatron and
+    VeOmni engines): the rollout's routes would go unread and the trainer would route on its own, without a word.
+    None where the run asks no replay of FSDP."""
+    actor = config.actor_rollout_ref.actor
+    if str(actor.get("strategy", "fsdp")) not in ("fsdp", "fsdp2"):
+        return None
+    mode = str(((actor.get("fsdp_config", None) or {}).get("router_replay", None) or {}).get("mode", "disabled"))
+    returned = bool(config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False))
+    if mode == "disabled" and not returned:
+        return None
+    asked = " and ".join(
+        ([f"actor_rollout_ref.actor.fsdp_config.router_replay.mode={mode}"] if mode != "disabled" else [])
+        + (["actor_rollout_ref.rollout.enable_rollout_routing_replay=True"] if returned else []))
+    return (f"{asked} on verl's FSDP engine, which replays no routes in verl 0.9.1 (router replay lives in its "
+            "Megatron and VeOmni engines): the trainer would route every token on its own. Run router replay with "
+            "model_engine=megatron (the moe_base_r3 recipe), or leave these settings out.")
+
+
 def _check_ulysses_attention(config: Any) -> None:
     """Ulysses SP > 1 with an attention other than flash-attention (any loss mode): each rank would attend within its
     own slice of the packed sequences only, and score the tokens after a slice boundary without their context. Seen
@@ -169,6 +188,9 @@ def check_run_config(config: Any) -> list[str]:
     if mode is None:
         _log_once(warnings)
         return warnings
+    problem = fsdp_router_replay_problem(config)
+    if problem is not None:
+        raise RunConfigError(f"{mode}: {problem}")
     anchor = arr.actor.policy_loss.get("anchor", "rollout")
     if anchor == "recompute" and bypass:
         raise RunConfigError(
