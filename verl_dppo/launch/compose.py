@@ -277,8 +277,9 @@ def verl_validation(config: Any, skip_critic: bool = False) -> tuple[list[str], 
         omega_conf_to_dataclass(actor).validate(n_gpus, config.data.train_batch_size, config.actor_rollout_ref.model)
 
     def router_replay() -> None:
-        verl_config._validate_router_replay_config(omega_conf_to_dataclass(actor),
-                                                  config.algorithm.get("rollout_correction", None))
+        check = getattr(verl_config, "_validate_router_replay_config", None)  # verl 0.9.1's; absent elsewhere
+        if check is not None:
+            check(omega_conf_to_dataclass(actor), config.algorithm.get("rollout_correction", None))
 
     def critic_check() -> None:
         omega_conf_to_dataclass(config.critic).validate(n_gpus, config.data.train_batch_size)
