@@ -21,6 +21,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `padding_utils`          | trainer.ppo.padding_utils                            | `construct_minimal_padding_template`               |
 | `main_ppo`               | trainer.main_ppo                                     | `pprint` of the config: a line naming its file (`verl-dppo run` only) |
 | `trainer_separate_async` | trainer.ppo.v1.trainer_separate_async                | its `logger`: `hybrid_engine=False` no longer dies on `logger.info(..., flush=True)` |
+| `fsdp_router_replay`     | workers.engine.fsdp.transformer_impl, transformers' MoE routers | `FSDPEngineWithLMHead.prepare_model_inputs`, the routers' `forward`: R3 on the FSDP engine |
 | `file_logger`            | utils.tracking                                       | `FileLogger`: a resumed run keeps its earlier steps |
 
 The last one is installed by `verl_dppo.plugin.entry.register_backends`. The CPU-only patches (gloo, Ray's
@@ -38,6 +39,7 @@ def install() -> None:
     from verl_dppo.patches import (
         agent_loop,
         engine_workers,
+        fsdp_router_replay,
         fused_lm_head,
         llm_server,
         main_ppo,
@@ -54,6 +56,7 @@ def install() -> None:
     when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
     when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
     when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)
+    fsdp_router_replay.install()
     when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
     when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
     when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)

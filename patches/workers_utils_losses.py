@@ -89,9 +89,12 @@ def _wrap(original: Callable) -> Callable:
         from verl_dppo.plugin.mismatch_dump import dump
 
         dump(model_output, data, extras)  # `verl-dppo mismatch` only (its environment variable)
-        from verl_dppo.plugin.metrics import finalize_metrics
+        from verl_dppo.plugin.metrics import finalize_metrics, ratio_of
+        from verl_dppo.plugin.router_replay import ratio_parts as r3_parts
 
-        return loss, finalize_metrics(metrics, extras.ratio_parts)
+        replay = r3_parts()  # R3 on the FSDP engine: what the routers of this micro-batch's forward replayed
+        metrics.update({name: ratio_of(*part) for name, part in replay.items()})
+        return loss, finalize_metrics(metrics, {**(extras.ratio_parts or {}), **replay})
 
     setattr(ppo_loss, _WRAPPED_MARK, True)
     ppo_loss.__wrapped__ = original

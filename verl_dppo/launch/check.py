@@ -153,6 +153,12 @@ def check_command(argv: Sequence[str]) -> Verdict:
     if verdict.not_here:  # the configs that path adds are not here: what they define cannot be checked
         verdict.unchecked = "the configs on that search path define what the command sets"
         return verdict
+    if launch.config_path is not None and Path(launch.config_path).is_absolute() and not config_folder(launch).is_dir():
+        # a folder of the user's machine (`$(pwd)/examples/...` in verl's multi-turn scripts): not here, not wrong
+        verdict.not_here.append(f"--config-path={launch.config_path}: no such folder here, so its config "
+                                f"{launch.config_name!r} cannot be read")
+        verdict.unchecked = "that folder holds the command's primary config"
+        return verdict
     try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
         (baseline,) = _compose([group_choices(overrides)], launch)
     except RecipeError as error:  # a choice that does not compose: composing the command names it below

@@ -96,17 +96,33 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
             usable.append(override)
             continue
         problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
+        if parsed.is_add() and not parsed.is_force_add() and _has_key(baseline, key):
+            problem = (f"+{key}={given}: verl's config already has {key}, and Hydra refuses to add it again; write "
+                       f"{key}={given} (or ++{key}={given})")
         if not keys_only:
             try:
                 value = parsed.value()
             except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
                 value = None
-            problem = problem or type_problem(baseline, key, value, given, source)
+            if given != "":  # `key=` (a shell variable left unset) composes to '', which verl's classes take
+                problem = problem or type_problem(baseline, key, value, given, source)
         if problem:
             problems.append(problem)
         else:
             usable.append(override)
     return problems, usable
+
+
+def _has_key(baseline: Any, key: str) -> bool:
+    """Whether verl's config holds `key` (a value of null or ??? included)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    try:
+        node = OmegaConf.select(baseline, parent, default=None, throw_on_missing=False) if parent else baseline
+    except Exception:  # noqa: BLE001  (an interpolation on the way)
+        return False
+    return isinstance(node, DictConfig) and name in node.keys()
 
 
 def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -> None:
@@ -160,6 +176,9 @@ def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
         ending = [path for path in _leaf_paths(baseline) if path.endswith("." + key)][:2]  # `optim.lr`: a full key's end
         if ending:
             return f"{key}={given}: verl's config has no key {key}; did you mean {' or '.join(ending)}?"
+        moved = _moved(baseline, key)
+        if moved:
+            return f"{key}={given}: verl's config has no key {key}; did you mean {moved}?"
         return unknown_key_problem(baseline, parent, "...") and _no_key(key, given, baseline, parent)
     if isinstance(node, DictConfig) and (name in node.keys() or not node._get_flag("struct") and
                                          node._get_flag("struct") is not None):
@@ -175,6 +194,34 @@ def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
     hint = f"; did you mean {' or '.join(close)}?" if close else (
         f"; to add a key verl's config does not have, write +{key}={given}")
     return f"{key}={given}: verl's config has no key {key}{hint}"
+
+
+def _moved(baseline: Any, key: str) -> Optional[str]:
+    """Where a key from the first missing section on lives in verl's config (a section verl moved:
+    `actor_rollout_ref.actor.router_replay.mode` -> `actor_rollout_ref.actor.megatron.router_replay.mode`,
+    `actor_rollout_ref.distillation.enabled` -> `distillation.enabled`), the path sharing the most of the key's
+    start; None where no path ends so."""
+    from omegaconf import DictConfig, OmegaConf
+
+    parts = key.split(".")
+    for depth in range(1, len(parts)):
+        try:
+            node = OmegaConf.select(baseline, ".".join(parts[:depth]), default=None, throw_on_missing=False)
+        except Exception:  # noqa: BLE001
+            return None
+        if not isinstance(node, DictConfig):
+            break
+    else:
+        return None
+    tail = ".".join(parts[depth - 1:])
+    found = [path for path in _leaf_paths(baseline) if path == tail or path.endswith("." + tail)]
+    if not found:
+        return None
+
+    def shared(path: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(path.split("."), parts)) if a != b), len(parts))
+
+    return max(found, key=shared)
 
 
 def _no_key(key: str, given: str, baseline: Any, parent: str) -> str:

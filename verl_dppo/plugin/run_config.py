@@ -120,22 +120,35 @@ transformers' `_flash_attention_forward` only (verl/models/transformers/monkey_p
 
 
 def fsdp_router_replay_problem(config: Any) -> str | None:
-    """Router replay asked of verl's FSDP engine, which has none in verl 0.9.1 (R2/R3 live in its Megatron and
-    VeOmni engines): the rollout's routes would go unread and the trainer would route on its own, without a word.
-    None where the run asks no replay of FSDP."""
+    """Router replay asked of verl's FSDP engine where it cannot act; None where it can, or where none is asked.
+    The plugin replays R3 there (verl_dppo.plugin.router_replay): the rollout must return its routes (vLLM's
+    `enable_return_routed_experts`, which verl asks for with `enable_rollout_routing_replay`) and the engine must pack
+    the tokens (use_remove_padding). R2 (routes recorded in a recompute pass) has no FSDP implementation, in verl or
+    here; routes returned without R3 would go unread."""
     actor = config.actor_rollout_ref.actor
     if str(actor.get("strategy", "fsdp")) not in ("fsdp", "fsdp2"):
         return None
     mode = str(((actor.get("fsdp_config", None) or {}).get("router_replay", None) or {}).get("mode", "disabled"))
-    returned = bool(config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False))
-    if mode == "disabled" and not returned:
-        return None
-    asked = " and ".join(
-        ([f"actor_rollout_ref.actor.fsdp_config.router_replay.mode={mode}"] if mode != "disabled" else [])
-        + (["actor_rollout_ref.rollout.enable_rollout_routing_replay=True"] if returned else []))
-    return (f"{asked} on verl's FSDP engine, which replays no routes in verl 0.9.1 (router replay lives in its "
-            "Megatron and VeOmni engines): the trainer would route every token on its own. Run router replay with "
-            "model_engine=megatron (the moe_base_r3 recipe), or leave these settings out.")
+    rollout = config.actor_rollout_ref.rollout
+    returned = bool(rollout.get("enable_rollout_routing_replay", False))
+    key = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
+    if mode == "disabled":
+        return None if not returned else (
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True returns the rollout's routes, but nothing "
+            f"replays them: set {key}=R3 (rollout router replay on the FSDP engine) or leave the setting out.")
+    if mode != "R3":
+        return (f"{key}={mode}: the FSDP engine replays R3 only (R2 records routes in a recompute pass, which verl "
+                "0.9.1 implements on its Megatron engine): set R3, or model_engine=megatron for R2.")
+    if not returned:
+        return (f"{key}=R3 replays the rollout's routes, which the rollout returns only with "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True: set it.")
+    if str(rollout.get("name", "")) == "hf":
+        return (f"{key}=R3: the plugin's hf rollout returns no routes (vLLM does, with "
+                "enable_rollout_routing_replay): use actor_rollout_ref.rollout.name=vllm.")
+    if not config.actor_rollout_ref.model.get("use_remove_padding", True):
+        return (f"{key}=R3 lays the routes out as the FSDP engine packs tokens: set "
+                "actor_rollout_ref.model.use_remove_padding=True.")
+    return None
 
 
 def _check_ulysses_attention(config: Any) -> None:

@@ -71,6 +71,9 @@ def beside_the_loss(config: Any) -> list[str]:
     agg = get(f"{actor}.loss_agg_mode")
     if agg is not None and agg != PAPER_UPDATE[f"{actor}.loss_agg_mode"]:
         found.append(f"{agg} aggregation (the paper: seq-mean-token-sum-norm)")
+    elif agg is not None and get(f"{actor}.loss_scale_factor") is None:
+        found.append("the token sum divided by each micro-batch's padded length (loss_scale_factor unset; the "
+                     "paper: data.max_response_length)")
     estimator = get("algorithm.adv_estimator")
     if estimator is not None and str(estimator) != "grpo":
         found.append(f"{estimator} advantages (the paper: grpo)")

@@ -59,7 +59,13 @@ def check_engine(config: Any) -> None:
     """A CPU run with an engine group other than verl's `dp` (FSDP) or `megatron` (megatron-core and mbridge at the
     shim's versions): refused before verl's validation, whose own error would not say why."""
     engine = str(config.get("model_engine", "dp"))
-    if not is_cpu_run(config) or engine == "dp":
+    if not is_cpu_run(config):
+        return
+    if engine == "dp":
+        replay = (config.actor_rollout_ref.actor.get("fsdp_config") or {}).get("router_replay", None) or {}
+        if str(replay.get("mode", "disabled")) == "R3" and _uses(config)[2] <= 0:
+            raise CpuRunError("the run cannot start: R3 replays a MoE model's routes, and cpu_tiny's model is dense: "
+                              "add dppo.tiny_model.num_experts=4")
         return
     if engine == "megatron":
         from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
