@@ -467,21 +467,28 @@ def test_the_summary_names_the_rest_of_the_update(tmp_path, capsys):
         verdict.warnings
 
 
-def test_router_replay_on_verls_fsdp_engine_is_refused_not_ignored(tmp_path):
-    """Issue 52 (the refusal until FSDP replays): verl 0.9.1's FSDP engine reads no routes, so R3 asked of it would
-    train on the trainer's own routes without a word. A plugin mode is refused in one line; verl's own loss is warned."""
-    r3 = ["+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
-    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *r3])
-    assert len(verdict.problems) == 1 and "on verl's FSDP engine, which replays no routes" in verdict.problems[0] \
-        and "model_engine=megatron" in verdict.problems[0], verdict.problems
-    verdict = _verdict([*verl_grpo_example(tmp_path), r3[1]])
-    assert verdict.problems == [] and any("replays no routes" in warning for warning in verdict.warnings)
+def test_router_replay_on_verls_fsdp_engine_where_it_can_act_and_where_not(tmp_path):
+    """Issue 52: R3 on verl's FSDP engine is the plugin's (vLLM returns the routes, the trainer's routers replay
+    them); where it cannot act it is refused in one line for a plugin mode (a warning for verl's own loss), rather
+    than train on the trainer's own routes without a word."""
+    r3, returned = "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3", \
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+    verdict = _verdict([*command, r3, returned])
+    assert verdict.problems == [], verdict.problems
+    for extra, fragment in (([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+                            ([returned], "but nothing replays them"),
+                            ([r3.replace("R3", "R2"), returned], "the FSDP engine replays R3 only"),
+                            ([r3, returned, "actor_rollout_ref.rollout.name=hf"], "the plugin's hf rollout returns no "
+                                                                                  "routes")):
+        verdict = _verdict([*command, *extra])
+        assert len(verdict.problems) == 1 and fragment in verdict.problems[0], (extra, verdict.problems)
+    verdict = _verdict([*verl_grpo_example(tmp_path), returned])
+    assert verdict.problems == [] and any("nothing replays them" in warning for warning in verdict.warnings)
     megatron = _megatron_example(tmp_path)
     verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
-                        "actor_rollout_ref.actor.megatron.router_replay.mode=R3", r3[1]])
-    assert not any("replays no routes" in line for line in verdict.problems + verdict.warnings), verdict.problems
-
+                        "actor_rollout_ref.actor.megatron.router_replay.mode=R3", returned])
+    assert not any("replay" in line for line in verdict.problems + verdict.warnings), verdict.problems
 
 def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     """Issue 51, on verl's example scripts near 0.9.1 (switched by the README): an absolute --config-path that is
