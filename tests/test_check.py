@@ -508,5 +508,8 @@ def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     assert "did you mean actor_rollout_ref.actor.megatron.router_replay.mode?" in verdict.problems[0]
     assert "did you mean distillation.enabled?" in verdict.problems[1]
     assert all("Hydra refuses to add it again" in problem for problem in verdict.problems[2:])
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "critic.model.fsdp_config.param_offload=False"])
+    assert verdict.problems == ["critic.model.fsdp_config.param_offload=False: verl's config has no key "
+                                "critic.model.fsdp_config.param_offload; did you mean critic.fsdp.param_offload?"]
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
     assert "loss_scale_factor unset" in verdict.rule, verdict.rule

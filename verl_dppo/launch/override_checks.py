@@ -214,9 +214,15 @@ def _moved(baseline: Any, key: str) -> Optional[str]:
     else:
         return None
     tail = ".".join(parts[depth - 1:])
-    found = [path for path in _leaf_paths(baseline) if path == tail or path.endswith("." + tail)]
-    if not found:
-        return None
+    paths = list(_leaf_paths(baseline))
+    # the same tail in the key's own section, or a section of its own (`distillation.*`): not another section's
+    found = [path for path in paths
+             if path == tail or (path.endswith("." + tail) and path.split(".")[0] == parts[0])]
+    if not found:  # the same setting under another name in the key's section (`critic.model.fsdp_config.x` ->
+        # `critic.fsdp.x`), where there is one
+        found = [path for path in paths if path.split(".")[0] == parts[0] and path.split(".")[-1] == parts[-1]]
+        if len(found) != 1:
+            return None
 
     def shared(path: str) -> int:
         return next((i for i, (a, b) in enumerate(zip(path.split("."), parts)) if a != b), len(parts))
@@ -227,7 +233,8 @@ def _moved(baseline: Any, key: str) -> Optional[str]:
 def _no_key(key: str, given: str, baseline: Any, parent: str) -> str:
     """A key under a parent verl's config lacks: the problem names the parent's nearest existing path."""
     inner = unknown_key_problem(baseline, parent, "...") or ""
-    hint = inner.split("; ", 1)[1] if "; did you mean" in inner else f"to add it, write +{key}={given}"
+    hint = inner.split("; ", 1)[1] if "; did you mean" in inner else (
+        f"remove it (a key of another verl version?), or write +{key}={given} to add it")
     return f"{key}={given}: verl's config has no {parent}; {hint}"
 
 
