@@ -219,6 +219,9 @@ def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False)
             check(config)
         except RecipeError as error:
             problems.append(str(error))
+        except Exception:  # noqa: BLE001  (a config verl refused above may not hold what the check reads)
+            if not problems:
+                raise
     return problems, not_here
 
 
