@@ -131,7 +131,8 @@ class Verdict:
     rule: Optional[str] = None
     """The update rule in effect (`update_rule`), where the command has no problem."""
     unchecked: Optional[str] = None
-    """Why the rest of the command could not be checked here (a config package on its search path is missing)."""
+    """Why the rest of the command could not be checked here (a config package on its search path, or its absolute
+    --config-path, is not on this machine)."""
 
     @property
     def exit_code(self) -> int:
