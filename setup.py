@@ -13,7 +13,7 @@ setup(
     # install inside the package, as verl_dppo.recipes and verl_dppo.patches.
     packages=find_packages(include=["verl_dppo", "verl_dppo.*"])
     + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method", "verl_dppo.recipes.trainer_mode",
-       "verl_dppo.patches"],
+       "verl_dppo.recipes.engine_family", "verl_dppo.recipes.engine_settings", "verl_dppo.patches"],
     package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
         "verl_dppo.rehearsal": ["isa_site/sitecustomize.py"],
@@ -21,6 +21,8 @@ setup(
         "verl_dppo.recipes.setup": ["*.yaml"],
         "verl_dppo.recipes.method": ["*.yaml"],
         "verl_dppo.recipes.trainer_mode": ["*.yaml"],
+        "verl_dppo.recipes.engine_family": ["*.yaml"],
+        "verl_dppo.recipes.engine_settings": ["*.yaml"],
     },
     include_package_data=True,
     install_requires=[

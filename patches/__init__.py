@@ -22,6 +22,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `main_ppo`               | trainer.main_ppo                                     | `pprint` of the config: a line naming its file (`verl-dppo run` only) |
 | `trainer_separate_async` | trainer.ppo.v1.trainer_separate_async                | its `logger`: `hybrid_engine=False` no longer dies on `logger.info(..., flush=True)` |
 | `fsdp_router_replay`     | workers.engine.fsdp.transformer_impl, transformers' MoE routers | `FSDPEngineWithLMHead.prepare_model_inputs`, the routers' `forward`: R3 on the FSDP engine |
+| `megatron_router_replay` | workers.engine.megatron.transformer_impl, utils.megatron.router_replay_patch | `set_router_replay_data`, `RouterReplay.get_replay_topk`: R3's replay counted for the loss's metrics |
 | `file_logger`            | utils.tracking                                       | `FileLogger`: a resumed run keeps its earlier steps |
 
 The last one is installed by `verl_dppo.plugin.entry.register_backends`. The CPU-only patches (gloo, Ray's
@@ -43,6 +44,7 @@ def install() -> None:
         fused_lm_head,
         llm_server,
         main_ppo,
+        megatron_router_replay,
         padding_utils,
         sglang_async_server,
         trainer_separate_async,
@@ -57,6 +59,7 @@ def install() -> None:
     when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
     when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)
     fsdp_router_replay.install()
+    megatron_router_replay.install()
     when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
     when_imported("verl.experimental.agent_loop.agent_loop", agent_loop.patch_agent_loop)
     when_imported("verl.trainer.ppo.padding_utils", padding_utils.patch_padding_utils)

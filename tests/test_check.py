@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from test_cli_errors import FROM_GRPO, assert_one_line_error
 from verl_dppo.cli import main
@@ -479,8 +480,8 @@ def test_router_replay_on_verls_fsdp_engine_where_it_can_act_and_where_not(tmp_p
     for extra, fragment in (([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
                             ([returned], "but nothing replays them"),
                             ([r3.replace("R3", "R2"), returned], "the FSDP engine replays R3 only"),
-                            ([r3, returned, "actor_rollout_ref.rollout.name=hf"], "the plugin's hf rollout returns no "
-                                                                                  "routes")):
+                            ([r3, returned, "actor_rollout_ref.model.use_remove_padding=False"],
+                             "set actor_rollout_ref.model.use_remove_padding=True")):
         verdict = _verdict([*command, *extra])
         assert len(verdict.problems) == 1 and fragment in verdict.problems[0], (extra, verdict.problems)
     verdict = _verdict([*verl_grpo_example(tmp_path), returned])
@@ -489,6 +490,20 @@ def test_router_replay_on_verls_fsdp_engine_where_it_can_act_and_where_not(tmp_p
     verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
                         "actor_rollout_ref.actor.megatron.router_replay.mode=R3", returned])
     assert not any("replay" in line for line in verdict.problems + verdict.warnings), verdict.problems
+
+@pytest.mark.parametrize("engine", ["dp", "megatron"])
+def test_a_dry_runs_yaml_alone_is_checked_as_main_ppo_runs_it_and_agrees(tmp_path, engine):
+    """Issue 52: `verl-dppo run moe_base_r3 ... --dry-run > run.yaml` on either engine, then the README's own line
+    `python3 -m verl.trainer.main_ppo --config-path=$PWD --config-name=run` (no override at all) through `check`:
+    the same verdict as the dry run (no problem; the model and data are only not here)."""
+    from verl_dppo.launch.compose import compose_recipe
+
+    config = compose_recipe("moe_base_r3", "dppo_binary_tv", [f"model_engine={engine}"])
+    (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(config))
+    verdict = _verdict(["python3", "-m", "verl.trainer.main_ppo", f"--config-path={tmp_path}", "--config-name=run"])
+    assert verdict.problems == [] and verdict.config.model_engine == engine, verdict.problems
+    assert verdict.not_here, "the 30B model and the data are not on this machine"
+
 
 def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     """Issue 51, on verl's example scripts near 0.9.1 (switched by the README): an absolute --config-path that is

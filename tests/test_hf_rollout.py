@@ -496,3 +496,43 @@ def test_every_sample_of_the_legacy_agent_loop_has_its_own_identity_however_the_
     info = {"step": 3, "sample_index": 10, "rollout_n": 0, "validate": False}
     v1 = [agent_loop.sample_identity(info, {"session_id": i, "priority": 0}) for i in range(4)]
     assert len(set(v1)) == 4
+
+
+def test_the_routes_returned_are_the_experts_each_fed_token_was_routed_to(tmp_path, model_dir):
+    """Issue 52: with enable_rollout_routing_replay the hf rollout returns `routed_experts` as vLLM does ([prompt +
+    response - 1, layers, top-k] int16: every token it fed through the model), batched with left padding and a KV
+    cache; each row equals the experts the model's own routers choose for that token in one uncached, unpadded
+    forward of the whole sequence. Without the setting, none; a dense model with it is one clear error."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=1,
+                            pad_token_id=0, bos_token_id=None, decoder_sparse_step=1, mlp_only_layers=[1],
+                            initializer_range=0.3)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    server = make_server(tmp_path, topk=None, enable_rollout_routing_replay=True)
+    outputs = asyncio.run(_generate_all(server, PROMPTS, {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}))
+    model = server.engine.model
+    routers = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    assert [i for i, _ in routers] == [0, 2]  # layer 1 is dense (mlp_only_layers): its rows stay zero
+    for prompt, out in zip(PROMPTS, outputs):
+        fed = list(prompt) + list(out.token_ids[:-1])
+        routes = out.routed_experts
+        assert routes.dtype == np.int16 and routes.shape == (len(fed), 3, 2), routes.shape
+        chosen = {}
+        hooks = [router.register_forward_hook(lambda _m, _i, o, i=i: chosen.__setitem__(i, o[2]))
+                 for i, router in routers]
+        with torch.no_grad():
+            model(input_ids=torch.tensor([fed]))
+        for hook in hooks:
+            hook.remove()
+        for i, _ in routers:
+            assert np.array_equal(np.sort(routes[:, i], -1), np.sort(chosen[i].numpy(), -1)), (prompt, i)
+        assert not routes[:, 1].any()
+    plain = make_server(tmp_path, topk=None)
+    (out,) = asyncio.run(_generate_all(plain, PROMPTS[:1], {"temperature": 1.0, "max_tokens": 3}))
+    assert out.routed_experts is None
+    with pytest.raises(HFRolloutError, match="a dense model routes nothing"):
+        make_server(model_dir, topk=None, enable_rollout_routing_replay=True)

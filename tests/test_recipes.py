@@ -117,6 +117,36 @@ def test_r3_only_in_the_r3_setup_and_lora_only_in_the_lora_setup(setup):
         assert arr.actor.megatron.router_replay.mode == "R3" and arr.rollout.enable_rollout_routing_replay
 
 
+@pytest.mark.parametrize("setup", MOE[:3])
+def test_the_moe_setups_run_on_verls_fsdp_engine_too(setup):
+    """Issue 52: model_engine=dp runs a 30B-A3B setup on verl's FSDP engine with engine_settings/moe_30b*_dp.yaml
+    (none of the Megatron keys, which the FSDP actor's config class refuses), R3 in the FSDP engine's key for
+    moe_base_r3; the default stays the authors' Megatron layout. Both pass verl's checks and the plugin's."""
+    config = recipe(setup, "dppo_binary_tv", "model_engine=dp")
+    validate_recipe(config)
+    actor = config.actor_rollout_ref.actor
+    assert (config.model_engine, actor.strategy, "megatron" in actor, "lr_decay_style" in actor.optim) == (
+        "dp", "fsdp2", False, False)
+    assert (actor.fsdp_config.param_offload, actor.optim.lr_scheduler_type, actor.optim.lr) == (True, "constant", 1e-6)
+    assert config.actor_rollout_ref.model.use_remove_padding and config.actor_rollout_ref.model.enable_gradient_checkpointing
+    r3 = setup == "moe_base_r3"
+    assert actor.fsdp_config.get("router_replay", {}).get("mode", "disabled") == ("R3" if r3 else "disabled")
+    assert config.actor_rollout_ref.rollout.enable_rollout_routing_replay == r3
+    megatron = recipe(setup, "dppo_binary_tv").actor_rollout_ref.actor
+    assert (megatron.megatron.tensor_model_parallel_size, megatron.megatron.expert_model_parallel_size) == (2, 8)
+    assert megatron.megatron.router_replay.mode == ("R3" if r3 else "disabled") and "router_replay" not in (
+        megatron.get("fsdp_config") or {})
+
+
+def test_megatrons_lora_section_on_the_fsdp_engine_is_refused_not_trained_as_full_fine_tuning():
+    """moe_base_lora's LoRA is verl's Megatron `model.lora` section; the FSDP engine reads `model.lora_rank` only."""
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
+
+    with pytest.raises(RunConfigError, match=r"model.lora.rank=32 is verl's Megatron LoRA section.*lora_rank"):
+        check_run_config(recipe("moe_base_lora", "dppo_binary_tv", "model_engine=dp"))
+    check_run_config(recipe("moe_base_lora", "dppo_binary_tv"))
+
+
 @pytest.mark.parametrize(
     "method, mode, delta_low, delta_high",
     [

@@ -77,7 +77,8 @@ def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
         _, same = used_experts(model, ids, own)
         assert torch.equal(same, plain)
         assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (24 * LAYERS, 24 * LAYERS),
-                                 "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS)}
+                                 "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS),
+                                 "actor/dppo/r3_unrouted_frac": (0, 24 * LAYERS)}
         # other routes: the update computes through them, and the router's own choice differs on every row
         other = (own + 1) % EXPERTS
         used, logits = used_experts(model, ids, other)
@@ -112,7 +113,10 @@ def test_rows_without_a_route_are_routed_by_the_router_and_counted():
     # (past layer 0 the unrouted rows' inputs differ: they attend to rows that took other experts)
     assert torch.equal(used[:8], routes[:8]) and torch.equal(used[8:, 0], own[8:, 0])
     assert (used[8:, :, 0] != used[8:, :, 1]).all()  # the router's own top-k, not the zeros
-    assert ratio_parts()["actor/dppo/r3_replayed_frac"] == (8 * LAYERS, 12 * LAYERS)
+    parts = ratio_parts()  # the share replayed is over the rows with a route; the others are counted apart
+    assert parts["actor/dppo/r3_replayed_frac"] == (8 * LAYERS, 8 * LAYERS)
+    assert parts["actor/dppo/r3_router_differs_frac"] == (8 * LAYERS, 8 * LAYERS)
+    assert parts["actor/dppo/r3_unrouted_frac"] == (4 * LAYERS, 12 * LAYERS)
     arm(model, torch.zeros_like(routes))
     with torch.no_grad():
         model(input_ids=ids)
@@ -168,3 +172,50 @@ def test_r3_where_it_cannot_act_is_refused_in_one_line():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     arm(model, None)
     assert router_replay.ratio_parts() == {}
+
+
+def test_megatron_replay_is_counted_forward_only_from_the_replays_own_rows():
+    """patches/megatron_router_replay.py on verl's own RouterReplay: the rows its replay mask marks count, the experts
+    it hands on are compared with the targets, and the router's own top-k (verl's default_compute_topk on the same
+    scores) with both; backward's recomputation is not counted again. A replay that hands on the router's own choice
+    instead (a no-op) reads below 1."""
+    from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
+
+    if megatron_cpu_problems(None):
+        pytest.skip("megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`")
+    from verl.utils.megatron import router_replay_patch as verl_replay
+
+    from verl_dppo.patches.megatron_router_replay import patch_router_replay
+
+    patch_router_replay(verl_replay)
+    replay = verl_replay.RouterReplay()
+    verl_replay.RouterReplay.router_instances.remove(replay)
+    scores = torch.softmax(torch.randn(6, EXPERTS), dim=-1)
+    own = torch.topk(scores, TOP_K, dim=1).indices
+    targets = own.clone()
+    targets[:3] = (own[:3] + 1) % EXPERTS  # 3 rows the router would route otherwise
+    mask = torch.tensor([True, True, True, True, True, False])
+    compute = lambda s, k, num_groups=None, group_topk=None: torch.topk(s, k=k, dim=1)  # noqa: E731
+    router_replay.begin_counting(True)
+    replay.set_target_indices(targets, mask)
+    replay.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_FORWARD)
+    _, used = replay.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
+    assert torch.equal(used[:5], targets[:5])
+    replay.replay_backward_list, replay.replay_backward_mask_list = [targets], [mask]
+    replay.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_BACKWARD)
+    replay.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
+    assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (5, 5), "actor/dppo/r3_router_differs_frac": (3, 5),
+                             "actor/dppo/r3_unrouted_frac": (1, 6)}
+
+    class NoOp(verl_replay.RouterReplay):  # a replay that does nothing: the router's own experts handed on
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            return default_compute_topk(scores, topk)
+
+    patch_router_replay(type("module", (), {"RouterReplay": NoOp, "RouterReplayAction": verl_replay.RouterReplayAction}))
+    noop = NoOp()
+    verl_replay.RouterReplay.router_instances.remove(noop)
+    router_replay.begin_counting(True)
+    noop.set_target_indices(targets, mask)
+    noop.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_FORWARD)
+    noop.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
+    assert ratio_parts()["actor/dppo/r3_replayed_frac"] == (2, 5)

@@ -43,6 +43,9 @@ LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alp
         "actor_rollout_ref.model.target_modules=all-linear")
 MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
        "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
+R3_HF = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+         "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+"""R3 on verl's FSDP engine, the routes recorded by the plugin's hf rollout (issue 52)."""
 FAMILIES = {"dppo_binary_kl": "shape-2r-bf16-binary_kl", "dppo_topk_tv": "shape-2r-bf16-topk_tv",
             "troll": "shape-2r-bf16-troll-kl"}
 SYNC_BOUND = 1e-5
@@ -62,14 +65,14 @@ def _lanes(root: Path) -> list[list[loop.Run]]:
                          overrides=(*TWO_RANKS, *BF16, *observed(name),
                                     *(("actor_rollout_ref.actor.use_kl_loss=True",) if method == "troll" else ())))
                 for method, name in FAMILIES.items()]
-    resume = ("trainer.save_freq=2", *TWO_RANKS)
+    # two ranks, killed and resumed: the MoE model, its routes recorded by the hf rollout and replayed (R3)
+    resume = ("trainer.save_freq=2", *TWO_RANKS, *MOE, *R3_HF)
     shapes = [
         loop.Run("shape-lora-hf", "dppo_binary_tv", via_cli=True, overrides=LORA),
         loop.Run("shape-moe-hf", "dppo_topk_kl", via_cli=True, overrides=MOE),
-        loop.Run("shape-2r-killed", "dppo_topk_tv", steps=3, kill_after_step=2, via_cli=True, warm_model=True,
-                 overrides=resume),
+        loop.Run("shape-2r-killed", "dppo_topk_tv", steps=3, kill_after_step=2, via_cli=True, overrides=resume),
         loop.Run("shape-2r-restarted", "dppo_topk_tv", steps=3, folder_of="shape-2r-killed", via_cli=True,
-                 warm_model=True, overrides=resume),
+                 overrides=resume),
     ]
     return [families, shapes]
 
@@ -193,10 +196,14 @@ def test_moe_on_the_hf_rollout_samples_from_the_trained_experts(shape_runs):
     assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
 
 
-def test_two_ranks_killed_and_resumed(shape_runs):
-    """Two ranks, dppo_topk_tv: one rank's worker SIGKILLed after the step-2 checkpoint, main_ppo fails on its own;
-    the restart through the CLI resumes at step 3 (logged once) on both ranks, the rollout samples from the
-    checkpoint's weights (the mismatch at float rounding), nothing masked on the policy that sampled."""
+def test_two_ranks_killed_and_resumed_replaying_the_hf_rollouts_routes(shape_runs):
+    """Two ranks, dppo_topk_tv on the Qwen3-MoE with R3: one rank's worker SIGKILLed after the step-2 checkpoint,
+    main_ppo fails on its own; the restart through the CLI resumes at step 3 (logged once) on both ranks, the rollout
+    samples from the checkpoint's weights (the mismatch at float rounding), nothing masked on the policy that
+    sampled. Issue 52: at every step before the kill and after the resume, the trainer's routers on both ranks took
+    the experts the hf rollout recorded on every row with a route (`r3_replayed_frac` 1: without the replay there is
+    no such metric), the router alone would have chosen otherwise on at most a few (the routes reached their rows),
+    and the rows without a route (padding, each sequence's last token) are counted apart."""
     killed, restarted = shape_runs["shape-2r-killed"], shape_runs["shape-2r-restarted"]
     assert killed.killed_pid is not None, loop._fail(killed, "the worker was never killed")
     assert killed.exited_on_its_own and killed.rc not in (0, None), loop._fail(killed, "did not fail on its own")
@@ -205,3 +212,10 @@ def test_two_ranks_killed_and_resumed(shape_runs):
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
     assert all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(restarted, f"mismatch_tv_mean {mismatch}")
     assert max(restarted.values("actor/pg_clipfrac")) == 0.0, loop._fail(restarted, "masked on the sampling policy")
+    for run, steps in ((killed, 2), (restarted, 3)):  # the restart's log keeps the steps before the kill
+        replayed = run.values("actor/dppo/r3_replayed_frac")
+        differs = run.values("actor/dppo/r3_router_differs_frac")
+        unrouted = run.values("actor/dppo/r3_unrouted_frac")
+        assert len(replayed) == steps and all(r == 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
+        assert all(0 <= d < 0.2 for d in differs), loop._fail(run, f"router differs {differs}")
+        assert all(0 < u < 0.5 for u in unrouted), loop._fail(run, f"rows without a route {unrouted}")

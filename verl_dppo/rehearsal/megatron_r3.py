@@ -19,15 +19,9 @@ The piece keeps verl's packing and moves the rows where the router reads them, o
   batch is (a sequence's token t at row t*B + b; padding rows are not replayed: the mask is False there, so they
   keep the router's own choice), then verl's replay runs as written.
 
-The first replay in a process logs one line: the rows replayed; on how many of them the experts the router then
-hands to the MoE layer (what the update computes with) are the replayed ones; on how many its own choice differs
-from those; and on how many its own choice equals the rollout's route (at the first update, on the weights that
-sampled, in float32 on both sides, the two agree on nearly every row when the rows line up, and by chance when
-they do not). With the same weights on both sides the router would choose the rollout's experts anyway, so a
-replay that does nothing would look like one that works: `VERL_DPPO_R3_RENAME_EXPERTS=1` (the Megatron tier sets
-it) renames every replayed expert e -> (e + 1) mod E, a route the router's own choice almost never is, so the line
-then shows replay acting: the experts used are the replayed ones on every row, the router's own choice differs on
-nearly every row, and still equals the rollout's (before renaming) where the rows line up.
+What the replay did is counted by the plugin's own patch of `RouterReplay.get_replay_topk`
+(patches/megatron_router_replay.py), on the rows as laid out here, and reported by the loss on every step
+(`actor/dppo/r3_replayed_frac`, `actor/dppo/r3_router_differs_frac`, `actor/dppo/r3_unrouted_frac`).
 
 Any other shape (sequence parallelism splits the rows across TP ranks, context parallelism) is refused by name:
 the CPU settings turn both off.
@@ -37,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Optional
 
 import torch
@@ -47,19 +40,6 @@ from verl_dppo.rehearsal.megatron_device import MegatronShimError, target
 __all__ = ["bshd_rows", "piece_r3_bshd"]
 
 _LENGTHS = "_dppo_bshd_lengths"
-_REPORTED: list = []
-RENAME = "VERL_DPPO_R3_RENAME_EXPERTS"
-"""Set to 1: the rehearsal's check that replay acts (see the module's docstring); never on a real run."""
-
-
-def _renamed(indices: torch.Tensor, experts: int) -> torch.Tensor:
-    return (indices + 1) % experts if os.environ.get(RENAME) == "1" else indices
-
-
-def _unrenamed(indices: torch.Tensor, experts: int) -> torch.Tensor:
-    return (indices - 1) % experts if os.environ.get(RENAME) == "1" else indices
-
-
 def bshd_rows(rows: torch.Tensor, lengths: list[int], padded: int) -> torch.Tensor:
     """Packed rows ([sum(lengths), ...], sequences one after another) -> the [S, B] order megatron-core's router reads
     ([S * B, ...], token t of sequence b at row t * B + b), zeros (False) at padding."""
@@ -92,7 +72,7 @@ def _to_bshd(router, scores: torch.Tensor) -> Optional[tuple]:
     if rows % count:
         raise MegatronShimError(f"verl-dppo's Megatron CPU shim (r3_bshd): the router routes {rows} tokens, not a "
                                 f"multiple of the batch's {count} sequences (sequence parallelism is off on the CPU)")
-    indices = _renamed(bshd_rows(indices, lengths, rows // count), scores.shape[1])
+    indices = bshd_rows(indices, lengths, rows // count)
     if mask is not None:
         mask = bshd_rows(mask, lengths, rows // count)
     if backward:
@@ -100,29 +80,6 @@ def _to_bshd(router, scores: torch.Tensor) -> Optional[tuple]:
     else:
         router.target_topk_idx, router.target_replay_mask = indices, mask
     return indices, mask
-
-
-def _report(scores, topk, replayed, mask, used, compute_topk) -> None:
-    """Once per process, at the first replay: the rows replayed; on how many the experts the router hands on (`used`)
-    are the replayed ones; on how many its own choice (the trainer's weights) differs from those; and on how many
-    its own choice equals the rollout's route (see the module's docstring)."""
-    from verl_dppo.plugin.log_once import warn_once
-
-    _, native = compute_topk(scores, topk)
-    rows = (mask.bool() if mask is not None else torch.ones(scores.shape[0], dtype=torch.bool)).to(native.device)
-    replayed = replayed.to(native.device)
-
-    def same(a, b):
-        return (a.sort(-1).values == b.sort(-1).values).all(-1)[rows]
-
-    used_replayed = same(used.to(native.device), replayed)
-    differs = ~same(native, replayed)
-    agrees = same(native, _unrenamed(replayed, scores.shape[1]))
-    renamed = " (experts renamed e -> e+1 mod E before replay: " + RENAME + ")" if os.environ.get(RENAME) == "1" else ""
-    warn_once("r3_bshd", "verl-dppo: R3 on the CPU's BSHD batches: the router replays the rollout's experts on %d of "
-              "%d rows%s; the update uses the replayed experts on %d of them; the router's own choice differs from "
-              "them on %d and agrees with the rollout's route on %d", int(rows.sum()), rows.numel(), renamed,
-              int(used_replayed.sum()), int(differs.sum()), int(agrees.sum()))
 
 
 def piece_r3_bshd() -> None:
@@ -149,13 +106,7 @@ def piece_r3_bshd() -> None:
 
     @functools.wraps(original_get)
     def get_replay_topk(self, scores, topk, *args, **kwargs):
-        laid_out = _to_bshd(self, scores)
-        result = original_get(self, scores, topk, *args, **kwargs)
-        if laid_out is not None and not _REPORTED and kwargs.get("default_compute_topk") is not None:
-            _REPORTED.append(True)  # verl passes its routing (and the group settings) by keyword
-            compute = functools.partial(kwargs["default_compute_topk"], num_groups=kwargs.get("num_groups"),
-                                        group_topk=kwargs.get("group_topk"))
-            _report(scores, topk, *laid_out, result[1], compute)
-        return result
+        _to_bshd(self, scores)
+        return original_get(self, scores, topk, *args, **kwargs)
 
     replay.get_replay_topk = get_replay_topk

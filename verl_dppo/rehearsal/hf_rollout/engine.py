@@ -128,6 +128,7 @@ class GenerationResult:
     stop_reason: str  # "completed" or "aborted"
     topk_ids: Optional[np.ndarray] = None  # [T, K] int64
     topk_logprobs: Optional[np.ndarray] = None  # [T, K] float32
+    routed_experts: Optional[np.ndarray] = None  # [prompt + T - 1, layers, top-k] int16, as vLLM returns them
 
 
 @dataclass
@@ -142,6 +143,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[np.ndarray] = field(default_factory=list)
     topk_lps: list[np.ndarray] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
     aborted: bool = False
     done: bool = False
 
@@ -150,8 +152,9 @@ class HFGenerationEngine:
     """Batches of requests through one transformers model; one instance per rollout server."""
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], max_model_len: int, max_num_seqs: int,
-                 seed: int, pad_token_id: int = 0):
+                 seed: int, pad_token_id: int = 0, record_routes: bool = False):
         self.model = model
+        self._routers = _routers_to_record(model) if record_routes else None
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max(1, max_num_seqs)
@@ -284,7 +287,9 @@ class HFGenerationEngine:
         if request.future.done():
             return
         has_topk = request.topk and request.tokens
+        routes = np.concatenate(request.routes) if self._routers is not None and request.routes else None
         request.future.set_result(GenerationResult(
+            routed_experts=routes,
             token_ids=list(request.tokens),
             log_probs=list(request.logprobs) if request.settings.logprobs else None,
             stop_reason="aborted" if request.aborted else "completed",
@@ -314,15 +319,17 @@ class HFGenerationEngine:
         k = max((r.topk or 0) for r in live)
         state = {"cache": None, "mask": mask, "positions": (mask.cumsum(-1) - 1).clamp_min(0), "ids": input_ids}
         steps = max(r.settings.max_tokens for r in live)
-        for _ in range(steps):
-            tokens, logprobs, topk = await asyncio.to_thread(self._step, state, temperature, top_k, top_p,
-                                                             [r.rng for r in live], k)
+        for step in range(steps):
+            tokens, logprobs, topk, routes = await asyncio.to_thread(self._step, state, temperature, top_k, top_p,
+                                                                     [r.rng for r in live], k)
             tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
             if topk is not None:
                 topk_ids, topk_lps = topk[0].cpu().numpy(), topk[1].float().cpu().numpy()
             for i, request in enumerate(live):
                 if request.done:
                     continue
+                if routes is not None:  # the routes of the tokens this step fed: the prompt, then the last token
+                    request.routes.append(routes[i, width - len(request.prompt_ids):] if step == 0 else routes[i])
                 if request.aborted:  # aborted while this step ran: its token is not returned
                     self._finish(request)
                     continue
@@ -349,10 +356,36 @@ class HFGenerationEngine:
 
         if state["cache"] is None:
             state["cache"] = DynamicCache()
-        out = self.model(input_ids=state["ids"], attention_mask=state["mask"], position_ids=state["positions"],
-                         past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [router.register_forward_hook(lambda _m, _i, out, index=index: captured.__setitem__(index, out[2]))
+                 for index, router in (self._routers or [])]
+        try:
+            out = self.model(input_ids=state["ids"], attention_mask=state["mask"], position_ids=state["positions"],
+                             past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
         state["cache"] = out.past_key_values
+        routes = None
+        if self._routers is not None:  # [rows, layers, top-k] by absolute layer index (zeros where a layer is dense)
+            rows, per_token = state["ids"].numel(), next(iter(captured.values())).shape[-1]
+            routes = np.zeros((rows, int(self.model.config.num_hidden_layers), per_token), dtype=np.int16)
+            for index, experts in captured.items():
+                routes[:, index] = experts.reshape(rows, per_token).cpu().numpy()
+            routes = routes.reshape(*state["ids"].shape, *routes.shape[1:])
         logits = out.logits[:, -1, :].float()
         # Each row's noise from its request's own generator (on the CPU: the same draws on any device).
         noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
-        return sample_next(logits, temperature, top_k, top_p, noise.to(logits.device), k or None)
+        return (*sample_next(logits, temperature, top_k, top_p, noise.to(logits.device), k or None), routes)
+
+
+def _routers_to_record(model: torch.nn.Module) -> list:
+    """The model's MoE routers, whose choices the rollout returns as vLLM's `enable_return_routed_experts` does
+    (actor_rollout_ref.rollout.enable_rollout_routing_replay: what R3 on the FSDP engine replays)."""
+    from verl_dppo.plugin.router_replay import ROUTER_CLASSES, routers_of
+
+    routers = routers_of(model)
+    if not routers:
+        raise HFRolloutError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True, but the model has no MoE "
+                             f"router to record ({', '.join(ROUTER_CLASSES)}): a dense model routes nothing")
+    return routers

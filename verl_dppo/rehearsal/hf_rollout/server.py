@@ -90,7 +90,8 @@ class HFRolloutServer:
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         pad = getattr(hf_config, "pad_token_id", None)
         return HFGenerationEngine(model, eos_ids, int(max_model_len), int(self.config.max_num_seqs),
-                                  int(self.config.seed), 0 if pad is None else int(pad))
+                                  int(self.config.seed), 0 if pad is None else int(pad),
+                                  record_routes=bool(self.config.get("enable_rollout_routing_replay", False)))
 
     async def init_engine(self) -> None:
         if self.engine is None:
@@ -188,7 +189,7 @@ class HFRolloutServer:
         if k is not None and result.topk_ids is not None:
             extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = result.topk_ids, result.topk_logprobs
         return TokenOutput(token_ids=result.token_ids, log_probs=result.log_probs, stop_reason=result.stop_reason,
-                           extra_fields=extra)
+                           routed_experts=result.routed_experts, extra_fields=extra)
 
     async def wait_for_requests_to_drain(self):
         await self.engine.wait_idle()

