@@ -12,6 +12,8 @@ process of its own (its peak memory is then its own), ratios printed by this pro
   fused_topk     `fused_topk_divergence` (K = 20): Top-K TV from the fused statistics, log pi(a_t) and the entropy
                  from the same pass, the same loss
   fused_troll    `fused_troll_token_terms` (K = 64, TROLL's default), Eq. 5's loss
+  fused_binary_plugin  the same step on the plugin's one-read head (`fused_logprob.fused_token_logprobs`), what
+                 dppo_binary_tv runs with use_fused_kernels=True since issue 54.1 (opt in: --methods ...)
   unfused_topk   today's Top-K step with use_fused_kernels=False: the [T, V] logits, verl's entropy_from_logits and
                  logprobs_from_logits (its CPU path; flash-attn's cross entropy on a GPU that has it) as verl's
                  engine calls them, `topk_divergence` in the logits hook, the same loss
@@ -90,6 +92,13 @@ def step_fn(method: str, x: dict):
 
         def forward(h, w):
             log_p, _entropy = FusedLinearForPPO(impl_backend="torch")(h, w, sampled, temperature=1.0)
+            return masked_ratio_loss(log_p, binary_tv(sampled_lp, log_p.detach()))
+
+    elif method == "fused_binary_plugin":  # what dppo_binary_tv runs with use_fused_kernels=True (issue 54.1)
+        from verl_dppo.math.fused_logprob import fused_token_logprobs
+
+        def forward(h, w):
+            log_p, _entropy = fused_token_logprobs(h, w, sampled, 1.0, entropy=True)
             return masked_ratio_loss(log_p, binary_tv(sampled_lp, log_p.detach()))
 
     elif method == "fused_topk":
@@ -204,7 +213,7 @@ def main() -> None:
             raise SystemExit(f"{method} failed:\n{child.stderr[-4000:]}")
         result[method] = json.loads(child.stdout.strip().splitlines()[-1])
         print(f"{method}: {json.dumps(result[method])}", file=sys.stderr, flush=True)
-    for method in ("fused_topk", "fused_troll"):
+    for method in ("fused_topk", "fused_troll", "fused_binary_plugin"):
         row = result.get(method)
         if row is None:
             continue

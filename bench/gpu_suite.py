@@ -14,7 +14,8 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    GPU; TROLL also with Top(pi) by torch's top-k, the kernels' first version, for the threshold kernels' gain) and on
    the torch path (VERL_DPPO_KERNELS=torch: chunks sized by the device, and the old 8 MiB chunks).
 2. fused: the LM-head-fused paths (T tokens, H = 1,024): verl's own chunked torch path (`FusedLinearForPPO`, what
-   dppo_binary_tv runs with use_fused_kernels=True) against fused Top-K and fused TROLL, forward + backward with the
+   dppo_binary_tv ran with use_fused_kernels=True before issue 54.1) against the plugin's one-read binary head
+   (`fused_binary_plugin`, also at H = 4,096), fused Top-K and fused TROLL, forward + backward with the
    entropy (bench_fused_topk.step_fn), on the kernels and on the torch path, and torch.profiler's top device ops of
    the fused steps on the kernels.
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
@@ -245,6 +246,7 @@ def profile(args, device, clock) -> dict:
 
 FUSED_ROWS = (  # (row name, step_fn's method, VERL_DPPO_KERNELS)
     ("fused_binary", "fused_binary", "auto"),
+    ("fused_binary_plugin", "fused_binary_plugin", "auto"),
     ("fused_topk", "fused_topk", "auto"),
     ("fused_troll", "fused_troll", "auto"),
     ("fused_topk, torch path", "fused_topk", "torch"),
@@ -280,7 +282,7 @@ def fused(args, device, clock) -> dict:
             with kernels(choice):
                 rows[name] = {**measure(device, step, args.repeats), **stats,
                               "backend": backend_for(x["hidden"].float())}
-                if method != "fused_binary" and choice == "auto":
+                if method not in ("fused_binary", "fused_binary_plugin") and choice == "auto":
                     with torch_profile(activities=activities) as prof:
                         step()
                         if device.type == "cuda":
@@ -294,6 +296,28 @@ def fused(args, device, clock) -> dict:
     for name in rows:
         if "seconds" in rows[name] and "seconds" in rows["fused_binary"]:
             rows[name]["x_fused_binary"] = rows[name]["seconds"] / rows["fused_binary"]["seconds"]
+    # Issue 54.3: the binary step at a real model's hidden size (Qwen3-8B's head: H = 4,096), verl's kernel against
+    # the plugin's one-read head, ratio from the same run.
+    wide = make_inputs(argparse.Namespace(**{**vars(shape), "h": 128 if args.smoke else 4096}), device)
+    for name, method in (("fused_binary, H=4096", "fused_binary"), ("fused_binary_plugin, H=4096",
+                                                                     "fused_binary_plugin")):
+        forward, stats = step_fn(method, wide)
+
+        def step():
+            h = wide["hidden"].detach().requires_grad_()
+            w = wide["weight"].detach().requires_grad_()
+            forward(h, w).backward()
+            return h.grad
+
+        try:
+            rows[name] = {**measure(device, step, args.repeats), **stats}
+        except Exception as error:
+            rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        clock(f"fused: {name}: {rows[name]}")
+    if "seconds" in rows.get("fused_binary, H=4096", {}) and "seconds" in rows.get("fused_binary_plugin, H=4096", {}):
+        rows["fused_binary_plugin, H=4096"]["x_fused_binary"] = (rows["fused_binary_plugin, H=4096"]["seconds"]
+                                                                 / rows["fused_binary, H=4096"]["seconds"])
+    del wide
     return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows,
             "profiles": profiles}
 

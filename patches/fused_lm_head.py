@@ -49,21 +49,28 @@ _STEP: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("verl_dp
 def _announce(config: Any) -> None:
     """Once per process and mode, the line a user looks for to know the fused pass runs (as "in effect")."""
     mode = policy_loss_get(config, "loss_mode")
-    warn_once(("fused", mode), "verl-dppo %s: statistics fused with the LM head (use_fused_kernels, torch backend): "
-              "the [tokens, vocabulary] logits are never formed", mode)
+    what = "statistics" if is_topk_mode(mode) else "log-probs and entropy"
+    warn_once(("fused", mode), "verl-dppo %s: %s fused with the LM head in the plugin's one-read pass "
+              "(use_fused_kernels, torch backend): the [tokens, vocabulary] logits are never formed", mode, what)
 
 
 def _topk_config(loss_function: Any, micro_batch: Any) -> Any:
-    """The actor config of a Top-K / troll loss whose hook must run in the fused pass, else None."""
+    """The actor config of a plugin loss whose step the plugin's fused pass serves, else None: a Top-K / troll loss
+    whose hook must run in it, or another of the plugin's modes (binary DPPO, the ratio-clip and PG-IS baselines),
+    which take log pi(a_t) and the entropy from it instead of verl's kernel."""
     from verl.utils import tensordict_utils as tu
 
-    if not (tu.get_non_tensor_data(micro_batch, key="use_fused_kernels", default=False)
-            and tu.get_non_tensor_data(micro_batch, key="distillation_use_topk", default=False)):
+    from verl_dppo.plugin.extras import DPPO_MODES
+
+    if not tu.get_non_tensor_data(micro_batch, key="use_fused_kernels", default=False):
         return None
     if not isinstance(loss_function, functools.partial) or "distillation_config" in loss_function.keywords:
         return None  # verl's own distillation: its hook, not ours
     config = loss_function.keywords.get("config")
-    return config if config is not None and is_topk_mode(policy_loss_get(config, "loss_mode")) else None
+    mode = policy_loss_get(config, "loss_mode") if config is not None else None
+    if is_topk_mode(mode):
+        return config if tu.get_non_tensor_data(micro_batch, key="distillation_use_topk", default=False) else None
+    return config if mode in DPPO_MODES else None
 
 
 def _hooked_output(output: Any) -> Any:
@@ -97,6 +104,17 @@ class _ThroughModelOutput(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _token_logprobs(hidden_states, weight, labels, temperature: float, entropy: bool):
+    """What verl's `FusedLinearForPPO.forward` returns (log pi(labels) float32, the entropy, shaped like `labels`;
+    the entropy 0 unless asked), from the plugin's one-read pass (`verl_dppo.math.fused_logprob`)."""
+    from verl_dppo.math.fused_logprob import fused_token_logprobs
+
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    log_p, ent = fused_token_logprobs(hidden, weight, labels.reshape(-1), temperature, entropy=entropy)
+    ent = ent if ent is not None else torch.zeros_like(log_p)
+    return log_p.float().view(labels.shape), ent.view(labels.shape)
+
+
 def patch_torch_functional(module: Any) -> None:
     """`FusedLinearForPPO.forward`: the marked step's fused Top-K pass (verl's kernel for everything else)."""
 
@@ -110,6 +128,14 @@ def patch_torch_functional(module: Any) -> None:
             from verl_dppo.patches.fsdp_logits_hook import fused_lm_head_outputs
 
             entropy = bool(tu.get_non_tensor_data(step.data, key="calculate_entropy", default=False))
+            if not is_topk_mode(policy_loss_get(step.config, "loss_mode")):
+                if isinstance(vocab_weights, torch.distributed.tensor.DTensor):  # an untied head under FSDP2:
+                    step.outputs = {}  # verl's kernel, as before (it stops there too: topk_mode.untied_head_...)
+                    return original(self, hidden_states, vocab_weights, input_ids, temperature)
+                log_probs, ent = _token_logprobs(hidden_states, vocab_weights, input_ids, float(temperature), entropy)
+                step.outputs = {}
+                _announce(step.config)
+                return log_probs, ent
             log_probs, ent, step.outputs = fused_lm_head_outputs(
                 step.config, hidden_states, vocab_weights, input_ids, float(temperature), step.data, entropy
             )

@@ -67,7 +67,7 @@ def nested(rows):
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
-def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5), seed=0):
+def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5), seed=0, topk_hook=True):
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
     responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
@@ -88,7 +88,7 @@ def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5
         "rollout_topk_ids": nested([t.indices for t in topk]),
         "rollout_topk_logprobs": nested([t.values.float() for t in topk]),
     }, batch_size=[len(prompt_lens)])
-    tu.assign_non_tensor(data, temperature=TEMPERATURE, use_remove_padding=True, distillation_use_topk=True,
+    tu.assign_non_tensor(data, temperature=TEMPERATURE, use_remove_padding=True, distillation_use_topk=topk_hook,
                          use_fused_kernels=fused, calculate_entropy=True, dp_size=1, batch_num_tokens=None,
                          global_batch_size=None)
     return data
@@ -97,9 +97,11 @@ def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5
 def step(module, mode: str, fused: bool):
     """One forward_step and backward: (loss, model_output, {parameter: gradient})."""
     module.zero_grad(set_to_none=True)
-    config = actor_config(mode, topk=K, delta_low=0.05, delta_high=0.05)
+    topk = mode.startswith("dppo_topk_") or mode == "troll"
+    config = actor_config(mode, topk=K if topk else None, delta_low=0.05, delta_high=0.05)
     loss_fn = functools.partial(verl_losses.ppo_loss, config=config)  # what engine_workers builds
-    loss, output = _engine(module).forward_step(micro_batch(fused), loss_function=loss_fn, forward_only=False)
+    loss, output = _engine(module).forward_step(micro_batch(fused, topk_hook=topk), loss_function=loss_fn,
+                                                forward_only=False)
     loss.backward()
     return float(loss), output["model_output"], {n: p.grad.clone() for n, p in module.named_parameters()}
 
@@ -129,6 +131,34 @@ def test_fused_step_hands_the_loss_what_the_logits_hook_does(models, mode):
         assert float((grads[name] - g).abs().max()) <= 1e-5 * scale, name
     if mode != "troll":
         assert 0 < float(_values(out["dppo_topk_tv"]).gt(0.05).float().mean()) < 1  # some tokens masked
+
+
+@pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is"])
+def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_one_read_head(models, mode,
+                                                                                          monkeypatch):
+    """Issue 54.1: under use_fused_kernels the binary modes and the ratio-clip / PG-IS baselines get log pi(a_t) and
+    the entropy from `verl_dppo.math.fused_logprob` (one read of each chunk's logits) instead of verl's
+    FusedLinearForPPO: the loss receives what the unfused engine computes, the loss and every parameter's gradient
+    agree, and verl's own kernel is not called for the step. A loss mode of verl's own keeps verl's kernel."""
+    from verl_dppo.math import fused_logprob
+
+    plain, fused = models
+    ours = []
+    real = fused_logprob.fused_token_logprobs
+    monkeypatch.setattr(fused_logprob, "fused_token_logprobs", lambda *a, **k: ours.append(1) or real(*a, **k))
+    loss_ref, out_ref, grads_ref = step(plain, mode, fused=False)
+    loss, out, grads = step(fused, mode, fused=True)
+    assert ours == [1], "the plugin's fused pass did not serve the step"
+    for key in ("log_probs", "entropy"):
+        assert torch.allclose(_values(out[key]).double(), _values(out_ref[key]).double(), rtol=1e-5, atol=1e-6), key
+    assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-7) and loss != 0.0
+    for name, g in grads_ref.items():
+        scale = max(1e-3, float(g.abs().max()))
+        assert float((grads[name] - g).abs().max()) <= 1e-5 * scale, name
+    ours.clear()  # verl's own PPO loss: verl's kernel, the plugin's pass untouched
+    loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("vanilla", plain=True))
+    _engine(fused).forward_step(micro_batch(True, topk_hook=False), loss_function=loss_fn, forward_only=False)
+    assert ours == []
 
 
 def test_fused_step_never_builds_the_logits(models, monkeypatch):

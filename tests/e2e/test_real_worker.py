@@ -377,14 +377,14 @@ def test_pg_is_never_masks_however_stale(runs):
 # use_fused_kernels: the Top-K modes and troll fused with the LM head (issue 20)
 # ---------------------------------------------------------------------------------------------------------------
 
-FUSED_MODES = [m for m in ("dppo_topk_tv", "dppo_topk_kl", "troll") if m in MODES]
+FUSED_MODES = [m for m in ("dppo_topk_tv", "dppo_topk_kl", "troll", "dppo_binary_tv") if m in MODES]
 
 
 @pytest.mark.parametrize("mode", FUSED_MODES)
 def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
     """actor_rollout_ref.model.use_fused_kernels=True through verl's real worker: the model runs verl's fused forward
-    (no logits), the plugin computes the hook's statistics fused with the LM head, and the step trains (parameters
-    move). Same batch and start as the unfused step: every metric the trainer logs is the unfused step's (the loss,
+    (no logits), the plugin computes the hook's statistics fused with the LM head (and for dppo_binary_tv log pi(a_t)
+    and the entropy, from its one-read head: issue 54.1), and the step trains (parameters move). Same batch and start as the unfused step: every metric the trainer logs is the unfused step's (the loss,
     the masked fractions from the Top-K D or TROLL's projection, the gradient norm)."""
     result = runs["fused"]
     assert result["fused_forwards"] and set(result["fused_forwards"]) == {"forward_with_torch_backend"}

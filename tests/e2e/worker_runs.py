@@ -166,8 +166,9 @@ def scenario_learning(runner: Runner) -> dict:
     return {"modes": {mode: runner.run(mode, LEARNING_SHAPE, steps=LEARNING_STEPS) for mode in modes}}
 
 
-FUSED_MODES = ("dppo_topk_tv", "dppo_topk_kl", "troll")
-"""The modes whose logits hook runs fused with the LM head under use_fused_kernels (issue 20)."""
+FUSED_MODES = ("dppo_topk_tv", "dppo_topk_kl", "troll", "dppo_binary_tv")
+"""The modes whose logits hook runs fused with the LM head under use_fused_kernels (issue 20), and a binary mode,
+which takes log pi(a_t) and the entropy from the plugin's one-read head there (issue 54.1)."""
 
 
 def scenario_fused(runner: Runner) -> dict:
