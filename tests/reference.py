@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -207,3 +212,56 @@ def entropy_reference(logits: torch.Tensor) -> torch.Tensor:
     rest = torch.where(top, 0.0, e).sum(dim=1)
     weighted = torch.where(e > 0, e * shifted, 0.0).sum(dim=1)
     return torch.log1p(rest) - weighted / (1.0 + rest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Waits for the device, counted on the CPU (issue 54.2).
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+               "masked_select")
+"""Tensor methods that read a tensor back to the host: on a GPU each one waits for the device to get there."""
+_HOST_COPIES = ("tensor", "as_tensor", "nonzero", "masked_select", "unique", "repeat_interleave")
+"""torch functions that either read back (an output sized by the data) or copy host data to the device (a
+blocking copy, a stream sync on CUDA)."""
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts the calls of verl_dppo's own code (the first frame outside torch, and outside this helper) that wait
+    for the device: a tensor read back (`item`, `tolist`, `bool(t)`, `int(t)`, `nonzero`, ...), a tensor built from
+    host data (`torch.tensor`), or indexing by a bool tensor. Yields a list; each counted call appends 'name at
+    file:line'. Calls from other code (Triton's interpreter, torch internals called by torch) are not counted."""
+    package = str(Path(__file__).resolve().parents[1] / "verl_dppo")
+    here, counted, saved = str(Path(__file__).resolve()), [], []
+
+    def wrap(owner, name):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def counting(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+                                         or frame.f_code.co_filename == here):
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.startswith(package):
+                if name not in ("__getitem__", "__setitem__") or any(
+                        isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                        for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+                    counted.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+            return original(*args, **kwargs)
+
+        saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, counting)
+
+    for name in (*_HOST_READS, "__getitem__", "__setitem__"):
+        wrap(torch.Tensor, name)
+    for name in _HOST_COPIES:
+        wrap(torch, name)
+    try:
+        yield counted
+    finally:
+        for owner, name, original, own in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (torch.Tensor's C base): the class gets its lookup back
+                delattr(owner, name)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from reference import llm_logits, rollout_topk, topk_mismatch, topk_reference
+from reference import host_reads, llm_logits, rollout_topk, topk_mismatch, topk_reference
 from verl_dppo.math.divergence import binary_kl, binary_tv
 from verl_dppo.math.topk import TopKInputError, topk_divergence
 
@@ -182,6 +182,55 @@ def test_a_nan_error_names_what_is_nan(bad):
     inside = topk_ids[:, 0].clone()
     tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, inside, bad_sampled)
     assert bool(torch.isfinite(tv).all() and torch.isfinite(kl).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ["all", "masked", "mask_all_true"])
+def test_one_wait_for_the_device_per_call(rows, dtype):
+    """Issue 54.2: every input check's flag and the number of rows the mask keeps come back to the host in one read;
+    nothing else in the call waits for the device (no `bool(t.any())`, no `nonzero`, no tensor built from host
+    data). Counted on the CPU by `host_reads`; the kernels' path is counted in tests/probes/kernel_agreement.py."""
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(9, 4, seed=7, inside=False, dtype=dtype)
+    mask = {"all": None, "masked": torch.arange(9) % 3 != 1, "mask_all_true": torch.ones(9, dtype=torch.bool)}[rows]
+    with host_reads() as reads:
+        tv, kl = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, mask=mask, chunk_bytes=1)
+    assert len(reads) <= 1, reads
+    with host_reads() as reads:
+        topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, mask=torch.zeros(9, dtype=torch.bool))
+    assert len(reads) <= 1, reads
+    keep = torch.ones(9, dtype=torch.bool) if mask is None else mask
+    one_by_one = [topk_divergence(pi_logits[r:r + 1], topk_ids[r:r + 1], topk_lp[r:r + 1], sampled[r:r + 1],
+                                  sampled_lp[r:r + 1]) for r in range(9)]
+    assert torch.equal(tv, torch.where(keep, torch.cat([t for t, _ in one_by_one]), 0.0))
+    assert torch.equal(kl, torch.where(keep, torch.cat([k for _, k in one_by_one]), 0.0))
+
+
+def test_errors_count_the_masked_rows_only():
+    """The checks run on every row at once (one read), masked: a bad row outside the mask raises nothing, and an
+    error's counts are of the rows the mask keeps, as when only those rows were checked."""
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(5, 4, seed=8, inside=False)
+    mask = torch.tensor([True, False, True, True, False])
+    ids, lp = topk_ids.clone(), topk_lp.clone()
+    ids[1, 1] = ids[1, 0]  # repeats, out of range, NaN and mass > 1 in rows the mask drops
+    ids[4, 0] = -5
+    lp[1, 0] = math.nan
+    lp[4] = -0.1
+    tv, kl = topk_divergence(pi_logits, ids, lp, sampled, sampled_lp, mask=mask)
+    assert (tv[~mask] == 0).all() and bool(torch.isfinite(tv).all() and torch.isfinite(kl).all())
+    lp[2, 3] = math.nan
+    with pytest.raises(TopKInputError, match=r"^the rollout's top-K log-probs .* at 1 of 3 rows"):
+        topk_divergence(pi_logits, ids, lp, sampled, sampled_lp, mask=mask)
+    ids[0, 2] = ids[0, 1]  # a repeat outranks the NaN, as when each check waited in turn
+    with pytest.raises(TopKInputError, match=r"^1 rows of rollout_topk_ids repeat a token id"):
+        topk_divergence(pi_logits, ids, lp, sampled, sampled_lp, mask=mask)
+    ids[3, 0] = VOCAB  # and an id outside the vocabulary outranks both
+    with pytest.raises(TopKInputError, match="outside the vocabulary"):
+        topk_divergence(pi_logits, ids, lp, sampled, sampled_lp, mask=mask)
+    lp = topk_lp.clone()
+    lp[3], lp[4] = -0.1, 0.0  # the largest mass, 4+, lies in a row the mask drops: the message names row 3's
+    worst = 4 * math.exp(-0.1) + math.exp(float(sampled_lp[3]))
+    with pytest.raises(TopKInputError, match=f"sum to {worst:.4f} > 1"):
+        topk_divergence(pi_logits, topk_ids, lp, sampled, sampled_lp, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------

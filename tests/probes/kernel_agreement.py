@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference.py
 
 import verl_dppo.math.kernels as kernels  # noqa: E402
-from reference import entropy_reference, llm_logits, rollout_topk  # noqa: E402
+from reference import entropy_reference, host_reads, llm_logits, rollout_topk  # noqa: E402
 from verl_dppo.math.topk import topk_divergence, vocab_parallel_topk_divergence  # noqa: E402
 from verl_dppo.math.troll import troll_token_loss, troll_token_terms  # noqa: E402
 
@@ -36,14 +36,19 @@ def _counting_kernels():
 kernels._kernels = _counting_kernels
 
 
-def both(fn):
-    """fn() under the torch path, then under the kernels; asserts the kernels ran the second time only."""
+def both(fn, waits=None):
+    """fn() under the torch path, then under the kernels; asserts the kernels ran the second time only, and with
+    `waits`, that each path waited for the device at most that many times (`reference.host_reads`)."""
     os.environ[kernels.KERNELS_ENV] = "torch"
     start = LAUNCHES["count"]
-    reference = fn()
+    with host_reads() as reads:
+        reference = fn()
+    assert waits is None or len(reads) <= waits, f"the torch path waited {len(reads)} times: {reads}"
     assert LAUNCHES["count"] == start, "the torch path launched a kernel"
     os.environ[kernels.KERNELS_ENV] = "triton"
-    got = fn()
+    with host_reads() as reads:
+        got = fn()
+    assert waits is None or len(reads) <= waits, f"the kernels' path waited {len(reads)} times: {reads}"
     assert LAUNCHES["count"] > start, "VERL_DPPO_KERNELS=triton ran no kernel"
     return reference, got
 
@@ -71,10 +76,11 @@ def topk_cases():
             mask = torch.ones(24, dtype=torch.bool)
             mask[5] = mask[::7] = False
             for row_mask in (mask, None if dtype != torch.float16 else mask):
-                want, got = both(lambda: topk_divergence(logits, ids, lp, sampled, sampled_lp, mask=row_mask))
+                want, got = both(lambda: topk_divergence(logits, ids, lp, sampled, sampled_lp, mask=row_mask),
+                                 waits=1)  # issue 54.2: the checks and the mask's count in one read
                 for name, g, w in zip(("tv", "kl"), got, want):
                     close(f"topk V={vocab} {dtype} top1={top1} K={k} {name}", g, w)
-            print(f"top-k V={vocab} {dtype} top1={top1} K={k} a_t {'inside' if inside else 'outside'}: agree")
+            print(f"top-k V={vocab} {dtype} top1={top1} K={k} a_t {'inside' if inside else 'outside'}: agree, one wait")
 
 
 def _vocab_parallel_rank(rank: int, init_file: str) -> None:
@@ -93,9 +99,11 @@ def _vocab_parallel_rank(rank: int, init_file: str) -> None:
     want = topk_divergence(full[:, :vocab], ids, lp, sampled, sampled_lp, mask=mask)
     os.environ[kernels.KERNELS_ENV] = "triton"
     start = LAUNCHES["count"]
-    got = vocab_parallel_topk_divergence(shard, rank * half, padded, None, ids, lp, sampled, sampled_lp, mask=mask,
-                                         valid_vocab=vocab)
+    with host_reads() as reads:
+        got = vocab_parallel_topk_divergence(shard, rank * half, padded, None, ids, lp, sampled, sampled_lp,
+                                             mask=mask, valid_vocab=vocab)
     assert LAUNCHES["count"] > start
+    assert len(reads) <= 1, f"the vocabulary-parallel kernels' path waited {len(reads)} times: {reads}"
     for name, g, w in zip(("tv", "kl"), got, want):
         close(f"vocab-parallel rank {rank} {name}", g, w, rtol=1e-4, atol=1e-6)  # log Z summed in two halves
     dist.destroy_process_group()

@@ -29,6 +29,10 @@ Two entry points share everything but how pi is read (`divergence_at_slots` is t
 for logits holding the whole vocabulary (FSDP), `vocab_parallel_topk_divergence` for one tensor-parallel rank's
 vocabulary slice (Megatron): the row max all-reduced, then each rank's sum of exp over its slice minus the ids it
 owns, and each id's logit from the one rank that owns it (the others add 0), summed in one all-reduce.
+
+One wait for the device per call (issue 54.2): the input checks of every row (`topk_inputs.row_problems`,
+`mu_problems`) and the mask's row count are read back together (`topk_inputs.raise_first`); the kept rows are then
+picked by a sort of the mask, not `nonzero` (which would wait again).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
-from verl_dppo.math.topk_inputs import MASS_TOLERANCE, TopKInputError, _validate_rows, check_topk_inputs
+from verl_dppo.math.topk_inputs import (
+    MASS_TOLERANCE, TopKInputError, _validate_rows, check_topk_inputs, mu_problems, raise_first, row_problems,
+)
 from verl_dppo.math.kernels import (
     CPU_CHUNK_BYTES, backend_for, chunk_bytes_for, logits_at, max_and_sum_exp_outside,
 )
@@ -192,22 +198,25 @@ def divergence_at_slots(
 
     Raises:
         TopKInputError: mu's log-probs are NaN/+inf (the message names the top-K or a_t's), or its kept mass exceeds
-            1 + mass_tolerance.
+            1 + mass_tolerance (both read in one wait).
     """
-    neg_inf = torch.tensor(-math.inf, dtype=torch.float64, device=mu_logprobs.device)
-    mu_lp = torch.where(dropped, neg_inf, mu_logprobs.double())
-    unusable = torch.isnan(mu_lp) | (mu_lp == math.inf)
-    if bool(unusable.any()):
-        _raise_unusable(unusable)
-    pi_lp = torch.where(dropped, neg_inf, pi_logprobs.double())
+    mu_lp, log_mass_mu = _mu_at_slots(mu_logprobs, dropped)
+    raise_first(mu_problems(mu_lp, log_mass_mu, mass_tolerance))
+    return _divergence(mu_lp, log_mass_mu, pi_logprobs, pi_log_other, dropped)
 
-    log_mass_mu = torch.logsumexp(mu_lp, dim=1)
-    if bool((log_mass_mu > math.log1p(mass_tolerance)).any()):
-        worst = float(log_mass_mu.max().exp())
-        raise TopKInputError(
-            f"the rollout's top-K probabilities sum to {worst:.4f} > 1: they are not log-probs of one distribution "
-            "(actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs, not *_logits)"
-        )
+
+def _mu_at_slots(mu_logprobs: torch.Tensor, dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log mu at the slots in float64, -inf at the dropped ones, and the log of mu's kept mass per row."""
+    mu_lp = torch.where(dropped, -math.inf, mu_logprobs.double())  # a scalar: no tensor copied from the host
+    return mu_lp, torch.logsumexp(mu_lp, dim=1)
+
+
+def _divergence(
+    mu_lp: torch.Tensor, log_mass_mu: torch.Tensor, pi_logprobs: torch.Tensor, pi_log_other: torch.Tensor,
+    dropped: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`divergence_at_slots` on checked rows, from `_mu_at_slots`."""
+    pi_lp = torch.where(dropped, -math.inf, pi_logprobs.double())
     log_other_mu = log1mexp(log_mass_mu)  # other = 1 - kept mass, floored at 0 (clamp inside log1mexp)
     # Floored like binary_kl's probabilities: where the complement's float32 sum underflows, KL stays finite.
     log_other_pi = pi_log_other.double().clamp(min=LOG_FLOOR, max=0.0)
@@ -220,15 +229,6 @@ def divergence_at_slots(
     other_term = torch.where(other_mu > 0, other_mu * (log_other_mu - log_other_pi), torch.zeros_like(other_mu))
     kl = (kept_terms + other_term).clamp(min=0.0)
     return tv, kl
-
-
-def _raise_unusable(unusable: torch.Tensor) -> None:
-    """NaN/+inf log mu at kept slots: the error names the top-K rows or a_t's own log-prob (last slot)."""
-    counts = unusable[:, :-1].any(dim=1).sum().item(), unusable[:, -1].sum().item()
-    names = ("the rollout's top-K log-probs (rollout_topk_logprobs) contain", "the rollout's log-prob of the sampled "
-             "token (rollout_sampled_logprobs) is")
-    found = [f"{name} NaN or +inf at {c} of {unusable.shape[0]} rows" for name, c in zip(names, counts) if c]
-    raise TopKInputError(" and ".join(found) + ": mask such tokens out (verl's logits hook drops them)")
 
 
 PiReader = Callable[[Optional[torch.Tensor], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -250,25 +250,26 @@ def _topk_divergence(
     n = logits.shape[0]
     tv = torch.zeros(n, dtype=torch.float32, device=logits.device)
     kl = torch.zeros(n, dtype=torch.float32, device=logits.device)
-    rows = None
-    if mask is not None:
-        rows = mask.nonzero().squeeze(1)
-        if rows.numel() == n:
-            rows = None
-        elif rows.numel() == 0:
-            return tv, kl
-    pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-    topk_ids = pick(rollout_topk_ids).long()
-    sampled = pick(sampled_ids).long()
-    _validate_rows(topk_ids, sampled, vocab_size)
-
     # A'_t as K + 1 slots: the top-K, then a_t; the last slot is dropped where a_t is already in the top-K.
+    topk_ids, sampled = rollout_topk_ids.long(), sampled_ids.long()
     slot_ids = torch.cat([topk_ids, sampled.unsqueeze(1)], dim=1)
     dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
     dropped[:, -1] = (topk_ids == sampled.unsqueeze(1)).any(dim=1)
-    mu_lp = torch.cat([pick(rollout_topk_logprobs), pick(rollout_sampled_logprobs).unsqueeze(1)], dim=1)
+    mu_lp = torch.cat([rollout_topk_logprobs, rollout_sampled_logprobs.unsqueeze(1)], dim=1)
+    # Every row's checks at once, masked (rows outside the mask are not validated), and the kept rows' count: one
+    # wait for the device per call, here (issue 54.2); nothing below reads back.
+    mu_terms = _mu_at_slots(mu_lp, dropped)
+    keep = None if mask is None else mask.bool()
+    kept = raise_first(row_problems(topk_ids, sampled, vocab_size) + mu_problems(*mu_terms, mass_tolerance), keep)
+    if kept == 0:
+        return tv, kl
+    rows = None
+    if kept < n:  # the kept rows ascending, as nonzero gives them, from the count already read (nonzero would wait)
+        rows = torch.argsort((~keep).to(torch.uint8), stable=True)[:kept]
+        slot_ids, dropped, mu_lp = (t.index_select(0, rows) for t in (slot_ids, dropped, mu_lp))
+        mu_terms = _mu_at_slots(mu_lp, dropped)
     pi_lp, pi_log_other = read_pi(rows, slot_ids, dropped)
-    tv_rows, kl_rows = divergence_at_slots(mu_lp, pi_lp, pi_log_other, dropped, mass_tolerance)
+    tv_rows, kl_rows = _divergence(*mu_terms, pi_lp, pi_log_other, dropped)
 
     if rows is None:
         tv.copy_(tv_rows)
