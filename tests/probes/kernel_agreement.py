@@ -300,6 +300,38 @@ def fused_cases():
     fused_troll.support_by_topk = by_topk
 
 
+def fused_logprob_cases():
+    """Issue 54.1: log pi(a_t) and the entropy fused with the LM head for the binary modes (a_t the only slot): the
+    chunks' logits read by the kernels as the matmul left them (bf16 in place), forward and backward, a temperature,
+    T not a multiple of the chunk, a_t the dominant token on some rows."""
+    from verl_dppo.math.fused_logprob import fused_token_logprobs
+
+    rows, hid = 21, 16
+    for vocab, dtype, temperature in ((1_000, torch.float32, 1.0), (5_000, torch.bfloat16, 0.7)):
+        gen = torch.Generator().manual_seed(vocab + 1)
+        h = torch.randn(rows, hid, generator=gen).to(dtype)
+        w = (torch.randn(vocab, hid, generator=gen) * 0.8).to(dtype)
+        labels = torch.randint(0, vocab, (rows,), generator=gen)
+        labels[::3] = (h.double() @ w.double().t()).argmax(dim=1)[::3]
+        weights = torch.randn(2, rows, generator=gen)
+
+        def run():
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            log_p, ent = fused_token_logprobs(hh, ww, labels, temperature, entropy=True, chunk_tokens=8)
+            loss = (log_p * weights[0]).sum() + (ent * weights[1]).sum()
+            return (log_p, ent), torch.autograd.grad(loss, (hh, ww))
+
+        (want, want_grads), (got, got_grads) = both(run)
+        where = f"fused log-prob V={vocab} {dtype} T={temperature}"
+        for i, (g, r) in enumerate(zip(got, want)):
+            close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
+        for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
+            scale = float(r.float().abs().max())
+            close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
+                  atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        print(f"{where}, forward and backward with the entropy: agree")
+
+
 def kernel_edges():
     """The two kernels directly: a row that is -inf everywhere, a row subset, excluded ids outside [0, V)."""
     os.environ[kernels.KERNELS_ENV] = "triton"
@@ -356,4 +388,5 @@ if __name__ == "__main__":
     troll_crowded_case()
     troll_nonfinite_case()
     fused_cases()
+    fused_logprob_cases()
     print(f"kernel agreement: all cases agree ({LAUNCHES['count']} kernel builds looked up)")
