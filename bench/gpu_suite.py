@@ -254,6 +254,21 @@ FUSED_ROWS = (  # (row name, step_fn's method, VERL_DPPO_KERNELS)
 )
 
 
+def _fused_step(method: str, x: dict):
+    """(step, stats): one forward + backward of bench_fused_topk's `method` on the inputs `x`."""
+    from bench_fused_topk import step_fn
+
+    forward, stats = step_fn(method, x)
+
+    def step():
+        h = x["hidden"].detach().requires_grad_()
+        w = x["weight"].detach().requires_grad_()
+        forward(h, w).backward()
+        return h.grad
+
+    return step, stats
+
+
 def fused(args, device, clock) -> dict:
     """The fused paths' forward + backward (entropy asked for, as the recipes' calculate_entropy does) against verl's
     own, on the kernels (the default on a GPU) and on the torch path; torch.profiler's top device ops of each of our
@@ -261,7 +276,7 @@ def fused(args, device, clock) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from bench_fused_topk import make_inputs, step_fn
+    from bench_fused_topk import make_inputs
     from verl_dppo.math.kernels import backend_for
 
     shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
@@ -270,14 +285,7 @@ def fused(args, device, clock) -> dict:
     rows, profiles = {}, {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, method, choice in FUSED_ROWS:
-        forward, stats = step_fn(method, x)
-
-        def step():
-            h = x["hidden"].detach().requires_grad_()
-            w = x["weight"].detach().requires_grad_()
-            forward(h, w).backward()
-            return h.grad
-
+        step, stats = _fused_step(method, x)
         try:
             with kernels(choice):
                 rows[name] = {**measure(device, step, args.repeats), **stats,
@@ -301,14 +309,7 @@ def fused(args, device, clock) -> dict:
     wide = make_inputs(argparse.Namespace(**{**vars(shape), "h": 128 if args.smoke else 4096}), device)
     for name, method in (("fused_binary, H=4096", "fused_binary"), ("fused_binary_plugin, H=4096",
                                                                      "fused_binary_plugin")):
-        forward, stats = step_fn(method, wide)
-
-        def step():
-            h = wide["hidden"].detach().requires_grad_()
-            w = wide["weight"].detach().requires_grad_()
-            forward(h, w).backward()
-            return h.grad
-
+        step, stats = _fused_step(method, wide)
         try:
             rows[name] = {**measure(device, step, args.repeats), **stats}
         except Exception as error:

@@ -446,6 +446,21 @@ def finished(run: Run, steps: int) -> None:
     assert training == list(range(1, steps + 1)), _fail(run, f"JSONL steps {training}")
 
 
+def replayed_every_route(run: Run, steps: int, router_differs: bool, unrouted_max: float) -> None:
+    """R3 (issue 52) at each of `steps` logged steps: the experts the update used were the rollout's on every row with
+    a route (`r3_replayed_frac` 1: without the replay there is no such metric), the router alone would have chosen
+    otherwise on under a fifth of them (the routes reached their rows: rows out of line differ on most) and, with
+    `router_differs`, on some at least (so a replay that did nothing would read below 1); rows without a route
+    counted apart, above 0 (each sequence's last token) and under `unrouted_max`."""
+    replayed = run.values("actor/dppo/r3_replayed_frac")
+    differs = run.values("actor/dppo/r3_router_differs_frac")
+    unrouted = run.values("actor/dppo/r3_unrouted_frac")
+    assert len(replayed) == steps and all(r == 1.0 for r in replayed), _fail(run, f"replayed {replayed}")
+    assert all(0 <= d < 0.2 for d in differs) and (max(differs) > 0 or not router_differs), _fail(
+        run, f"router differs {differs}")
+    assert all(0 < u < unrouted_max for u in unrouted), _fail(run, f"rows without a route {unrouted}")
+
+
 # ----------------------------------------------------------------------------------------------------- the tests
 
 

@@ -162,12 +162,7 @@ def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks_replaying_t
     assert "MoE layers run kernel 'none' here. CPU branch: avx2, forced to avx2" in run.log, loop._fail(
         run, "vLLM-CPU's experts did not run on the AVX2 branch's torch loop")
     _synced(run)
-    replayed = run.values("actor/dppo/r3_replayed_frac")
-    differs = run.values("actor/dppo/r3_router_differs_frac")
-    unrouted = run.values("actor/dppo/r3_unrouted_frac")
-    assert len(replayed) == run.steps and all(r == 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
-    assert max(differs) > 0 and all(d < 0.2 for d in differs), loop._fail(run, f"router differs {differs}")
-    assert all(0 < u < 0.2 for u in unrouted), loop._fail(run, f"rows without a route {unrouted}")
+    loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.2)
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
     initial = _tensors(run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random")
     (exported,) = list((run.folder / "checkpoints").glob("global_step_2/actor/model/huggingface"))

@@ -211,10 +211,5 @@ def test_fsdp_replays_the_rollouts_routes_r3(vllm_runs):
     run = vllm_runs["vllm-fsdp-r3-binary_tv"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
-    replayed = run.values("actor/dppo/r3_replayed_frac")
-    differs = run.values("actor/dppo/r3_router_differs_frac")
-    unrouted = run.values("actor/dppo/r3_unrouted_frac")
-    assert len(replayed) == run.steps and all(r == 1.0 for r in replayed), loop._fail(run, f"replayed {replayed}")
-    assert max(differs) > 0 and all(d < 0.2 for d in differs), loop._fail(run, f"router differs {differs}")
-    assert all(0 < u < 0.1 for u in unrouted), loop._fail(run, f"rows without a route {unrouted}")
+    loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.1)
     _nothing_left(run)

@@ -57,6 +57,15 @@ def close(name, got, want, rtol=1e-5, atol=1e-7):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 
+def close_gradients(where, got_grads, want_grads, dtype):
+    """The hidden states' and the LM head's gradients of a fused pass on both paths. bf16 gradients: d logits rounded
+    to bf16 once, from float32 values that may differ by rounding."""
+    for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
+        scale = float(r.float().abs().max())
+        close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
+              atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+
+
 # Vocabularies above and below one 4,096-column block, none a multiple of it.
 VOCABS = (1_000, 5_000)
 
@@ -290,11 +299,7 @@ def fused_cases():
                 assert calls == [2], f"{where}: crowded rows read again {calls}"
             for i, (g, r) in enumerate(zip(got, want)):
                 close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
-            for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
-                # bf16 gradients: d logits rounded to bf16 once, from float32 values that may differ by rounding
-                scale = float(r.float().abs().max())
-                close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
-                      atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+            close_gradients(where, got_grads, want_grads, dtype)
         print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward, with the entropy, "
               "flat rows read again after the pass: agree")
     fused_troll.support_by_topk = by_topk
@@ -325,10 +330,7 @@ def fused_logprob_cases():
         where = f"fused log-prob V={vocab} {dtype} T={temperature}"
         for i, (g, r) in enumerate(zip(got, want)):
             close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
-        for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
-            scale = float(r.float().abs().max())
-            close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
-                  atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        close_gradients(where, got_grads, want_grads, dtype)
         print(f"{where}, forward and backward with the entropy: agree")
 
 
