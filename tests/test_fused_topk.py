@@ -20,11 +20,11 @@ import sys
 import pytest
 import torch
 
-from reference import entropy_reference, llm_logits, rollout_topk, topk_reference
+from reference import entropy_reference, host_reads, llm_logits, rollout_topk, topk_reference
 from verl_dppo.math.fused_topk import fused_topk_divergence, fused_topk_logprobs
 from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import TopKInputError, topk_divergence
-from verl_dppo.math.troll import troll_token_loss, troll_token_terms
+from verl_dppo.math.troll import TrollInputError, troll_token_loss, troll_token_terms
 
 QWEN3_VOCAB = 151_936
 
@@ -297,6 +297,69 @@ def test_masked_rows_and_chunking_do_not_change_anything():
     bad[~mask] = 30
     with pytest.raises(TopKInputError, match="outside the vocabulary"):
         fused_topk_logprobs(h, w, bad, topk_ids, mask=mask)  # a_t is read on every row
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_troll_waits_for_the_device_a_constant_number_of_times(masked):
+    """Issue 54.2: TROLL's forward + loss + backward waits for the device a fixed number of times per call, however
+    many chunks: fused, 3 (every input check and the update's row count; S_t's widest row with the crowded rows after
+    the pass; the projection's rows with the solver's first convergence check), at 5 chunks of 8 tokens as at one of
+    40; unfused, 4 (the same, and the backward's check of the logits), at 40 chunks of one row as at one chunk.
+    Counted on the CPU by `host_reads`; the kernels' path in tests/probes/kernel_agreement.py."""
+    h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(40, 16, 300, 16, seed=54, dtype=torch.float32)
+    sampled_lp[7] = -math.inf  # a row dropped from the update (no finite ratio)
+    mask = mask if masked else None
+    advantages = torch.randn(40, generator=torch.Generator().manual_seed(54))
+
+    def fused(chunk):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with host_reads() as reads:
+            terms, policy = fused_troll_token_terms(hh, ww, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16,
+                                                    entropy=True, chunk_tokens=chunk)
+            loss = troll_token_loss(terms, advantages).sum() + (policy.log_p_sampled + policy.entropy).sum()
+            loss.backward()
+        return reads, (terms.log_p_sampled, terms.regression_kl, hh.grad, ww.grad)
+
+    def unfused(chunk_bytes):
+        logits = unfused_logits(h, w, 1.0).requires_grad_()
+        with host_reads() as reads:
+            terms = troll_token_terms(logits, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16,
+                                      chunk_bytes=chunk_bytes)
+            troll_token_loss(terms, advantages).sum().backward()
+        return reads, (terms.log_p_sampled, terms.regression_kl, logits.grad)
+
+    for run, sizes, bound in ((fused, (8, 40), 3), (unfused, (1, 2**30), 4)):
+        (many, got), (one, want) = run(sizes[0]), run(sizes[1])
+        assert len(many) == len(one) <= bound, (run.__name__, many, one)
+        for g, r in zip(got, want):
+            assert torch.allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_troll_errors_read_in_one_wait_keep_their_order_and_rows():
+    """The checks run on every row at once (one read), as each did in turn before: the fused path's a_t outside the
+    vocabulary on any row comes first, then the rollout's problems of the rows in the update only, in their order;
+    the mass above 1 names the largest among those rows."""
+    h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(12, 8, 50, 4, seed=55)
+    out = int((~mask).nonzero()[0])
+    ids, lp = topk_ids.clone(), topk_lp.clone()
+    ids[out, 1] = ids[out, 0]  # garbage outside the mask: not read
+    lp[out] = 0.0
+    fused_troll_token_terms(h, w, ids, lp, sampled, sampled_lp, mask, topk=4)
+    lp[0, 1] = math.nan
+    with pytest.raises(TrollInputError, match="NaN"):
+        fused_troll_token_terms(h, w, ids, lp, sampled, sampled_lp, mask, topk=4)
+    ids[1, 2] = ids[1, 3]  # a repeat outranks the NaN
+    with pytest.raises(TrollInputError, match="repeat a token id"):
+        troll_token_terms(h @ w.t(), ids, lp, sampled, sampled_lp, mask, topk=4)
+    bad = sampled.clone()
+    bad[out] = 50  # a_t outside the vocabulary on a row outside the update: the fused path reads it, first
+    with pytest.raises(TrollInputError, match="^sampled token ids outside"):
+        fused_troll_token_terms(h, w, ids, lp, bad, sampled_lp, mask, topk=4)
+    troll_token_terms(h @ w.t(), topk_ids, topk_lp, bad, sampled_lp, mask, topk=4)  # unfused: not read there
+    lp = topk_lp.clone()
+    lp[out], lp[2] = 0.0, -0.5  # mass 4+ on the row outside the update; 4 exp(-0.5) on row 2
+    with pytest.raises(TrollInputError, match=f"sum to {4 * math.exp(-0.5):.4f} > 1"):
+        troll_token_terms(h @ w.t(), topk_ids, lp, sampled, sampled_lp, mask, topk=4)
 
 
 # --- verl ----------------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ peaked and flat rows, masks, the in-place gradient, pi's top-K read by the thres
 overwritten logits; TROLL's crowded rows (more logits at the threshold than the candidates' room: read again with
 torch's top-k); TROLL's rows with a NaN, +inf or only -inf logits (NaN, as Top-K's D), unfused and fused; Top-K and
 TROLL fused with the LM head (bf16 chunks read in place, forward and backward), and the binary modes' log pi(a_t) and entropy fused the same way (issue 54.1); the kernels' edges (a row of -inf, a
-row subset, ids outside the vocabulary); each Top-K call's waits for the device, at most one on either path (issue
-54.2, `reference.host_reads`). A second child compiles every kernel for
+row subset, ids outside the vocabulary); each Top-K call's waits for the device, at most one on either path, and
+TROLL's, a fixed number per call whatever the chunks (issue 54.2, `reference.host_reads`). A second child compiles every kernel for
 an H100 (sm_90) with Triton's own ptxas. On a GPU, bench/gpu_suite.py runs the compiled kernels.
 """
 

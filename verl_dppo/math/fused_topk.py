@@ -105,7 +105,7 @@ class _FusedSlotLogprobs(torch.autograd.Function):
     """(hidden, weight) -> log pi at each row's slots, log pi(other), the entropy; see the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, temperature, chunk, select, width, want_entropy, needs_scratch):
+    def forward(ctx, hidden, weight, temperature, chunk, select, width, want_entropy, needs_scratch, report):
         ctx.set_materialize_grads(False)
         n, dev = hidden.shape[0], hidden.device
         work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
@@ -151,12 +151,18 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                     again = torch.zeros(n, dtype=torch.bool, device=dev)
                 again[start:end] = slots.again
             del block, slots
-        redo = again.nonzero().squeeze(1) if again is not None else None  # the pass's one wait for the device
-        for start in range(0, redo.numel() if redo is not None else 0, chunk):
-            index = redo[start : start + chunk]
+        # The pass's one wait for the device: how many rows to select again, and the widest row's kept slots
+        reads = ([again.sum()] if again is not None else []) + ([_widest(dropped)] if report is not None else [])
+        counts = torch.stack(reads).tolist() if reads else []
+        redo = 0 if again is None else counts[0]
+        order = torch.argsort((~again).to(torch.uint8), stable=True) if redo else None  # flagged rows first
+        for start in range(0, redo, chunk):
+            index = order[start : min(start + chunk, redo)]
             block, _ = chunk_block(index, index.numel())
             store(index, select(block, scratch[: index.numel()] if scratch is not None else None, index, again=True))
             del block
+        if report is not None:
+            report["kept"] = int(_widest(dropped)) if redo else counts[-1]  # rows selected again: one more wait
         del buffer, scratch
         log_pi, log_other = _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
         # log Z and log Z_tail for the backward, from the same sums as _pi_at_slots's
@@ -231,21 +237,30 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                     else:
                         grad_weight += d_logits.t() @ h
                 del d_logits, grad
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _widest(dropped: torch.Tensor) -> torch.Tensor:
+    """The most slots a row keeps (not dropped), on the device: 0 without rows."""
+    kept = (~dropped).sum(dim=1)
+    return kept.max() if kept.numel() else kept.new_zeros(())
 
 
 def fused_slot_logprobs(hidden, weight, temperature: float, select: Selector, width: int, entropy: bool = False,
-                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS, scratch: bool = False):
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS, scratch: bool = False,
+                        report: Optional[dict] = None):
     """log pi at the slots `select` picks per chunk, log pi(other) (the ids in no slot) and the entropy, fused with
     the LM head. Returns (log_pi [T, width] float64, log_other [T] float64, entropy [T] (0 unless asked), ids
     [T, width], dropped [T, width], extra [T, width]); the first three with gradient to hidden and weight.
-    scratch: `select` gets a chunk-sized float32 buffer (else None)."""
+    scratch: `select` gets a chunk-sized float32 buffer (else None). report: a dict that gets "kept", the most
+    slots a row keeps (TROLL's widest S_t), read with the selector's `again` rows in the pass's one wait for the
+    device (a second one only when rows were selected again)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [T, H] and weight [V, H] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if not (temperature > 0 and math.isfinite(temperature)) or chunk_tokens < 1:
         raise ValueError(f"need temperature > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
     return _FusedSlotLogprobs.apply(hidden, weight, float(temperature), int(chunk_tokens), select, int(width),
-                                    bool(entropy), bool(scratch))
+                                    bool(entropy), bool(scratch), report)
 
 
 def _topk_slots(sampled: torch.Tensor, topk_ids: torch.Tensor, rows: Optional[torch.Tensor]):

@@ -102,17 +102,22 @@ def fused_troll_token_terms(
                       TrollInputError)
     n, vocab = hidden.shape[0], weight.shape[0]
     sampled_all = sampled_ids.long()
-    if bool(((sampled_all < 0) | (sampled_all >= vocab)).any()):
+
+    def sampled_outside(_keep):
         raise TrollInputError(
             f"sampled token ids outside the vocabulary [0, {vocab}): the rollout engine and the actor use different "
             "vocabularies (check actor_rollout_ref.model.path and the tokenizer)"
         )
+
+    # log pi(a_t) is read on every row: a_t checked on every row, read with TROLL's own checks (one wait)
+    every_row = [((sampled_all < 0) | (sampled_all >= vocab), sampled_outside)]
     out_dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     k_pi = min(topk, vocab)
     policy: dict[str, torch.Tensor] = {}
 
-    def run(rows_arg, mu_ids_rows, mu_selected_rows):
-        """The fused pass over every row; rows_arg (None: all) hold the update's rows, in that order."""
+    def run(rows_arg, mu_ids_rows, mu_selected_rows, report=None):
+        """The fused pass over every row; rows_arg (None: all) hold the update's rows, in that order; report: gets
+        S_t's widest row's size ("kept"), read after the pass with the crowded rows (`fused_slot_logprobs`)."""
         mu_ids = torch.zeros(n, mu_ids_rows.shape[1], dtype=torch.long, device=hidden.device)
         mu_selected = torch.zeros(n, mu_ids_rows.shape[1], dtype=torch.bool, device=hidden.device)
         troll_rows = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -121,7 +126,7 @@ def fused_troll_token_terms(
         width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, vocab)
         select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass, width)
         log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
-            hidden, weight, temperature, select, width, entropy, chunk_tokens, scratch=True
+            hidden, weight, temperature, select, width, entropy, chunk_tokens, scratch=True, report=report
         )
         valid = ~dropped
         slot = ((ids == sampled_all[:, None]) & valid).long().argmax(dim=1, keepdim=True)  # a_t is always kept
@@ -129,15 +134,17 @@ def fused_troll_token_terms(
         return log_pi, log_other, ids, source, valid
 
     def read_support(rows_arg, sampled, mu_ids_rows, mu_selected_rows):
-        log_pi, log_other, ids, source, valid = run(rows_arg, mu_ids_rows, mu_selected_rows)
+        report: dict[str, int] = {}
+        log_pi, log_other, ids, source, valid = run(rows_arg, mu_ids_rows, mu_selected_rows, report)
         if rows_arg is not None:
             log_pi, log_other, ids, source, valid = (t[rows_arg] for t in (log_pi, log_other, ids, source, valid))
-        used = int(valid.sum(dim=1).max()) if valid.shape[0] else 0
+        used = report["kept"]  # over every row: those outside the update hold {a_t} alone
         return ids[:, :used], source[:, :used], valid[:, :used], log_pi[:, :used], log_other
 
     terms = troll_terms_from_support(
         read_support, vocab, out_dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
         rollout_sampled_logprobs, mask, eps=eps, support_mass=support_mass, topk=topk, mass_tolerance=mass_tolerance,
+        checks_everywhere=every_row,
     )
     if not policy:  # no row in the update: troll_terms_from_support read nothing, verl still needs log pi(a_t)
         empty = torch.zeros(n, 0, dtype=torch.long, device=hidden.device)

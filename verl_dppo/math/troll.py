@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -133,25 +133,55 @@ class TrollTerms:
 # --- the public entry points -------------------------------------------------------------------------------------
 
 
-def _validate_rows(mu_ids, mu_logprobs, sampled, vocab, mass_tolerance):
-    if bool(((mu_ids < 0) | (mu_ids >= vocab)).any()) or bool(((sampled < 0) | (sampled >= vocab)).any()):
+Problem = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+"""(bool [N], True at a row whose input is wrong; raises the problem's error given the rows checked, a bool [N]: called
+on the error path only, where its details may wait for the device)."""
+
+
+def _input_problems(mu_ids, mu_logprobs, sampled, vocab, mass_tolerance) -> list[Problem]:
+    """The rollout's rows checked on the device, per row ([N, K] top-K ids and float64 log-probs, [N] a_t), in the
+    order they are raised: ids outside the vocabulary, a repeated top-K id, NaN/+inf log-probs, mass above 1."""
+    outside = ((mu_ids < 0) | (mu_ids >= vocab)).any(dim=1) | (sampled < 0) | (sampled >= vocab)
+
+    def out_of_range(_keep):
         raise TrollInputError(
             f"top-K or sampled token ids outside the vocabulary [0, {vocab}): the rollout engine and the actor "
             "use different vocabularies (check actor_rollout_ref.model.path and the tokenizer)"
         )
-    if mu_ids.shape[1] > 1 and bool((mu_ids.sort(dim=1).values.diff(dim=1) == 0).any()):
+
+    def repeated(_keep):
         raise TrollInputError(
             "rollout_topk_ids repeat a token id within a row: the rollout's top-K extraction is broken"
         )
-    if bool(torch.isnan(mu_logprobs).any()) or bool((mu_logprobs == math.inf).any()):
+
+    def not_finite(_keep):
         raise TrollInputError("the rollout's top-K log-probs contain NaN or +inf")
+
     mass = torch.where(torch.isfinite(mu_logprobs), mu_logprobs.exp(), 0.0).sum(dim=1)
-    if bool((mass > 1.0 + mass_tolerance).any()):
+
+    def above_one(keep):
         raise TrollInputError(
-            f"the rollout's top-K probabilities sum to {float(mass.max()):.4f} > 1: they are not log-probs of one "
-            "distribution (actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs)"
+            f"the rollout's top-K probabilities sum to {float(mass[keep].max()):.4f} > 1: they are not log-probs of "
+            "one distribution (actor_rollout_ref.rollout.logprobs_mode must be raw_logprobs or processed_logprobs)"
         )
 
+    problems = [(outside, out_of_range)]
+    if mu_ids.shape[1] > 1:
+        problems.append(((mu_ids.sort(dim=1).values.diff(dim=1) == 0).any(dim=1), repeated))
+    unusable = (torch.isnan(mu_logprobs) | (mu_logprobs == math.inf)).any(dim=1)
+    return problems + [(unusable, not_finite), (mass > 1.0 + mass_tolerance, above_one)]
+
+
+def _checked_rows(everywhere: Sequence[Problem], problems: Sequence[Problem], keep: torch.Tensor) -> int:
+    """The call's one wait for the device before the pass (issue 54.2): every flag of `everywhere` (checked on all
+    rows) and of `problems` (on the rows `keep` selects) and the number of those rows, read back together; raises the
+    first problem found, in that order; returns the count."""
+    found = [rows.any() for rows, _ in everywhere] + [(rows & keep).any() for rows, _ in problems]
+    values = torch.cat([torch.stack(found).long(), keep.sum().reshape(1)]).tolist()  # the wait
+    for hit, (_, fail) in zip(values, (*everywhere, *problems)):
+        if hit:
+            fail(keep)
+    return values[-1]
 
 
 def _to_all_rows(values: torch.Tensor, rows: Optional[torch.Tensor], n: int, dtype) -> torch.Tensor:
@@ -222,11 +252,13 @@ def troll_token_terms(
 def troll_terms_from_support(
     read_support, vocab: int, out_dtype: torch.dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
     rollout_sampled_logprobs, mask=None, *, eps: float, support_mass: float, topk: int,
-    mass_tolerance: float = MASS_TOLERANCE,
+    mass_tolerance: float = MASS_TOLERANCE, checks_everywhere: Sequence[Problem] = (),
 ) -> TrollTerms:
     """`troll_token_terms` with pi read by `read_support(rows or None, sampled, mu_ids, mu_selected)` -> (ids,
     source, valid, log pi at the ids, log pi(other)) on the rows in the update: `pi_on_support` on the logits, or
-    the same support fused with the LM head (`verl_dppo.math.fused_troll`). One implementation of Eq. 3-5 for both."""
+    the same support fused with the LM head (`verl_dppo.math.fused_troll`). One implementation of Eq. 3-5 for both.
+    checks_everywhere: the caller's own checks of every row, raised first; read with the rollout's checks and the
+    update's row count in one wait for the device."""
     if not (eps > 0 and 0 < support_mass <= 1 and topk >= 1):
         raise TrollInputError(f"need eps > 0, 0 < support_mass <= 1, topk >= 1; got {eps}, {support_mass}, {topk}")
     n = sampled_ids.shape[0]
@@ -235,18 +267,19 @@ def troll_terms_from_support(
     valid_rows = torch.isfinite(sampled_lp_all)
     if mask is not None:
         valid_rows &= mask.bool()
-    rows = valid_rows.nonzero().squeeze(1)
+    # Every row's checks at once, flagged where the update reads them: one wait, not one per check (issue 54.2)
+    sampled, mu_lp, mu_ids = sampled_ids.long(), rollout_topk_logprobs.detach().double(), rollout_topk_ids.long()
+    kept = _checked_rows(checks_everywhere, _input_problems(mu_ids, mu_lp, sampled, vocab, mass_tolerance), valid_rows)
     zeros = torch.zeros(n, dtype=out_dtype, device=dev)
-    if rows.numel() == 0:
+    if kept == 0:
         diagnostics = {"projected": torch.zeros_like(valid_rows), "eta": zeros, "kl_before": zeros, "kl_after": zeros}
         diagnostics.update(support_size=torch.zeros(n, dtype=torch.long, device=dev), valid=valid_rows)
         return TrollTerms(zeros, zeros, zeros, diagnostics)  # no gradient: nothing in the update
-    rows_arg = None if rows.numel() == n else rows
-    sampled = sampled_ids[rows].long()
-    sampled_lp = sampled_lp_all[rows]
-    mu_lp = rollout_topk_logprobs[rows].detach().double()
-    mu_ids = rollout_topk_ids[rows].long()
-    _validate_rows(mu_ids, mu_lp, sampled, vocab, mass_tolerance)
+    rows_arg = None
+    sampled_lp = sampled_lp_all
+    if kept < n:  # the update's rows ascending, as nonzero gives them, from the count already read
+        rows_arg = torch.argsort((~valid_rows).to(torch.uint8), stable=True)[:kept]
+        sampled, sampled_lp, mu_lp, mu_ids = (t[rows_arg] for t in (sampled, sampled_lp, mu_lp, mu_ids))
 
     # Top(mu): the reported ids by decreasing probability until the mass reaches support_mass, at most topk, in
     # whole groups of tied log-probs (as Top(pi): `top_selected`).

@@ -21,6 +21,10 @@ LOG_ETA_BRACKET = (-25.0, 25.0)
 SOLVER_STEPS = 100
 """At most this many safeguarded Newton steps on log eta (bisection alone needs 56 to reach float64 resolution)."""
 
+SOLVER_CHECKS = (8, 16, 32, 64)
+"""After these many steps the solver reads back whether every row has converged (a wait for the device each): real
+rows take 5-7 steps, so one read; a converged row's steps leave it as it is, so the checks change no value."""
+
 
 class Projection(NamedTuple):
     """`kl_projection`'s result, per row: log p on the atoms (with gradient) and detached diagnostics."""
@@ -61,18 +65,22 @@ def _excess_and_slope(log_pi, log_mu, present, log_eta, eps):
 
 
 @torch.no_grad()
-def _solve_log_eta(log_pi, log_mu, present, eps, kl_before):
+def _solve_log_eta(log_pi, log_mu, present, eps, kl_before, projected):
     """The root of KL(p_eta || mu) = eps in log eta: Newton's method kept inside a shrinking bracket (a bisection
     step whenever Newton would leave it), batched; starts at the quadratic estimate eta = sqrt(KL(pi||mu)/eps) - 1.
+    Solved on every row, the rows not `projected` done from the start (selecting the others would wait for the
+    device); converged rows checked only at SOLVER_CHECKS.
 
-    Returns (log eta, bracketed): rows whose root lies above the bracket get its upper end.
+    Returns (log eta, bracketed, how many rows are projected): rows whose root lies above the bracket get its upper
+    end; the count is read at the first check, with it (one wait for most calls).
     """
     lo = torch.full_like(kl_before, LOG_ETA_BRACKET[0])
     hi = torch.full_like(kl_before, LOG_ETA_BRACKET[1])
     bracketed = _excess_and_slope(log_pi, log_mu, present, hi, eps)[0] <= 0
     x = ((kl_before / eps).sqrt() - 1.0).clamp(min=1e-6).log().clamp(*LOG_ETA_BRACKET)
-    done = torch.zeros_like(bracketed)
-    for _ in range(SOLVER_STEPS):
+    done = ~projected
+    count = None
+    for steps in range(1, SOLVER_STEPS + 1):
         excess, slope = _excess_and_slope(log_pi, log_mu, present, x, eps)
         lo = torch.where(excess > 0, x, lo)
         hi = torch.where(excess > 0, hi, x)
@@ -82,9 +90,14 @@ def _solve_log_eta(log_pi, log_mu, present, eps, kl_before):
         x = x + step
         # Converged: KL at eps to ~100 ulps, or the step or the bracket at float64 resolution of log eta.
         done |= (excess.abs() <= 1e-14) | (step.abs() <= 1e-13) | (hi - lo <= 1e-12 * (1.0 + x.abs()))
-        if bool(done.all()):
-            break
-    return torch.where(bracketed, x, hi), bracketed
+        if steps in SOLVER_CHECKS or steps == SOLVER_STEPS:
+            if count is None:
+                finished, count = torch.stack([done.all().long(), projected.sum()]).tolist()  # the wait
+            else:
+                finished = bool(done.all())
+            if finished:
+                break
+    return torch.where(bracketed, x, hi), bracketed, count
 
 
 def kl_projection(log_pi: torch.Tensor, log_mu: torch.Tensor, eps: float = EPS) -> Projection:
@@ -104,20 +117,19 @@ def kl_projection(log_pi: torch.Tensor, log_mu: torch.Tensor, eps: float = EPS) 
     mu = torch.where(present, log_mu.detach().double(), 0.0)
     pi = torch.where(present, log_pi.double(), 0.0)
     pi = pi - _logsumexp(torch.where(present, pi, -math.inf))
-    n = pi.shape[0]
 
     with torch.no_grad():
         kl_before = _kl(pi.detach(), mu, present)
         projected = kl_before > eps
-        rows = projected.nonzero().squeeze(1)
-        eta0 = torch.zeros(n, dtype=torch.float64, device=pi.device)
-        if rows.numel():
-            log_eta, bracketed = _solve_log_eta(pi.detach()[rows], mu[rows], present[rows], eps, kl_before[rows])
-            eta0[rows] = log_eta.exp()
+        log_eta, bracketed, count = _solve_log_eta(pi.detach(), mu, present, eps, kl_before, projected)
+        eta0 = torch.where(projected, log_eta.exp(), 0.0)
 
     eta = eta0
-    if rows.numel():
-        # eta0 - (F - sg F) / sg(dF/d eta): the value eta0, the gradient -(dF/d log pi) / (dF/d eta).
+    if count:
+        # eta0 - (F - sg F) / sg(dF/d eta): the value eta0, the gradient -(dF/d log pi) / (dF/d eta), on the
+        # projected rows (ascending, as nonzero gives them, from the count already read).
+        rows = torch.argsort((~projected).to(torch.uint8), stable=True)[:count]
+        bracketed = bracketed[rows]
         a, b, on, e0 = pi[rows], mu[rows], present[rows], eta0[rows]
         excess = _kl(_log_geometric(a, b, e0[:, None], on), b, on)
         slope = _excess_and_slope(a.detach(), b, on, e0.log(), eps)[1] / e0

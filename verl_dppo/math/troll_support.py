@@ -137,10 +137,12 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     capacity = max(CANDIDATE_ROOM, 4 * width)
     rest, count, found = sum_exp_below(logits, torch.cat([sampled[:, None], mu_ids], dim=1), row_max, threshold,
                                        capacity, rows)
+    used, crowded_rows = width, 0
     if defer_crowded:
         used = capacity
-    else:
-        used = max(width, min(int(count.max()), capacity)) if count.numel() else width
+    elif count.numel():  # the candidates' columns in use and the crowded rows' count: one wait
+        most, crowded_rows = torch.stack([count.max(), (count > capacity).sum()]).tolist()
+        used = max(width, min(most, capacity))
     found = found[:, :used].long()
     present = found >= 0
     values = torch.where(present, logits_at(logits, rows, found.clamp(min=0)), -math.inf)
@@ -152,9 +154,9 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
                        k_pi, support_mass, pi_rows, pi_columns=used)
     if defer_crowded:
         return support, count > capacity
-    crowded = (count > capacity).nonzero().squeeze(1)
-    if crowded.numel() == 0:
+    if crowded_rows == 0:
         return support
+    crowded = torch.argsort((count <= capacity).to(torch.uint8), stable=True)[:crowded_rows]  # ascending
     again = support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
                              mu_selected[crowded], k_pi, support_mass,
                              None if pi_rows is None else pi_rows[crowded])
