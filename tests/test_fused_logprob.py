@@ -91,3 +91,54 @@ def test_chunking_changes_nothing_and_bad_labels_are_refused():
                                                                                          atol=1e-13)
     with pytest.raises(ValueError, match="labels"):
         fused_token_logprobs(h, w, labels[:5])
+
+
+# ---- the same from materialised logits (verl_dppo.math.logits_logprob: unfused plugin modes, issue 54.1) ----
+
+
+def test_from_logits_float64_gradcheck_and_chunks():
+    from verl_dppo.math.logits_logprob import logits_logprobs
+
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(9, 13, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    labels = torch.randint(0, 13, (9,), generator=gen)
+    for chunk in (1, 4, 100):
+        assert torch.autograd.gradcheck(lambda x: logits_logprobs(x, labels, entropy=True, chunk_rows=chunk), logits)
+        log_p, ent = logits_logprobs(logits, labels, entropy=True, chunk_rows=chunk)
+        want_lp, want_ent = reference(logits, labels)
+        assert (log_p - want_lp).abs().max() < 1e-13 and (ent - want_ent).abs().max() < 1e-13
+    assert torch.autograd.gradcheck(lambda x: logits_logprobs(x, labels, chunk_rows=2)[0], logits)
+    assert torch.autograd.gradcheck(lambda x: logits_logprobs(x, entropy=True, chunk_rows=2)[1], logits)
+    lp3, ent3 = logits_logprobs(logits.view(3, 3, 13), labels.view(3, 3), entropy=True)  # [..., V], as verl's padded
+    assert lp3.shape == (3, 3) and torch.equal(lp3.reshape(-1), log_p) and torch.equal(ent3.reshape(-1), ent)
+    with pytest.raises(ValueError, match="labels"):
+        logits_logprobs(logits, labels[:5])
+
+
+@pytest.mark.parametrize("top1", [1 - 1e-9, 1 - 1e-3])
+def test_from_logits_peaked_rows_deep_tails_and_bf16(top1):
+    """float32 logits: log pi(a_t) to float32 rounding of float64's at a dominant token and ~100 nats down, the
+    entropy relative to 1e-4, gradients of the float64 log-softmax's; bf16 logits: the same from the bf16 values, the
+    gradient in bf16, the logits never written."""
+    from verl_dppo.math.logits_logprob import logits_logprobs
+
+    vocab = 64
+    exact = llm_logits(16, vocab, seed=3, top1_prob=top1)
+    labels = exact.argmax(dim=1)
+    labels[::2] = exact[::2].argmin(dim=1)
+    for dtype, tol_grad in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = exact.to(dtype).requires_grad_()
+        before = logits.detach().clone()
+        log_p, ent = logits_logprobs(logits, labels, entropy=True, chunk_rows=5)
+        assert log_p.dtype == ent.dtype == torch.float32
+        x = logits.detach().double().requires_grad_()
+        want_lp, _ = reference(x, labels)
+        assert float(want_lp.detach().min()) < -90
+        assert ((log_p.double() - want_lp).abs() <= 1e-6 * want_lp.abs().clamp(min=1.0)).all()
+        want_ent = entropy_reference(x.detach())
+        assert ((ent.double() - want_ent).abs() <= 1e-4 * want_ent + 1e-12).all()
+        (got,) = torch.autograd.grad(weighted(log_p, ent, 7), logits)
+        log_soft = torch.log_softmax(x, dim=-1)
+        (want,) = torch.autograd.grad(weighted(want_lp, -(log_soft.exp() * log_soft).sum(-1), 7), x)
+        assert got.dtype == dtype and (got.double() - want).abs().max() < tol_grad * max(1.0, float(want.abs().max()))
+        assert torch.equal(logits.detach(), before)

@@ -338,6 +338,36 @@ def fused_logprob_cases():
         print(f"{where}, forward and backward with the entropy: agree")
 
 
+def logits_logprob_cases():
+    """Issue 54.1, unfused: log pi(a_t) and the entropy from materialised logits (verl_dppo.math.logits_logprob):
+    read by the kernels as they are (bf16 in place, no float32 chunk), the gradient written in the logits' dtype."""
+    from verl_dppo.math.logits_logprob import logits_logprobs
+
+    rows = 21
+    for vocab, dtype in ((1_000, torch.float32), (5_000, torch.bfloat16)):
+        gen = torch.Generator().manual_seed(vocab + 2)
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+        labels = torch.randint(0, vocab, (rows,), generator=gen)
+        labels[::3] = logits.argmax(dim=1)[::3]
+        weights = torch.randn(2, rows, generator=gen)
+
+        def run():
+            x = logits.clone().requires_grad_()
+            log_p, ent = logits_logprobs(x, labels, entropy=True, chunk_rows=8)
+            loss = (log_p * weights[0]).sum() + (ent * weights[1]).sum()
+            return (log_p, ent), torch.autograd.grad(loss, x)[0]
+
+        (want, want_grad), (got, got_grad) = both(run)
+        where = f"log-prob from logits V={vocab} {dtype}"
+        for i, (g, r) in enumerate(zip(got, want)):
+            close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
+        assert got_grad.dtype == dtype
+        scale = float(want_grad.float().abs().max())
+        close(f"{where} gradient", got_grad.float(), want_grad.float(), rtol=0.0,
+              atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        print(f"{where}, forward and backward with the entropy: agree")
+
+
 def kernel_edges():
     """The two kernels directly: a row that is -inf everywhere, a row subset, excluded ids outside [0, V)."""
     os.environ[kernels.KERNELS_ENV] = "triton"
@@ -395,4 +425,5 @@ if __name__ == "__main__":
     troll_nonfinite_case()
     fused_cases()
     fused_logprob_cases()
+    logits_logprob_cases()
     print(f"kernel agreement: all cases agree ({LAUNCHES['count']} kernel builds looked up)")

@@ -165,11 +165,7 @@ class _FusedSlotLogprobs(torch.autograd.Function):
             report["kept"] = int(_widest(dropped)) if redo else counts[-1]  # rows selected again: one more wait
         del buffer, scratch
         log_pi, log_other = _pi_at_slots(row_max, sum_outside, slot_logits, dropped)
-        # log Z and log Z_tail for the backward, from the same sums as _pi_at_slots's
-        shift, outside = row_max.double(), sum_outside.double()
-        at_slots = torch.where(dropped, 0.0, (slot_logits.double() - shift[:, None]).exp())
-        log_z = shift + (outside + at_slots.sum(dim=1)).log()
-        log_z_tail = shift + outside.log()
+        log_z, log_z_tail = log_normalisers(row_max, sum_outside, slot_logits, dropped)
         ctx.temperature, ctx.chunk, ctx.matmul_dtype = temperature, chunk, matmul_dtype
         ctx.want_entropy = want_entropy
         ctx.autocast = (dev.type, torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
@@ -185,19 +181,10 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         hidden, weight, ids, dropped, log_pi, log_z, log_z_tail, entropy = ctx.saved_tensors
         n, dev = hidden.shape[0], hidden.device
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_s = torch.zeros_like(log_pi) if g_slots is None else g_slots.double()
-        has_tail = torch.isfinite(log_z_tail)
-        g_o = torch.zeros_like(log_z) if g_other is None else torch.where(has_tail, g_other.double(), 0.0)
-        total = g_s.sum(dim=1) + g_o
-        pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
         work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        tail_coef = (g_o - total * pi_other).to(work)
-        on_slots = (g_s - torch.where(dropped, 0.0, total[:, None] * log_pi.exp())).to(work)
-        tail_base = torch.where(has_tail, log_z_tail, log_z).to(work)
-        log_z_w = log_z.to(work)
         # Without want_entropy the entropy output is a constant 0: no gradient, whatever arrives.
-        g_h = g_entropy.to(work) if g_entropy is not None and ctx.want_entropy else None
-        entropy_w = entropy.to(work)
+        terms = grad_terms(g_slots, g_other, g_entropy if ctx.want_entropy else None, dropped, log_pi, log_z,
+                           log_z_tail, entropy, work)
 
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight) if need_w else None
@@ -211,20 +198,9 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                 h = hidden[start:end]
                 logits = chunk_logits(h, weight, ctx.temperature, buffer)
                 c = slice(start, end)
-                if in_place:  # one kernel pass from the logits as they are, into the buffer
-                    on, term = on_slots[c], None
-                    if g_h is not None:  # the entropy's term: at the slots here, elsewhere in the kernel
-                        at_slots = entropy_grad(logits_at(logits, None, ids[c]), log_z_w[c], entropy_w[c], g_h[c])
-                        on = on + torch.where(dropped[c], 0.0, at_slots)
-                        term = (log_z_w[c], entropy_w[c], -g_h[c])
-                    grad = scaled_exp_into(buffer[: end - start], logits, tail_base[c], tail_coef[c],
-                                           entropy_term=term)
-                    grad.scatter_(1, ids[c], 0.0).scatter_add_(1, ids[c], on)
-                else:
-                    block = logits if logits.dtype == work else buffer[: end - start].copy_(logits)
-                    grad = logits_grad_in_place(block, ids[c], dropped[c], tail_base[c], tail_coef[c], on_slots[c],
-                                                 log_z_w[c], entropy_w[c], g_h[c] if g_h is not None else None)
-                    del block
+                # the kernels read the logits as they are; the torch path overwrites a float32 chunk
+                out = None if logits.dtype == work and not in_place else buffer[: end - start]
+                grad = chunk_grad(logits, out, ids[c], dropped[c], terms.rows(c), in_place)
                 del logits
                 if ctx.temperature != 1.0:
                     grad.div_(ctx.temperature)
@@ -238,6 +214,62 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                         grad_weight += d_logits.t() @ h
                 del d_logits, grad
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+class GradTerms(NamedTuple):
+    """Per-row coefficients of dL/dlogits (the module doc's three lines), in the work dtype ([T] and [T, S])."""
+
+    tail_base: torch.Tensor  # exp(logit - tail_base) * tail_coef off the slots
+    tail_coef: torch.Tensor
+    on_slots: torch.Tensor  # [T, S]: the slots' own term (the entropy's added per chunk)
+    log_z: torch.Tensor
+    entropy: torch.Tensor
+    g_entropy: Optional[torch.Tensor]  # None: no entropy term
+
+    def rows(self, index) -> "GradTerms":
+        return GradTerms(*(t[index] if t is not None else None for t in self))
+
+
+def log_normalisers(row_max, sum_outside, slot_logits, dropped) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log Z, log Z_tail) in float64 from the same sums as `_pi_at_slots`'s: the backward's normalisers."""
+    shift, outside = row_max.double(), sum_outside.double()
+    at_slots = torch.where(dropped, 0.0, (slot_logits.double() - shift[:, None]).exp())
+    return shift + (outside + at_slots.sum(dim=1)).log(), shift + outside.log()
+
+
+def grad_terms(g_slots, g_other, g_entropy, dropped, log_pi, log_z, log_z_tail, entropy, work) -> GradTerms:
+    """The backward's per-row coefficients from the incoming gradients (None: zero) and the forward's per-row
+    results (float64); `entropy` is only read with a g_entropy."""
+    g_s = torch.zeros_like(log_pi) if g_slots is None else g_slots.double()
+    has_tail = torch.isfinite(log_z_tail)
+    g_o = torch.zeros_like(log_z) if g_other is None else torch.where(has_tail, g_other.double(), 0.0)
+    total = g_s.sum(dim=1) + g_o
+    pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
+    return GradTerms(
+        tail_base=torch.where(has_tail, log_z_tail, log_z).to(work),
+        tail_coef=(g_o - total * pi_other).to(work),
+        on_slots=(g_s - torch.where(dropped, 0.0, total[:, None] * log_pi.exp())).to(work),
+        log_z=log_z.to(work),
+        entropy=entropy.to(work),
+        g_entropy=g_entropy.to(work) if g_entropy is not None else None,
+    )
+
+
+def chunk_grad(logits, out, ids, dropped, terms: GradTerms, in_place: bool) -> torch.Tensor:
+    """dL/dlogits of one chunk of rows, returned in `out` (the chunk's shape; None: the torch path overwrites
+    `logits` itself, which must then be float32 at least). in_place: one kernel pass from the logits as they are,
+    written in out's dtype; else the torch path on `out` holding a float32 (at least) copy of the logits."""
+    tail_base, tail_coef, on_slots, log_z, entropy, g_h = terms
+    if in_place:
+        term = None
+        if g_h is not None:  # the entropy's term: at the slots here, elsewhere in the kernel
+            at_slots = entropy_grad(logits_at(logits, None, ids), log_z, entropy, g_h)
+            on_slots = on_slots + torch.where(dropped, 0.0, at_slots)
+            term = (log_z, entropy, -g_h)
+        grad = scaled_exp_into(out, logits, tail_base, tail_coef, entropy_term=term)
+        return grad.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_slots.to(grad.dtype))
+    block = logits if out is None else out.copy_(logits)
+    return logits_grad_in_place(block, ids, dropped, tail_base, tail_coef, on_slots, log_z, entropy, g_h)
 
 
 def _widest(dropped: torch.Tensor) -> torch.Tensor:
