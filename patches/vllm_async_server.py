@@ -2,10 +2,15 @@
 
 Which verl method: `vLLMHttpServer.generate` forces `sampling_params["logprobs"] = 0` (the sampled token only),
 builds vLLM's `SamplingParams` and returns a `TokenOutput` with the sampled tokens' log-probs.
-What the wrapper does, for the Top-K modes only: `logprobs=K` (and `flat_logprobs=True` where vLLM offers it, and
-`detokenize=False` unless the request has stop strings) on the request through the module's `SamplingParams`, the engine's final output captured per request, and mu's top-K
-extracted, vectorised, into `extra_fields` (`_server_common`). vLLM's `max_logprobs` is raised on the driver
-(`llm_server.sync_rollout_config`).
+What the wrapper does, through the module's `SamplingParams`:
+
+| request | what the wrapper changes |
+|---|---|
+| any with `logprobs` (verl's `logprobs=0` in bypass mode, every mode) and no prompt log-probs | `flat_logprobs=True` where vLLM offers it: vLLM's flat layout, same values, cheaper (`flat_layout_pays`) |
+| the Top-K modes and troll (`rollout.custom.dppo_topk` = K) | also `logprobs=K`, and `detokenize=False` unless the request has stop strings; the engine's final output captured per request and mu's top-K extracted, vectorised, into `extra_fields` (`_server_common`) |
+| no `logprobs` (`calculate_log_probs=False`) | nothing |
+
+vLLM's `max_logprobs` is raised on the driver (`llm_server.sync_rollout_config`).
 Why no extension point: verl 0.9.1 pins `logprobs=0` and has no per-request "extra sampling outputs" option.
 What would make it unnecessary: a rollout option `return_top_logprobs: K` that fills `TokenOutput.extra_fields`
 (verl's distillation would use it too).
@@ -34,7 +39,7 @@ from verl_dppo.patches._server_common import (
     warn_truncated_sampling,
 )
 
-__all__ = ["extract_vllm_topk", "patch_vllm_server"]
+__all__ = ["extract_vllm_topk", "flat_layout_pays", "patch_vllm_server"]
 
 
 def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -96,21 +101,34 @@ def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int]
 # ------------------------------------------------------------------------------------------------ server patches
 
 
+def flat_layout_pays(kwargs: dict) -> bool:
+    """Whether a request (the keyword arguments verl's `generate` builds `SamplingParams` from) gets vLLM's flat
+    log-prob layout (`flat_logprobs=True`, where the installed vLLM has the field): every request that asks for the
+    generated tokens' log-probs, verl's own `logprobs=0` (bypass mode: every binary mode, grpo_clip, pg_is) as well as
+    the plugin's `logprobs=K`. vLLM then keeps them in a few flat lists instead of a dict and a `Logprob` object per
+    position, which costs the rollout less (bench/bench_rollout_logprobs.py, docs/benchmarks.md); verl's reading,
+    `logprobs[token_ids[i]].logprob` per position, gets the same values from vLLM's `FlatLogprobs` (its items are
+    the same dicts), and `extract_vllm_topk` reads its lists as arrays. Not where the request asks for prompt
+    log-probs (verl's teacher): verl reads those by slicing off the first position, which vLLM's `FlatLogprobs`
+    cannot do for a one-token prompt. A request's own `flat_logprobs` is kept."""
+    return kwargs.get("logprobs") is not None and kwargs.get("prompt_logprobs") is None
+
+
 def patch_vllm_server(module: Any) -> None:
     """vLLMHttpServer.generate: logprobs=K on the request, the top-K of every generated token in extra_fields."""
     original_sampling_params = module.SamplingParams
 
     def SamplingParams(*args, **kwargs):  # noqa: N802 (stands in for vLLM's class in this module only)
+        fields = getattr(original_sampling_params, "__struct_fields__", ())
         k = REQUEST_K.get()
         if k is not None:
             kwargs["logprobs"] = k  # verl forces 0 (sampled token only); K returns the top-K plus the sampled token
-            fields = getattr(original_sampling_params, "__struct_fields__", ())
-            if "flat_logprobs" in fields:
-                kwargs.setdefault("flat_logprobs", True)  # newer vLLM: flat lists, read as arrays (no objects)
             if "detokenize" in fields and not kwargs.get("stop"):
                 # verl reads token ids only; vLLM would decode each of the K + 1 ids of every position (one
                 # tokenizer.decode per id, in AsyncLLM's single output loop). Stop strings need the text: kept then.
                 kwargs.setdefault("detokenize", False)
+        if flat_layout_pays(kwargs) and "flat_logprobs" in fields:
+            kwargs.setdefault("flat_logprobs", True)
         return original_sampling_params(*args, **kwargs)
 
     def make(original_generate):

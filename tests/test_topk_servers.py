@@ -40,10 +40,64 @@ def test_vllm_topk_requests_skip_detokenising():
     assert with_stop["detokenize"] is None and with_stop["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
 
 
-def test_vllm_server_is_untouched_without_top_k():
+def test_vllm_server_without_top_k_keeps_verls_request_in_the_flat_layout():
+    """Issue 53.6: verl's own request in bypass mode (`logprobs=0`, every binary mode) asks vLLM for its flat layout
+    too (bench/bench_rollout_logprobs.py: it costs the rollout less), and verl's unmodified reading of it
+    (`logprobs[token_ids[i]].logprob`) returns the sampled tokens' log-probs the dict layout gives. Nothing else of
+    the request changes: no K, vLLM's detokenising kept."""
     out = probe("vllm_server.py", "0")
     assert out["engine_logprobs"] == 0 and out["topk_ids"] is None and out["detokenize"] is None
+    assert out["flat_logprobs"] is True and out["layout"] == "FlatLogprobs"
     assert out["log_probs"] == [-1.5, -3.0, -0.5]
+    assert probe("vllm_server.py", "3")["layout"] == "FlatLogprobs"  # the Top-K request, as before
+
+
+def test_vllm_server_without_log_probs_is_untouched():
+    out = probe("vllm_server.py", "0", "", "0")  # calculate_log_probs=False: verl sends logprobs=None
+    assert out["engine_logprobs"] is None and out["flat_logprobs"] is None and out["log_probs"] is None
+    assert out["detokenize"] is None and out["topk_ids"] is None
+
+
+def test_which_vllm_requests_get_the_flat_layout():
+    """The rule of the module's `SamplingParams` stand-in, request by request, on a vLLM with and without the
+    `flat_logprobs` field."""
+    import types
+
+    from verl_dppo.patches._server_common import REQUEST_K
+    from verl_dppo.patches.vllm_async_server import patch_vllm_server
+
+    def module_with(fields):
+        class SamplingParams:
+            __struct_fields__ = fields
+
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+
+        class vLLMHttpServer:  # noqa: N801
+            async def generate(self, *args, **kwargs):
+                return None
+
+        module = types.SimpleNamespace(SamplingParams=SamplingParams, vLLMHttpServer=vLLMHttpServer)
+        patch_vllm_server(module)
+        return module
+
+    module = module_with(("max_tokens", "logprobs", "prompt_logprobs", "flat_logprobs", "detokenize", "stop"))
+
+    def flat(k=None, **kwargs):
+        token = REQUEST_K.set(k)
+        try:
+            return module.SamplingParams(max_tokens=4, **kwargs).kwargs.get("flat_logprobs")
+        finally:
+            REQUEST_K.reset(token)
+
+    assert flat(logprobs=0) is True  # verl's bypass request
+    assert flat(k=20, logprobs=0) is True  # the plugin's Top-K request
+    assert flat(logprobs=None) is None  # no log-probs asked: untouched
+    assert flat(logprobs=None, prompt_logprobs=0, detokenize=False) is None  # verl's teacher: prompt log-probs only
+    assert flat(logprobs=0, prompt_logprobs=0) is None  # verl slices prompt log-probs: kept as dicts
+    assert flat(logprobs=0, flat_logprobs=False) is False  # a request's own choice is kept
+    older = module_with(("max_tokens", "logprobs", "prompt_logprobs", "detokenize", "stop"))
+    assert "flat_logprobs" not in older.SamplingParams(max_tokens=4, logprobs=0).kwargs  # a vLLM without the field
 
 
 def test_sglang_server_requests_k_and_returns_the_top_k_of_every_token():
