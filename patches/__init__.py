@@ -12,7 +12,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics |
 | `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
-| `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels) |
+| `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels); without fused kernels, transformer_impl's `logprobs_from_logits` / `verl_F.entropy_from_logits`: the binary modes' log-probs and entropy in one read of the logits |
 | `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
 | `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K; `__init__`: the weight socket's job id per Ray cluster |
 | `vllm_rollout`           | workers.rollout.vllm_rollout.vllm_rollout            | `ServerAdapter.__init__`: the weight socket named per Ray cluster (two local clusters on a host) |

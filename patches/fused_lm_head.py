@@ -18,6 +18,18 @@ Every other call goes to verl unchanged. The Triton backend (`fused_kernel_optio
 Why no extension point: verl's fused kernels return log-probs and entropy only and take no extra statistics.
 What would make it unnecessary: a hook in `FusedLinearForPPO` that sees each chunk's logits (or a fused top-K
 output beside log-probs and entropy).
+
+With fused kernels off (`use_fused_kernels=False`, verl's default) the plugin's other modes (binary DPPO, the
+ratio-clip and PG-IS baselines: `DPPO_MODES` less the Top-K modes and troll, whose logits hook runs as before) take
+log pi(a_t) and the entropy from the logits in the plugin's one-read pass (`verl_dppo.math.logits_logprob`) instead
+of verl's `entropy_from_logits` (several [nnz, V] tensors) and `logprobs_from_logits` (without flash-attn a loop row
+by row). `forward_step` marks such a step the same way (unfused); while `prepare_model_outputs` runs for it, the
+engine's `compute_entropy_from_logits` (the remove-padding branch, chunked or checkpointed alike) and
+`verl_F.entropy_from_logits` (the padded branch) compute the entropy with log pi(labels) in one read when the
+labels are those of that logits tensor (the remove-padding branch without entropy checkpointing), and the module's
+`logprobs_from_logits` then returns that log pi without a second read (else it reads the logits once itself).
+What would make it unnecessary: one call for log-probs and entropy in verl's engine (or a one-read torch path
+in `logprobs_from_logits`).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["patch_torch_functional", "patch_fsdp_engine"]
+__all__ = ["patch_torch_functional", "patch_fsdp_engine", "patch_engine_logprobs"]
 
 
 @dataclass
@@ -41,6 +53,11 @@ class _Step:
     config: Any
     data: Any
     outputs: Optional[dict] = None
+    fused: bool = True  # False: logits formed by verl (use_fused_kernels off), the plugin's one-read pass on them
+    labels: Optional[torch.Tensor] = None  # unfused, while prepare_model_outputs runs: verl's rolled labels
+    serving: bool = False  # unfused: prepare_model_outputs is running
+    joint: bool = False  # unfused: the entropy may compute log pi(labels) with it (no entropy checkpointing)
+    pending: Optional[tuple] = None  # unfused: (logits, labels, log pi) from the entropy's pass
 
 
 _STEP: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("verl_dppo_fused_step", default=None)
@@ -52,6 +69,107 @@ def _announce(config: Any) -> None:
     what = "statistics" if is_topk_mode(mode) else "log-probs and entropy"
     warn_once(("fused", mode), "verl-dppo %s: %s fused with the LM head in the plugin's one-read pass "
               "(use_fused_kernels, torch backend): the [tokens, vocabulary] logits are never formed", mode, what)
+
+
+def _announce_unfused(config: Any) -> None:
+    mode = policy_loss_get(config, "loss_mode")
+    warn_once(("unfused", mode), "verl-dppo %s: log-probs and entropy from the logits in the plugin's one-read pass "
+              "(use_fused_kernels=False) instead of verl's entropy_from_logits and logprobs_from_logits", mode)
+
+
+def _unfused_config(loss_function: Any, micro_batch: Any) -> Any:
+    """The actor config of a plugin loss that is not a Top-K / troll loss (those need verl's logits hook), on a
+    step without fused kernels, else None: its log pi(a_t) and entropy come from the plugin's pass on the logits."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_dppo.plugin.extras import DPPO_MODES
+
+    if tu.get_non_tensor_data(micro_batch, key="use_fused_kernels", default=False):
+        return None
+    if tu.get_non_tensor_data(micro_batch, key="distillation_use_topk", default=False):
+        return None
+    if not isinstance(loss_function, functools.partial) or "distillation_config" in loss_function.keywords:
+        return None
+    config = loss_function.keywords.get("config")
+    mode = policy_loss_get(config, "loss_mode") if config is not None else None
+    return config if mode in DPPO_MODES and not is_topk_mode(mode) else None
+
+
+def _serving_step() -> Optional[_Step]:
+    step = _STEP.get()
+    return step if step is not None and step.serving else None
+
+
+def _plugin_entropy(step: _Step, logits: torch.Tensor, chunk_size: Any = None) -> torch.Tensor:
+    """The entropy of each row of `logits` ([..., V]) from the plugin's pass (verl's chunk size does not apply:
+    the pass chunks by bytes), with log pi(labels) kept for `logprobs_from_logits` when the step's labels are
+    those of these rows."""
+    from verl_dppo.math import logits_logprob
+
+    labels = step.labels
+    if step.joint and labels is not None and logits.dim() == 2 and tuple(labels.shape) == tuple(logits.shape[:1]):
+        log_pi, entropy = logits_logprob.logits_logprobs(logits, labels, entropy=True)
+        step.pending = (logits, labels, log_pi)
+        return entropy
+    return logits_logprob.logits_logprobs(logits, entropy=True)[1]
+
+
+class _EngineTorchFunctional:
+    """transformer_impl's `verl_F` (verl.utils.torch_functional): `entropy_from_logits` is the plugin's while an
+    unfused plugin step's outputs are formed (verl's padded branch calls it there); every other name is verl's."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "entropy_from_logits":
+            step = _serving_step()
+            if step is not None:
+                return functools.partial(_plugin_entropy, step)
+        return getattr(self._module, name)
+
+
+def _unfused_outputs(engine, original, step: _Step, output, output_args, micro_batch, logits_processor_func):
+    """verl's `prepare_model_outputs` with the entropy and log pi(labels) from the plugin's pass (the module doc)."""
+    step.labels = output_args.get("input_ids_rmpad_rolled")
+    step.joint = not engine.engine_config.entropy_checkpointing
+    step.serving, step.pending = True, None
+    had = "compute_entropy_from_logits" in vars(engine)
+    verl_entropy = vars(engine).get("compute_entropy_from_logits")
+    engine.compute_entropy_from_logits = functools.partial(_plugin_entropy, step)
+    try:
+        model_output = original(engine, output, output_args, micro_batch, logits_processor_func)
+    finally:
+        if had:
+            engine.compute_entropy_from_logits = verl_entropy
+        else:
+            del engine.compute_entropy_from_logits
+        step.serving, step.pending, step.labels = False, None, None
+    _announce_unfused(step.config)
+    return model_output
+
+
+def patch_engine_logprobs(module: Any) -> None:
+    """transformer_impl's `logprobs_from_logits` and `verl_F`: the plugin's pass while an unfused plugin step's
+    outputs are formed, verl's otherwise."""
+
+    def make(original):
+        def logprobs_from_logits(logits, labels, inplace_backward=True):
+            step = _serving_step()
+            if step is None:
+                return original(logits, labels, inplace_backward=inplace_backward)
+            from verl_dppo.math import logits_logprob
+
+            pending, step.pending = step.pending, None
+            if pending is not None and pending[0] is logits and pending[1] is labels:
+                return pending[2]  # computed with the entropy, from the same read
+            return logits_logprob.logits_logprobs(logits, labels)[0]
+
+        return logprobs_from_logits
+
+    patch_once(module, "logprobs_from_logits", make)
+    if not isinstance(module.verl_F, _EngineTorchFunctional):
+        module.verl_F = _EngineTorchFunctional(module.verl_F)
 
 
 def _topk_config(loss_function: Any, micro_batch: Any) -> Any:
@@ -148,15 +266,19 @@ def patch_torch_functional(module: Any) -> None:
 
 
 def patch_fsdp_engine(module: Any) -> None:
-    """`FSDPEngineWithLMHead.forward_step` marks the step; `prepare_model_outputs` stores the fused pass's outputs."""
+    """`FSDPEngineWithLMHead.forward_step` marks the step; `prepare_model_outputs` stores the fused pass's outputs
+    (unfused: forms them with the plugin's pass, `patch_engine_logprobs`)."""
     engine = module.FSDPEngineWithLMHead
+    patch_engine_logprobs(module)
 
     def make_forward_step(original):
         def forward_step(self, micro_batch, loss_function, forward_only):
-            config = _topk_config(loss_function, micro_batch)
+            config, fused = _topk_config(loss_function, micro_batch), True
+            if config is None:
+                config, fused = _unfused_config(loss_function, micro_batch), False
             if config is None:
                 return original(self, micro_batch, loss_function, forward_only)
-            token = _STEP.set(_Step(config, micro_batch))
+            token = _STEP.set(_Step(config, micro_batch, fused=fused))
             try:
                 return original(self, micro_batch, loss_function, forward_only)
             finally:
@@ -166,8 +288,11 @@ def patch_fsdp_engine(module: Any) -> None:
 
     def make_prepare_model_outputs(original):
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-            model_output = original(self, output, output_args, micro_batch, logits_processor_func)
             step = _STEP.get()
+            if step is not None and not step.fused:
+                return _unfused_outputs(self, original, step, output, output_args, micro_batch,
+                                        logits_processor_func)
+            model_output = original(self, output, output_args, micro_batch, logits_processor_func)
             if step is None:
                 return model_output
             if step.outputs is None:

@@ -12,6 +12,7 @@ with the key to change, and the two logits hooks no longer import each other.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -94,14 +95,23 @@ def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5
     return data
 
 
-def step(module, mode: str, fused: bool):
-    """One forward_step and backward: (loss, model_output, {parameter: gradient})."""
+def step(module, mode: str, fused: bool, engine_options=None, **data_options):
+    """One forward_step and backward: (loss, model_output, {parameter: gradient}); engine_options: FSDPEngineConfig
+    fields to set, data_options: the micro-batch's non-tensor keys to set."""
     module.zero_grad(set_to_none=True)
     topk = mode.startswith("dppo_topk_") or mode == "troll"
     config = actor_config(mode, topk=K if topk else None, delta_low=0.05, delta_high=0.05)
+    if not topk:  # the entropy's gradient reaches the parameters too
+        config = dataclasses.replace(config, entropy_coeff=0.05)
     loss_fn = functools.partial(verl_losses.ppo_loss, config=config)  # what engine_workers builds
-    loss, output = _engine(module).forward_step(micro_batch(fused, topk_hook=topk), loss_function=loss_fn,
-                                                forward_only=False)
+    engine = _engine(module)
+    if engine_options:
+        engine.engine_config = FSDPEngineConfig(**engine_options)
+        if engine.engine_config.entropy_from_logits_with_chunking:  # FSDPEngine.__init__'s choice
+            engine.compute_entropy_from_logits = verl_F.entropy_from_logits_with_chunking
+    data = micro_batch(fused, topk_hook=topk)
+    tu.assign_non_tensor(data, **data_options)
+    loss, output = engine.forward_step(data, loss_function=loss_fn, forward_only=False)
     loss.backward()
     return float(loss), output["model_output"], {n: p.grad.clone() for n, p in module.named_parameters()}
 
@@ -133,32 +143,81 @@ def test_fused_step_hands_the_loss_what_the_logits_hook_does(models, mode):
         assert 0 < float(_values(out["dppo_topk_tv"]).gt(0.05).float().mean()) < 1  # some tokens masked
 
 
-@pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is"])
-def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_one_read_head(models, mode,
-                                                                                          monkeypatch):
-    """Issue 54.1: under use_fused_kernels the binary modes and the ratio-clip / PG-IS baselines get log pi(a_t) and
-    the entropy from `verl_dppo.math.fused_logprob` (one read of each chunk's logits) instead of verl's
-    FusedLinearForPPO: the loss receives what the unfused engine computes, the loss and every parameter's gradient
-    agree, and verl's own kernel is not called for the step. A loss mode of verl's own keeps verl's kernel."""
-    from verl_dppo.math import fused_logprob
+def _verl_unfused(monkeypatch):
+    """verl's own log-prob and entropy path on an unfused step, whatever the loss mode."""
+    from verl_dppo.patches import fused_lm_head
 
-    plain, fused = models
-    ours = []
-    real = fused_logprob.fused_token_logprobs
-    monkeypatch.setattr(fused_logprob, "fused_token_logprobs", lambda *a, **k: ours.append(1) or real(*a, **k))
-    loss_ref, out_ref, grads_ref = step(plain, mode, fused=False)
-    loss, out, grads = step(fused, mode, fused=True)
-    assert ours == [1], "the plugin's fused pass did not serve the step"
+    monkeypatch.setattr(fused_lm_head, "_unfused_config", lambda *args: None)
+
+
+def _counted(monkeypatch, module, name):
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _agree(got, want):
+    (loss, out, grads), (loss_ref, out_ref, grads_ref) = got, want
     for key in ("log_probs", "entropy"):
-        assert torch.allclose(_values(out[key]).double(), _values(out_ref[key]).double(), rtol=1e-5, atol=1e-6), key
+        if key in out_ref:
+            assert torch.allclose(_values(out[key]).double(), _values(out_ref[key]).double(), rtol=1e-5,
+                                  atol=1e-6), key
     assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-7) and loss != 0.0
     for name, g in grads_ref.items():
         scale = max(1e-3, float(g.abs().max()))
         assert float((grads[name] - g).abs().max()) <= 1e-5 * scale, name
-    ours.clear()  # verl's own PPO loss: verl's kernel, the plugin's pass untouched
+
+
+@pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is"])
+def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_one_read_head(models, mode,
+                                                                                          monkeypatch):
+    """Issue 54.1: the binary modes and the ratio-clip / PG-IS baselines get log pi(a_t) and the entropy from the
+    plugin's one-read passes instead of verl's: under use_fused_kernels from `verl_dppo.math.fused_logprob` (one
+    read of each chunk's logits; verl's FusedLinearForPPO not called), without fused kernels from
+    `verl_dppo.math.logits_logprob` (one read of the logits for both, instead of verl's entropy_from_logits and
+    logprobs_from_logits). Either way the loss receives what verl's own unfused path computes, and the loss and
+    every parameter's gradient agree. A loss mode of verl's own keeps verl's kernel and verl's unfused path."""
+    from verl_dppo.math import fused_logprob, logits_logprob
+
+    plain, fused = models
+    ours = _counted(monkeypatch, fused_logprob, "fused_token_logprobs")
+    unfused = _counted(monkeypatch, logits_logprob, "logits_logprobs")
+    with monkeypatch.context() as verl_path:
+        _verl_unfused(verl_path)
+        reference = step(plain, mode, fused=False)
+    assert unfused == []
+    _agree(step(fused, mode, fused=True), reference)
+    assert ours == [1] and unfused == [], "the plugin's fused pass did not serve the step"
+    _agree(step(plain, mode, fused=False), reference)
+    assert unfused == [1], "the plugin's pass on the logits did not serve the step (once for both)"
+    ours.clear(), unfused.clear()  # verl's own PPO loss: verl's kernel and verl's path, the plugin's passes untouched
     loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("vanilla", plain=True))
-    _engine(fused).forward_step(micro_batch(True, topk_hook=False), loss_function=loss_fn, forward_only=False)
-    assert ours == []
+    for module, on in ((fused, True), (plain, False)):
+        _engine(module).forward_step(micro_batch(on, topk_hook=False), loss_function=loss_fn, forward_only=False)
+    assert ours == [] and unfused == []
+
+
+@pytest.mark.parametrize("options, passes", [
+    ({"engine_options": {"entropy_from_logits_with_chunking": True, "entropy_from_logits_chunk_size": 5}}, 1),
+    ({"engine_options": {"entropy_checkpointing": True}}, 3),  # entropy, log pi; the entropy again in the backward
+    ({"calculate_entropy": False}, 1),
+    ({"use_remove_padding": False}, 2),  # verl's padded branch: the entropy of [bsz, seqlen, V], log pi of the rows
+])
+def test_the_unfused_plugin_pass_follows_verls_settings(models, options, passes, monkeypatch):
+    """dppo_binary_tv without fused kernels under verl's other settings: the same outputs, loss and gradients as
+    verl's own path, from the plugin's passes."""
+    from verl_dppo.math import logits_logprob
+
+    plain, _ = models
+    unfused = _counted(monkeypatch, logits_logprob, "logits_logprobs")
+    with monkeypatch.context() as verl_path:
+        _verl_unfused(verl_path)
+        reference = step(plain, "dppo_binary_tv", fused=False, **options)
+    assert unfused == []
+    got = step(plain, "dppo_binary_tv", fused=False, **options)
+    assert ("entropy" in got[1]) == ("entropy" in reference[1])
+    _agree(got, reference)
+    assert len(unfused) == passes
 
 
 def test_fused_step_never_builds_the_logits(models, monkeypatch):
