@@ -17,6 +17,17 @@ process of its own (its peak memory is then its own), ratios printed by this pro
   unfused_topk   today's Top-K step with use_fused_kernels=False: the [T, V] logits, verl's entropy_from_logits and
                  logprobs_from_logits (its CPU path; flash-attn's cross entropy on a GPU that has it) as verl's
                  engine calls them, `topk_divergence` in the logits hook, the same loss
+  unfused_binary_verl    dppo_binary_tv with use_fused_kernels=False on verl's own path: the [T, V] logits, verl's
+                 entropy_from_logits and logprobs_from_logits as its engine calls them (opt in: --methods ...)
+  unfused_binary_plugin  the same step on the plugin's one-read pass over the logits
+                 (`logits_logprob.logits_logprobs`), what dppo_binary_tv runs with use_fused_kernels=False since
+                 issue 54.1 (opt in)
+
+--rounds R runs the children R times, the methods interleaved (round 1: every method, round 2: every method...),
+and reports each method's median over the rounds and the unfused plugin step's ratio to verl's in each round:
+
+    .venv/bin/python bench/bench_fused_topk.py --t 1024 --h 256 --repeats 3 --rounds 3 \
+        --methods unfused_binary_verl,unfused_binary_plugin
 
 Reported per step: the extra peak memory over the inputs (hidden states, weight, rollout fields), which includes
 the gradients of the hidden states and the weight; the median forward + backward time. Targets: fused Top-K and
@@ -99,6 +110,20 @@ def step_fn(method: str, x: dict):
 
         def forward(h, w):
             log_p, _entropy = fused_token_logprobs(h, w, sampled, 1.0, entropy=True)
+            return masked_ratio_loss(log_p, binary_tv(sampled_lp, log_p.detach()))
+
+    elif method in ("unfused_binary_verl", "unfused_binary_plugin"):  # dppo_binary_tv, use_fused_kernels=False
+        from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+        from verl_dppo.math.logits_logprob import logits_logprobs
+
+        def forward(h, w):
+            logits = h @ w.t()  # temperature 1: verl's engine leaves the logits as they are
+            if method == "unfused_binary_verl":
+                _entropy = entropy_from_logits(logits)  # calculate_entropy=True, as the recipes set it
+                log_p = logprobs_from_logits(logits, sampled, inplace_backward=False)
+            else:
+                log_p, _entropy = logits_logprobs(logits, sampled, entropy=True)
             return masked_ratio_loss(log_p, binary_tv(sampled_lp, log_p.detach()))
 
     elif method == "fused_topk":
@@ -188,6 +213,7 @@ def main() -> None:
                         help="timed steps after the memory step (0: time the memory step)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--rounds", type=int, default=1, help="children per method, the methods interleaved")
     parser.add_argument("--method", default=None, help=argparse.SUPPRESS)  # a child's one step
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -206,13 +232,28 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "T": args.t, "H": args.h, "V": args.v, "dtype": args.dtype, "threads": torch.get_num_threads(),
     }
-    for method in args.methods.split(","):
-        child = subprocess.run([sys.executable, *sys.argv, "--method", method], env=env, capture_output=True,
-                               text=True)
-        if child.returncode != 0:
-            raise SystemExit(f"{method} failed:\n{child.stderr[-4000:]}")
-        result[method] = json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"{method}: {json.dumps(result[method])}", file=sys.stderr, flush=True)
+    rounds: dict[str, list] = {}
+    for _ in range(max(args.rounds, 1)):
+        for method in args.methods.split(","):
+            child = subprocess.run([sys.executable, *sys.argv, "--method", method], env=env, capture_output=True,
+                                   text=True)
+            if child.returncode != 0:
+                raise SystemExit(f"{method} failed:\n{child.stderr[-4000:]}")
+            row = json.loads(child.stdout.strip().splitlines()[-1])
+            rounds.setdefault(method, []).append(row)
+            print(f"{method}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    for method, rows in rounds.items():
+        result[method] = dict(rows[0], median_s=statistics.median(r["median_s"] for r in rows),
+                              extra_peak_MiB=statistics.median(r["extra_peak_MiB"] for r in rows),
+                              rounds_median_s=[r["median_s"] for r in rows])
+    if "unfused_binary_verl" in rounds and "unfused_binary_plugin" in rounds:
+        verl_rows, plugin_rows = rounds["unfused_binary_verl"], rounds["unfused_binary_plugin"]
+        plugin = result["unfused_binary_plugin"]
+        plugin["time_x_unfused_binary_verl_per_round"] = [
+            p["median_s"] / v["median_s"] for p, v in zip(plugin_rows, verl_rows)]
+        plugin["time_x_unfused_binary_verl"] = plugin["median_s"] / result["unfused_binary_verl"]["median_s"]
+        plugin["peak_x_unfused_binary_verl"] = (plugin["extra_peak_MiB"]
+                                                / result["unfused_binary_verl"]["extra_peak_MiB"])
     for method in ("fused_topk", "fused_troll", "fused_binary_plugin"):
         row = result.get(method)
         if row is None:
