@@ -9,7 +9,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | module here              | verl module                                          | patched                                            |
 |--------------------------|------------------------------------------------------|----------------------------------------------------|
 | `workers_utils_losses`   | workers.utils.losses                                 | `ppo_loss`: hand mu to the loss, route the logits hook |
-| `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics |
+| `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics; `infer_batch`: the worker's loss known to no-grad steps |
 | `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
 | `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels); without fused kernels, transformer_impl's `logprobs_from_logits` / `verl_F.entropy_from_logits`: the binary modes' log-probs and entropy in one read of the logits |

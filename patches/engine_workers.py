@@ -6,6 +6,8 @@ biases a mean over a condition (`verl_dppo.plugin.metrics`). Neither has an exte
 What the wrapper does: for a `dppo_topk_*` mode or `troll`, refuse the settings under which the hook cannot run and set
 `distillation_use_topk=True` on the mini-batch; after verl has gathered the mini-batch's metrics from every
 data-parallel rank, make the plugin's ratio diagnostics exact.
+`TrainingWorker.infer_batch` is wrapped to make the worker's loss function known to the engine's no-grad steps
+(`fused_lm_head.worker_loss`: the plugin's unfused modes take log-probs from the plugin's pass there too).
 `ActorRolloutRefWorker.update_weights` is wrapped to record the pushed weights' version (`global_steps`), which each
 mini-batch then carries for the staleness diagnostics (verl_dppo.plugin.staleness).
 What would make it unnecessary upstream: the trainer's version in the actor's batch; a per-loss "needs logits" flag
@@ -131,7 +133,22 @@ def patch_engine_workers(module: Any) -> None:
         return train_batch
 
     patch_once(module.TrainingWorker, "train_batch", make)
+    patch_once(module.TrainingWorker, "infer_batch", make_infer_batch)
     patch_once(module.ActorRolloutRefWorker, "update_weights", _record_version)
+
+
+def make_infer_batch(original):
+    """`TrainingWorker.infer_batch` with the worker's loss function known to the engine's step
+    (`fused_lm_head.worker_loss`): verl passes none for its no-grad passes (compute_loss=False), and the plugin's
+    unfused modes take their log-probs there from the plugin's pass as in the update."""
+
+    def infer_batch(self, data, *args, **kwargs):
+        from verl_dppo.patches.fused_lm_head import worker_loss
+
+        with worker_loss(getattr(self, "loss_fn", None)):
+            return original(self, data, *args, **kwargs)
+
+    return infer_batch
 
 
 def _assign_trainer_version(data: Any) -> None:

@@ -23,7 +23,9 @@ With fused kernels off (`use_fused_kernels=False`, verl's default) the plugin's 
 ratio-clip and PG-IS baselines: `DPPO_MODES` less the Top-K modes and troll, whose logits hook runs as before) take
 log pi(a_t) and the entropy from the logits in the plugin's one-read pass (`verl_dppo.math.logits_logprob`) instead
 of verl's `entropy_from_logits` (several [nnz, V] tensors) and `logprobs_from_logits` (without flash-attn a loop row
-by row). `forward_step` marks such a step the same way (unfused); while `prepare_model_outputs` runs for it, the
+by row). `forward_step` marks such a step the same way (unfused; a no-grad pass without a loss function, such as
+the old log-probs' recompute, by the worker's loss: `worker_loss`, opened by `engine_workers` around
+`TrainingWorker.infer_batch`); while `prepare_model_outputs` runs for it, the
 engine's `compute_entropy_from_logits` (the remove-padding branch, chunked or checkpointed alike) and
 `verl_F.entropy_from_logits` (the padded branch) compute the entropy with log pi(labels) in one read when the
 labels are those of that logits tensor (the remove-padding branch without entropy checkpointing), and the module's
@@ -34,6 +36,7 @@ in `logprobs_from_logits`).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass
@@ -45,7 +48,7 @@ from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["patch_torch_functional", "patch_fsdp_engine", "patch_engine_logprobs"]
+__all__ = ["patch_torch_functional", "patch_fsdp_engine", "patch_engine_logprobs", "worker_loss"]
 
 
 @dataclass
@@ -61,6 +64,19 @@ class _Step:
 
 
 _STEP: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("verl_dppo_fused_step", default=None)
+_WORKER_LOSS: contextvars.ContextVar[Any] = contextvars.ContextVar("verl_dppo_worker_loss", default=None)
+"""The worker's loss function during `TrainingWorker.infer_batch` (`patches.engine_workers`): verl's no-grad passes
+(the old log-probs' recompute) call forward_step without it, and an unfused plugin step is marked from it."""
+
+
+@contextlib.contextmanager
+def worker_loss(loss_fn: Any):
+    """While it is open, a forward-only step without a loss function is marked as `loss_fn`'s would be (unfused)."""
+    token = _WORKER_LOSS.set(loss_fn)
+    try:
+        yield
+    finally:
+        _WORKER_LOSS.reset(token)
 
 
 def _announce(config: Any) -> None:
@@ -274,8 +290,9 @@ def patch_fsdp_engine(module: Any) -> None:
     def make_forward_step(original):
         def forward_step(self, micro_batch, loss_function, forward_only):
             config, fused = _topk_config(loss_function, micro_batch), True
-            if config is None:
-                config, fused = _unfused_config(loss_function, micro_batch), False
+            if config is None:  # a no-grad pass (loss_function None): the worker's loss says which mode
+                marking = loss_function if loss_function is not None or not forward_only else _WORKER_LOSS.get()
+                config, fused = _unfused_config(marking, micro_batch), False
             if config is None:
                 return original(self, micro_batch, loss_function, forward_only)
             token = _STEP.set(_Step(config, micro_batch, fused=fused))

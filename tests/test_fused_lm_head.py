@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import types
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,41 @@ def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_on
     for module, on in ((fused, True), (plain, False)):
         _engine(module).forward_step(micro_batch(on, topk_hook=False), loss_function=loss_fn, forward_only=False)
     assert ours == [] and unfused == []
+
+
+def test_verls_no_grad_pass_takes_the_plugins_pass_by_the_workers_loss(models, monkeypatch):
+    """verl's old log-prob recompute calls forward_step without a loss function (compute_loss=False): inside the
+    worker's infer_batch (wrapped by patches.engine_workers) the step is marked by the worker's loss, and log pi
+    equals verl's path; a worker without a plugin loss (the reference model's: none) keeps verl's path."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    from verl_dppo.math import logits_logprob
+    from verl_dppo.patches import engine_workers
+
+    plain, _ = models
+    unfused = _counted(monkeypatch, logits_logprob, "logits_logprobs")
+
+    def no_grad_step(_worker, data):  # what verl's infer_batch runs per micro-batch
+        with torch.no_grad():
+            return _engine(plain).forward_step(data, loss_function=None, forward_only=True)[1]["model_output"]
+
+    def data():
+        batch = micro_batch(False, topk_hook=False)
+        tu.assign_non_tensor(batch, calculate_entropy=False)
+        return batch
+
+    reference = no_grad_step(None, data())
+    assert unfused == []
+    infer = engine_workers.make_infer_batch(no_grad_step)
+    loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_binary_tv"))
+    got = infer(types.SimpleNamespace(loss_fn=loss_fn), data())
+    assert unfused == [1]
+    assert torch.allclose(_values(got["log_probs"]).double(), _values(reference["log_probs"]).double(), rtol=1e-5,
+                          atol=1e-6)
+    unfused.clear()
+    infer(types.SimpleNamespace(loss_fn=None), data())
+    assert unfused == []
+    assert getattr(TrainingWorker.infer_batch, "__verl_dppo_patched__", False)
 
 
 @pytest.mark.parametrize("options, passes", [

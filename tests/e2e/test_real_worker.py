@@ -245,8 +245,9 @@ def test_topk_divergence_dominates_the_binary_one(runs, topk_mode):
     for name in ("actor/pg_clipfrac", "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg"):
         assert topk[name] >= binary[name], (name, topk[name], binary[name])
     assert topk["actor/pg_clipfrac"] > 1.5 * binary["actor/pg_clipfrac"], (topk, binary)
-    # Same pi and mu: the sampled-token mismatch does not depend on the mode.
-    assert topk["actor/dppo/mismatch_tv_mean"] == pytest.approx(binary["actor/dppo/mismatch_tv_mean"], rel=1e-6)
+    # Same pi and mu: the sampled-token mismatch does not depend on the mode, up to float32 rounding of log pi(a_t)
+    # (the binary modes take it from the plugin's one read of the logits, the Top-K modes from verl's: 1.5e-6 here).
+    assert topk["actor/dppo/mismatch_tv_mean"] == pytest.approx(binary["actor/dppo/mismatch_tv_mean"], rel=1e-5)
 
 
 def test_rollout_anchor_is_mu_with_or_without_the_recompute_pass(runs):
