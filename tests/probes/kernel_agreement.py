@@ -366,6 +366,15 @@ def logits_logprob_cases():
         close(f"{where} gradient", got_grad.float(), want_grad.float(), rtol=0.0,
               atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
         print(f"{where}, forward and backward with the entropy: agree")
+    # its forward's one kernel pass: what the two passes it replaces return, to the bit
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 3_000, generator=gen) * 3).to(torch.bfloat16)
+    excluded = torch.randint(0, 3_000, (7, 1), generator=gen)
+    top, outside, entropy = kernels.max_sum_outside_and_entropy(logits, excluded)
+    want_top, want_outside = kernels.max_and_sum_exp_outside(logits, excluded)
+    assert torch.equal(top, want_top) and torch.equal(outside, want_outside)
+    assert torch.equal(entropy, kernels.row_entropy(logits))
+    print("max_sum_outside_and_entropy: the two passes' results to the bit")
 
 
 def kernel_edges():

@@ -15,6 +15,9 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
   block at every step took 8.2 ms, and 35 ms with TROLL's 130 excluded ids.
 - `row_entropy(logits)`: the entropy of each row's softmax in one read, by the same kernel (per lane, also the sum of
   exp(s) s relative to the lane's max; the fused paths' entropy, where verl's `FusedLinearForPPO` returns one).
+- `max_sum_outside_and_entropy(logits, excluded)`: both of the above in one read of every row (the entropy is
+  summed over every column, the sum outside `excluded` beside it; the unfused binary modes' forward,
+  `logits_logprob`).
 - `scaled_exp_into(out, logits, base, coef, rows=None, entropy_term=None)`: out[r, j] = exp(logit[r, j] - base[r]) *
   coef[r], plus the entropy's gradient when asked, in `out`'s dtype (TROLL's backward off the support, the fused
   backward: one read, one write; `out` may be the logits themselves).
@@ -51,6 +54,7 @@ from verl_dppo.math.kernel_jit import build_kernels as _kernels
 __all__ = [
     "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
     "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES", "row_entropy",
+    "max_sum_outside_and_entropy",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -162,6 +166,14 @@ def row_entropy(logits: torch.Tensor, block: int = _BLOCK, num_warps: int = _WAR
     is -inf everywhere gives NaN, as there."""
     return _max_and_sums(logits, logits.new_empty(logits.shape[0], 0, dtype=torch.long), None, None, True, block,
                          num_warps)[2]
+
+
+def max_sum_outside_and_entropy(
+    logits: torch.Tensor, excluded: torch.Tensor, block: int = _BLOCK, num_warps: int = _WARPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum of exp(logit - max) outside `excluded`, entropy) per row, float32 [N] each, in one read: what
+    `max_and_sum_exp_outside` (all rows, the row's own max) and `row_entropy` return, from the same kernel pass."""
+    return _max_and_sums(logits, excluded, None, None, True, block, num_warps)
 
 
 def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):

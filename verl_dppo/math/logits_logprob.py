@@ -5,9 +5,9 @@ what verl's engine computes with `entropy_from_logits` (softmax, logsumexp, a pr
 
 Pure torch (no verl import). The same per-row statistics as the fused LM head (`verl_dppo.math.fused_topk`, with
 a_t as the only slot): per chunk of rows, the row max, the logit at a_t, the sum of exp(logit - max) over the other
-columns (`_fixed_selector`: on a GPU the Triton kernel `kernels.max_and_sum_exp_outside` on the logits as they
-are, else the torch path on a float32 copy of the chunk) and the entropy (`kernels.row_entropy` /
-`fused_chunk.entropy_rows`); log pi(a_t) = `topk._pi_at_slots` in float64 (exact to rounding at a top-1
+columns and the entropy (on a GPU in one pass of the Triton kernel `kernels.max_sum_outside_and_entropy` over
+the logits as they are; else `_fixed_selector`'s torch path and `fused_chunk.entropy_rows` on a float32 copy of
+the chunk); log pi(a_t) = `topk._pi_at_slots` in float64 (exact to rounding at a top-1
 probability of 1 - 1e-9 and 100 nats down the tail). Chunks of rows sized by `kernels.chunk_bytes_for`: no float32
 [N, V] copy is made. The backward saves the logits by reference and per-row float64 results (log Z, the entropy)
 and writes dL/dlogits = g_lp (onehot - p) + g_H dH/dlogits chunk by chunk into one new tensor of the logits' dtype
@@ -23,7 +23,7 @@ import torch
 
 from verl_dppo.math.fused_chunk import entropy_rows
 from verl_dppo.math.fused_topk import _fixed_selector, chunk_grad, grad_terms, log_normalisers
-from verl_dppo.math.kernels import backend_for, chunk_bytes_for, row_entropy
+from verl_dppo.math.kernels import backend_for, chunk_bytes_for, logits_at, max_sum_outside_and_entropy
 from verl_dppo.math.topk import _finite, _pi_at_slots
 
 __all__ = ["logits_logprobs"]
@@ -50,8 +50,12 @@ class _LogitsLogprobs(torch.autograd.Function):
         for start in range(0, n, max(step, 1)):
             c = slice(start, min(start + step, n))
             block = logits[c] if in_place else buffer[: c.stop - start].copy_(logits[c])
+            if in_place and want_entropy:  # one kernel pass: the max, the sum outside a_t and the entropy
+                top, sum_outside[c], entropy[c] = max_sum_outside_and_entropy(block, ids[c])
+                row_max[c], slot_logits[c] = _finite(top), logits_at(block, None, ids[c])
+                continue
             if want_entropy:  # before the torch path's selector overwrites the block
-                entropy[c] = row_entropy(block) if in_place else entropy_rows(block, _finite(block.amax(dim=1)))
+                entropy[c] = entropy_rows(block, _finite(block.amax(dim=1)))
             slots = select(block, None, c)
             row_max[c], sum_outside[c], slot_logits[c] = slots.row_max, slots.sum_outside, slots.slot_logits
             del block, slots
