@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -265,3 +266,40 @@ def host_reads():
                 setattr(owner, name, original)
             else:  # inherited (torch.Tensor's C base): the class gets its lookup back
                 delattr(owner, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peak memory of torch's ops, counted on the CPU (issue 54.2).
+
+
+@contextlib.contextmanager
+def live_bytes():
+    """The bytes of the tensors torch's ops create inside the block while they are alive (each storage once, freed
+    when its last tensor goes): yields a dict whose "peak" is the most alive at once. Tensors created before the
+    block are not counted; the outputs still alive at its end are."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    state = {"live": 0, "peak": 0}
+    storages: dict[int, int] = {}
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t._base is None:
+                    key = t.untyped_storage().data_ptr()
+                    if key in storages or key == 0:
+                        continue
+                    storages[key] = size = t.untyped_storage().nbytes()
+                    state["live"] += size
+                    state["peak"] = max(state["peak"], state["live"])
+                    weakref.finalize(t, _released, state, storages, key)
+            return out
+
+    with Live():
+        yield state
+
+
+def _released(state: dict, storages: dict, key: int) -> None:
+    state["live"] -= storages.pop(key, 0)

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from reference import entropy_reference, host_reads, llm_logits, rollout_topk, topk_reference
+from reference import entropy_reference, host_reads, live_bytes, llm_logits, rollout_topk, topk_reference
 from verl_dppo.math.fused_topk import fused_topk_divergence, fused_topk_logprobs
 from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import TopKInputError, topk_divergence
@@ -333,6 +333,34 @@ def test_troll_waits_for_the_device_a_constant_number_of_times(masked):
         assert len(many) == len(one) <= bound, (run.__name__, many, one)
         for g, r in zip(got, want):
             assert torch.allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_troll_selection_after_the_pass_stays_within_its_bytes_per_row():
+    """Issue 54.2: on the kernels the fused TROLL pass selects S_t after the pass, for many chunks' rows at once,
+    in blocks sized by the selector's `bytes_per_row` so that the selection holds no more than a chunk's logits.
+    The selection's peak (outputs included) at Qwen3's vocabulary and K = 64, on rows of an LLM's shape (pi's
+    threshold finding a few more candidates than its 65 most likely, some rows a_t outside them), stays within it.
+    Runs `support_from_candidates` on the CPU (the same torch ops as on a GPU); the kernels' reads are faked."""
+    from verl_dppo.math.fused_troll import _SupportSelector
+    from verl_dppo.math.troll_support import CandidateReads, pi_read_width
+
+    n, k, vocab = 512, 64, 151_936
+    gen = torch.Generator().manual_seed(54)
+    sampled, mu_ids = torch.randint(0, vocab, (n,), generator=gen), torch.randint(0, vocab, (n, k), generator=gen)
+    selector = _SupportSelector(sampled, mu_ids, torch.rand(n, k, generator=gen) < 0.7,
+                                torch.ones(n, dtype=torch.bool), 64, 1 - 1e-5, 1 + k + 65, vocab)
+    width = pi_read_width(64, vocab)
+    count = torch.randint(width, width + 24, (n,), generator=gen)
+    found = torch.full((n, selector.capacity), -1, dtype=torch.int32)
+    for row in range(n):
+        found[row, : count[row]] = torch.randperm(vocab, generator=gen)[: count[row]].int()
+    logits = (torch.randn(n, selector.capacity, generator=gen) * 3).bfloat16()
+    reads = CandidateReads(logits.float().amax(dim=1), torch.rand(n, generator=gen) * 50, count, found, logits,
+                           (torch.randn(n, 1 + k, generator=gen) * 3 - 4).bfloat16())
+    with live_bytes() as memory:
+        slots = selector.finish(tuple(reads), slice(None))
+    assert slots.ids.shape == (n, 1 + k + 65) and not slots.again.any()
+    assert 0.5 * selector.bytes_per_row < memory["peak"] / n <= selector.bytes_per_row, (memory, selector.bytes_per_row)
 
 
 def test_troll_errors_read_in_one_wait_keep_their_order_and_rows():

@@ -24,13 +24,34 @@ from reference import entropy_reference, host_reads, llm_logits, rollout_topk  #
 from verl_dppo.math.topk import topk_divergence, vocab_parallel_topk_divergence  # noqa: E402
 from verl_dppo.math.troll import troll_token_loss, troll_token_terms  # noqa: E402
 
-LAUNCHES = {"count": 0}
+LAUNCHES = {"count": 0, "inside": 0, "launched": 0}
 _built = kernels._kernels
+
+
+class _Launched:
+    """A kernel whose launches are marked (LAUNCHES["inside"]): the interpreter's own torch ops (its copies of the
+    arguments) are not the code's launches (`fused_troll_launches_case`)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            LAUNCHES["inside"] += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                LAUNCHES["inside"] -= 1
+                LAUNCHES["launched"] += 1
+
+        return run
 
 
 def _counting_kernels():
     LAUNCHES["count"] += 1
-    return _built()
+    return tuple(_Launched(kernel) for kernel in _built())
 
 
 kernels._kernels = _counting_kernels
@@ -309,6 +330,85 @@ def fused_cases():
     fused_troll.support_by_topk = by_topk
 
 
+_NO_LAUNCH = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "as_strided", "detach", "alias",
+              "unsqueeze", "squeeze", "permute", "empty", "empty_like", "empty_strided", "lift_fresh"}
+"""aten ops that launch nothing on a GPU (views, allocations)."""
+
+
+
+def fused_troll_launches_case():
+    """Issue 54.2: the fused TROLL forward on the kernels reads each chunk with the two kernels and a few gathers
+    and selects S_t after the pass, for many chunks' rows at once: a fixed, small number of torch ops per chunk
+    (it was ~70: the selector's sorts, gathers and copies ran per chunk). The same outputs and gradients, to the
+    bit whether the rows are selected in one go or in blocks, and as the selection made chunk by chunk (the deferral
+    switched off) to rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import verl_dppo.math.fused_troll as fused_troll
+    from verl_dppo.math.fused_troll import fused_troll_token_terms
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not LAUNCHES["inside"] and func.overloadpacket.__name__ not in _NO_LAUNCH:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    rows, hid, vocab = 64, 16, 5_000
+    gen = torch.Generator().manual_seed(54)
+    h = torch.randn(rows, hid, generator=gen).bfloat16()
+    w = (torch.randn(vocab, hid, generator=gen) * 0.8).bfloat16()
+    _, ids, lp, sampled, sampled_lp = rollout_topk((h.double() @ w.double().t()) + 0.3, 64, 9, inside=False)
+    mask = torch.arange(rows) % 5 != 2
+    init = fused_troll._SupportSelector.__init__
+
+    def run(chunk, deferred=True, budget=None):
+        def patched(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if not deferred:
+                self.read = None
+            if budget is not None:
+                self.bytes_per_row = budget
+
+        fused_troll._SupportSelector.__init__ = patched
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        try:
+            launched = LAUNCHES["launched"]
+            with Ops() as ops:
+                terms, policy = fused_troll_token_terms(hh, ww, ids, lp, sampled, sampled_lp, mask, chunk_tokens=chunk)
+            count = ops.count + LAUNCHES["launched"] - launched  # torch's ops and the kernels' launches
+        finally:
+            fused_troll._SupportSelector.__init__ = init
+        loss = (troll_token_loss(terms, torch.ones(rows)) * mask).sum() + policy.log_p_sampled.sum()
+        grads = torch.autograd.grad(loss, (hh, ww))
+        return count, (terms.log_p_sampled, terms.regression_kl, policy.log_p_sampled, *grads)
+
+    os.environ[kernels.KERNELS_ENV] = "triton"
+    try:
+        # the selection in one go (a budget of 1 byte a row): what each extra chunk costs is its reads alone
+        (few, _), (many, deferred) = run(32, budget=1), run(4, budget=1)
+        per_chunk = (many - few) / (rows // 4 - rows // 32)
+        (few_old, _), (many_old, chunkwise) = run(32, deferred=False), run(4, deferred=False)
+        per_chunk_old = (many_old - few_old) / (rows // 4 - rows // 32)
+        _, budgeted = run(4)  # the selection in blocks of rows, as sized by the selector's bytes per row
+    finally:
+        os.environ.pop(kernels.KERNELS_ENV)
+    assert per_chunk <= 20, f"fused troll: {per_chunk} torch ops per chunk on the kernels (selection deferred)"
+    assert per_chunk_old > 3 * per_chunk, (per_chunk_old, per_chunk)
+    for name, a, b, c in zip(("log_p_sampled", "regression_kl", "policy log_p", "hidden grad", "weight grad"),
+                             deferred, chunkwise, budgeted):
+        # the selection over every row in one go or in blocks of rows: the same operations per row
+        assert torch.equal(a, c), f"fused troll selected in one go vs in blocks: {name} differs"
+        # chunk by chunk the candidates' columns are cut to the widest row's (one wait per chunk): the tail summed
+        # over fewer columns, equal to float32 rounding
+        close(f"fused troll deferred vs chunk by chunk: {name}", a.float(), b.float(), rtol=1e-6, atol=1e-6)
+    print(f"fused troll on the kernels: {per_chunk:.1f} torch ops per chunk with S_t selected after the pass "
+          f"(chunk by chunk: {per_chunk_old:.1f}); the same outputs and gradients")
+
+
 def fused_logprob_cases():
     """Issue 54.1: log pi(a_t) and the entropy fused with the LM head for the binary modes (a_t the only slot): the
     chunks' logits read by the kernels as the matmul left them (bf16 in place), forward and backward, a temperature,
@@ -433,6 +533,7 @@ if __name__ == "__main__":
     troll_crowded_case()
     troll_nonfinite_case()
     fused_cases()
+    fused_troll_launches_case()
     fused_logprob_cases()
     logits_logprob_cases()
     print(f"kernel agreement: all cases agree ({LAUNCHES['count']} kernel builds looked up)")

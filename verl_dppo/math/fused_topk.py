@@ -35,7 +35,9 @@ left out of Z and of the complement, but its output is still log pi of its id, w
 Memory: per chunk, one float32 buffer of the chunk's logits (forward and backward: the backward overwrites it with
 dL/dlogits; the kernels' forward needs none for bf16 chunks), the logits in the matmul's dtype beside it when that
 is not float32 (bf16), and on the torch path the entropy's row blocks; TROLL's torch selector one more float32
-buffer. Between forward and backward only [T, S] and [T] tensors beside the inputs; the weight's gradient is
+buffer. TROLL on the kernels holds its reads of every row through the pass ([T, 260] candidate ids and logits:
+1.7 KB a row, the slots' tensors allocated after the pass instead) and selects S_t in blocks of rows whose
+temporaries stay within one chunk's logits; the backward's float32 chunk buffer remains the peak. Between forward and backward only [T, S] and [T] tensors beside the inputs; the weight's gradient is
 accumulated in place (addmm_). `DEFAULT_CHUNK_TOKENS` tokens per chunk, as verl: the LM head is read once per chunk,
 so a GPU needs chunks of a few hundred tokens to be compute-bound rather than bandwidth-bound.
 """
@@ -89,7 +91,13 @@ Selector = Callable[..., ChunkSlots]
 torch path, which may overwrite it; as the matmul left them on the kernels' path), scratch a buffer of the same
 size when asked for (else None); index (a slice, or a tensor of row ids) the rows. A selector that returns `again`
 rows (TROLL's crowded rows, flagged without waiting for the GPU) is called once more on them after the pass, with
-again=True and their logits recomputed, and must then select them for good."""
+again=True and their logits recomputed, and must then select them for good.
+
+A selector may also defer its selection on the kernels' path (TROLL's): with a `read` attribute (not None),
+`read(block, index)` returns a tuple of per-row tensors ([c, ...]) read from each chunk's logits, kept for every
+row; after the pass `finish(reads, index)` turns the reads of a block of rows into their ChunkSlots (with `again`),
+blocks of as many rows as hold `bytes_per_row` (the selector's peak per row) within one chunk's logits. Per chunk
+then only the reads run, and the selection's small ops run a few times per call instead of once per chunk."""
 
 
 class FusedTopK(NamedTuple):
@@ -109,15 +117,24 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n, dev = hidden.shape[0], hidden.device
         work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        ids = torch.empty(n, width, dtype=torch.long, device=dev)
-        dropped = torch.empty(n, width, dtype=torch.bool, device=dev)
-        extra = torch.zeros(n, width, dtype=torch.long, device=dev)
-        row_max = torch.empty(n, dtype=work, device=dev)
-        sum_outside = torch.empty_like(row_max)
-        slot_logits = torch.empty(n, width, dtype=work, device=dev)
         entropy = torch.empty(n, dtype=torch.float64, device=dev) if want_entropy else None
         rows = min(chunk, n)
         in_place = _kernels_read(work, dev)
+        # A selector that reads its chunks now and selects the slots after the pass (TROLL's on the kernels):
+        # per chunk a few reads, the selection in a few large launches once the logits are gone
+        deferred = in_place and getattr(select, "read", None) is not None
+        reads = None  # the deferred selector's reads of every row: [n, ...] tensors
+
+        def allocate():
+            return (torch.empty(n, width, dtype=torch.long, device=dev),
+                    torch.empty(n, width, dtype=torch.bool, device=dev),
+                    torch.zeros(n, width, dtype=torch.long, device=dev),
+                    torch.empty(n, dtype=work, device=dev), torch.empty(n, dtype=work, device=dev),
+                    torch.empty(n, width, dtype=work, device=dev))
+
+        # the slots' tensors after the pass on the deferred path: the reads and the slots are not held together
+        # with a chunk's logits
+        ids, dropped, extra, row_max, sum_outside, slot_logits = (None,) * 6 if deferred else allocate()
         # The kernels read bf16 chunks as they are: a float32 buffer only for a float32 matmul's output.
         buffered = not in_place or hidden.dtype == weight.dtype == work
         buffer = torch.empty(rows, weight.shape[0], dtype=work, device=dev) if buffered else None
@@ -144,6 +161,14 @@ class _FusedSlotLogprobs(torch.autograd.Function):
             if want_entropy:
                 entropy[start:end] = (row_entropy(block) if in_place
                                       else entropy_rows(block, _finite(block.amax(dim=1))))
+            if deferred:
+                part = select.read(block, slice(start, end))
+                if reads is None:
+                    reads = tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=dev) for t in part)
+                for whole, t in zip(reads, part):
+                    whole[start:end] = t
+                del block, part
+                continue
             slots = select(block, scratch[: end - start] if scratch is not None else None, slice(start, end))
             store(slice(start, end), slots)
             if slots.again is not None:
@@ -151,6 +176,19 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                     again = torch.zeros(n, dtype=torch.bool, device=dev)
                 again[start:end] = slots.again
             del block, slots
+        if deferred:
+            ids, dropped, extra, row_max, sum_outside, slot_logits = allocate()
+            again = torch.zeros(n, dtype=torch.bool, device=dev)
+            # rows per selection: its peak within one chunk's logits (in the matmul's dtype), at least a chunk
+            step = max(rows, (rows * weight.shape[0] * torch.finfo(matmul_dtype).bits // 8)
+                       // max(1, select.bytes_per_row))
+            for start in range(0, n, step):
+                end = min(start + step, n)
+                slots = select.finish(tuple(t[start:end] for t in reads), slice(start, end))
+                store(slice(start, end), slots)
+                again[start:end] = slots.again
+                del slots
+            reads = None
         # The pass's one wait for the device: how many rows to select again, and the widest row's kept slots
         reads = ([again.sum()] if again is not None else []) + ([_widest(dropped)] if report is not None else [])
         counts = torch.stack(reads).tolist() if reads else []

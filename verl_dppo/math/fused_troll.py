@@ -29,8 +29,17 @@ from verl_dppo.math.troll import (
     TrollTerms,
     troll_terms_from_support,
 )
-from verl_dppo.math.kernels import backend_for, logits_at
-from verl_dppo.math.troll_support import pi_read_width, support_by_kernel, support_by_topk, support_in_chunk
+from verl_dppo.math.kernels import LANES, backend_for, logits_at, sorted_excluded
+from verl_dppo.math.troll_support import (
+    CandidateReads,
+    candidate_room,
+    pi_read_width,
+    read_candidates,
+    support_by_kernel,
+    support_by_topk,
+    support_from_candidates,
+    support_in_chunk,
+)
 
 __all__ = ["FusedPolicy", "fused_troll_token_terms"]
 
@@ -42,27 +51,56 @@ class FusedPolicy(NamedTuple):
     entropy: Optional[torch.Tensor]  # None unless asked
 
 
-def _support_selector(sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float, width: int):
-    """Per chunk, S_t as `support_in_chunk` finds it, or `support_by_kernel` on the kernels' path (S_t first in
-    `width` slots, padding slots repeating a_t and dropped); rows outside `troll_rows` keep {a_t} only. extra = each
-    slot's candidate column (mu's source for `mu_on_atoms`)."""
+class _SupportSelector:
+    """Per chunk, S_t as `support_in_chunk` finds it (the torch path), or on the kernels' path deferred
+    (`fused_slot_logprobs`' `read` / `finish`): each chunk's logits read by the two kernels (`read_candidates`: the
+    row max, the tail's sum below pi's threshold, the candidates' ids and logits), and S_t selected from those reads
+    after the pass, for many chunks' rows in one go (`support_from_candidates`): a few launches per chunk, no wait.
+    S_t comes first in `width` slots, padding slots repeating a_t and dropped; rows outside `troll_rows` keep {a_t}
+    only. extra = each slot's candidate column (mu's source for `mu_on_atoms`). The crowded rows (more logits at
+    the threshold than the candidates' room) come back as `again` and are selected with torch's top-k."""
 
-    def select(block, scratch, index, again=False):
-        chunk = (sampled[index], mu_ids[index], mu_selected[index])
+    def __init__(self, sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float, width: int,
+                 vocab: int):
+        self.sampled, self.mu_ids, self.mu_selected, self.troll_rows = sampled, mu_ids, mu_selected, troll_rows
+        self.k_pi, self.support_mass, self.width = k_pi, support_mass, width
+        self.pi_width = pi_read_width(k_pi, vocab)
+        self.capacity = candidate_room(self.pi_width)
+        # the kernels' threshold needs pi's read width within the lanes; else torch's top-k per chunk
+        self.read = self._read if self.pi_width <= LANES else None
+        # the selection's peak memory per row (`support_from_candidates`, its outputs included): 12 int64 tensors
+        # as wide as the candidates (27.2 KB a row measured at K = 64, 31.2 KB allowed: tests/test_fused_topk.py)
+        self.bytes_per_row = 12 * 8 * (1 + mu_ids.shape[1] + self.capacity)
+        self.known = self.known_sorted = None
+
+    def _chunk(self, index):
+        return self.sampled[index], self.mu_ids[index], self.mu_selected[index]
+
+    def __call__(self, block, scratch, index, again=False):
         if backend_for(block) == "triton":  # the kernels read the chunk's logits in place
-            crowded = None
-            if again:  # the rows support_by_kernel flagged: more logits at its threshold than candidates' room
-                s = support_by_topk(block, None, *chunk, k_pi, support_mass, troll_rows[index])
-            else:  # no wait for the device per chunk: crowded rows come back once the pass is over
-                s, crowded = support_by_kernel(block, None, *chunk, k_pi, support_mass, troll_rows[index],
-                                               defer_crowded=True)
+            # the rows `finish` flagged: more logits at the threshold than the candidates' room
+            read = support_by_topk if again else support_by_kernel
+            s = read(block, None, *self._chunk(index), self.k_pi, self.support_mass, self.troll_rows[index])
             # |S_t| <= 1 + K + k_pi: the slots past the caller's width are padding
-            ids, valid, source = s.ids[:, :width], s.valid[:, :width], s.source[:, :width]
-            return ChunkSlots(ids, ~valid, s.row_max, s.tail, logits_at(block, None, ids), source, crowded)
-        s = support_in_chunk(block, scratch, *chunk, k_pi, support_mass, troll_rows[index])
+            ids, valid, source = s.ids[:, : self.width], s.valid[:, : self.width], s.source[:, : self.width]
+            return ChunkSlots(ids, ~valid, s.row_max, s.tail, logits_at(block, None, ids), source)
+        s = support_in_chunk(block, scratch, *self._chunk(index), self.k_pi, self.support_mass, self.troll_rows[index])
         return ChunkSlots(s.ids, ~s.valid, s.row_max, s.tail, block.gather(1, s.ids), s.source)
 
-    return select
+    def _read(self, block, index):
+        if self.known is None:  # a_t and mu's ids of every row, and their order for the kernel, once
+            self.known = torch.cat([self.sampled[:, None], self.mu_ids], dim=1)
+            self.known_sorted = sorted_excluded(self.known, block.shape[1])
+        return tuple(read_candidates(block, None, self.known[index], self.pi_width, self.capacity,
+                                     self.known_sorted[index]))
+
+    def finish(self, reads, index) -> ChunkSlots:
+        s, slot_logits, crowded = support_from_candidates(
+            CandidateReads(*reads), *self._chunk(index), self.k_pi, self.support_mass, self.pi_width,
+            self.troll_rows[index])
+        w = self.width
+        return ChunkSlots(s.ids[:, :w], ~s.valid[:, :w], s.row_max, s.tail, slot_logits[:, :w], s.source[:, :w],
+                          crowded)
 
 
 def fused_troll_token_terms(
@@ -124,7 +162,7 @@ def fused_troll_token_terms(
         index = slice(None) if rows_arg is None else rows_arg
         mu_ids[index], mu_selected[index], troll_rows[index] = mu_ids_rows, mu_selected_rows, True
         width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, vocab)
-        select = _support_selector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass, width)
+        select = _SupportSelector(sampled_all, mu_ids, mu_selected, troll_rows, k_pi, support_mass, width, vocab)
         log_pi, log_other, ent, ids, dropped, source = fused_slot_logprobs(
             hidden, weight, temperature, select, width, entropy, chunk_tokens, scratch=True, report=report
         )

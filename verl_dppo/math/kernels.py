@@ -54,7 +54,7 @@ from verl_dppo.math.kernel_jit import build_kernels as _kernels
 __all__ = [
     "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
     "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES", "row_entropy",
-    "max_sum_outside_and_entropy",
+    "max_sum_outside_and_entropy", "sorted_excluded",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -124,7 +124,7 @@ def _rows_arg(rows: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return rows.contiguous() if rows is not None else torch.empty(1, dtype=torch.long, device=like.device)
 
 
-def _sorted_excluded(excluded: torch.Tensor, vocab: int) -> torch.Tensor:
+def sorted_excluded(excluded: torch.Tensor, vocab: int) -> torch.Tensor:
     """Each row's excluded ids ascending, as the kernels walk them; ids outside [0, vocab) become sentinels."""
     ids = torch.where((excluded >= 0) & (excluded < vocab), excluded.long(), _SENTINEL)
     return ids.sort(dim=1).values.contiguous() if ids.shape[1] else ids
@@ -180,7 +180,7 @@ def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
-    sorted_ids = _sorted_excluded(excluded, vocab)
+    sorted_ids = sorted_excluded(excluded, vocab)
     out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
                else row_max.to(torch.float32).contiguous())
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -225,16 +225,18 @@ def sum_exp_below(
     rows: Optional[torch.Tensor] = None,
     block: int = _BLOCK,
     num_warps: int = _WARPS,
+    presorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One read per selected row: (sum of exp(logit - row_max) over the columns below `threshold` and not in
     `excluded`, float32 [n]; how many columns lie at or above the threshold, int64 [n]; those columns' ids, int32
     [n, capacity] in no particular order, -1 after the row's count). A row whose count exceeds `capacity` has only
     `capacity` of them written (the caller reads that row another way); its sum is still that of the others.
-    A -inf row_max shifts by 0."""
+    A -inf row_max shifts by 0. presorted: `excluded` is already as `sorted_excluded` gives it (a caller reading
+    many chunks of the same rows sorts them once)."""
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
-    sorted_ids = _sorted_excluded(excluded, vocab)
+    sorted_ids = excluded if presorted else sorted_excluded(excluded, vocab)
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
     count = torch.zeros(n, dtype=torch.int32, device=logits.device)
     candidates = torch.full((n, capacity), -1, dtype=torch.int32, device=logits.device)

@@ -22,7 +22,7 @@ from verl_dppo.math.kernels import (
 from verl_dppo.math.troll_projection import _logsumexp
 
 __all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width", "support_by_kernel",
-           "support_by_topk"]
+           "support_by_topk", "CandidateReads", "candidate_room", "read_candidates", "support_from_candidates"]
 
 CANDIDATE_ROOM = 256
 """Room per row for pi's candidates in `support_by_kernel` (at least 4x pi's read width): a real row has a few more
@@ -112,8 +112,69 @@ def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, su
                     k_pi, support_mass, pi_rows)
 
 
+class CandidateReads(NamedTuple):
+    """What the two kernels read of a chunk's logits for S_t (`read_candidates`): all TROLL needs of the rows'
+    logits to find S_t, pi's normaliser and its tail, and the logits at every candidate, so S_t can be selected
+    later, for many chunks in one go (`support_from_candidates`), the logits gone."""
+
+    row_max: torch.Tensor  # float32 [n]
+    rest: torch.Tensor  # float32 [n]: sum of exp(l - max) below the threshold, off a_t and mu's ids
+    count: torch.Tensor  # int64 [n]: the columns at or above the threshold (more than `found` holds: crowded)
+    found: torch.Tensor  # int32 [n, capacity]: those columns' ids, in no order, -1 after the count
+    found_logits: torch.Tensor  # [n, capacity] their logits in the logits' dtype (at id 0 after the count)
+    known_logits: torch.Tensor  # [n, 1 + K] the logits at a_t and mu's ids, in the logits' dtype
+
+
+def candidate_room(width: int) -> int:
+    """The columns `sum_exp_below` keeps per row for pi's candidates, pi's read width being `width`."""
+    return max(CANDIDATE_ROOM, 4 * width)
+
+
+def _picked(logits, rows, ids):
+    """logits[rows][:, ids] in the logits' own dtype (exact; promoted where used)."""
+    return logits.gather(1, ids) if rows is None else logits[rows[:, None], ids]
+
+
+def read_candidates(logits, rows, known: torch.Tensor, width: int, capacity: int,
+                    known_sorted: Optional[torch.Tensor] = None) -> CandidateReads:
+    """The kernels' two reads of the selected `rows` of the logits (`support_by_kernel`'s steps 1 and 2), and the
+    logits at the candidates: `known` [n, 1 + K] (a_t, then mu's ids) and the columns found at pi's threshold.
+    known_sorted: `kernels.sorted_excluded(known)`, when the caller sorted it once for many chunks."""
+    row_max, threshold = top_threshold(logits, width - 1, rows)
+    excluded = known if known_sorted is None else known_sorted
+    rest, count, found = sum_exp_below(logits, excluded, row_max, threshold, capacity, rows,
+                                       presorted=known_sorted is not None)
+    return CandidateReads(row_max, rest, count, found, _picked(logits, rows, found.clamp(min=0).long()),
+                          _picked(logits, rows, known))
+
+
+def support_from_candidates(reads: CandidateReads, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
+                            width: int, pi_rows: Optional[torch.Tensor] = None, used: Optional[int] = None):
+    """S_t from what `read_candidates` read (no logits needed): (ChunkSupport, the logits at its slots in float32
+    at least [n, slots], crowded bool [n]: rows with more columns at the threshold than `found` holds, whose
+    S_t here is wrong and must be read another way). used: how many of `found`'s columns to look at (None: all;
+    at least pi's read width `width`)."""
+    found = reads.found if used is None else reads.found[:, :used]
+    found = found.long()
+    present = found >= 0
+    work = torch.promote_types(reads.found_logits.dtype, torch.float32)
+    values = torch.where(present, reads.found_logits[:, : found.shape[1]].to(work), -math.inf)
+    values, order = values.sort(dim=1, descending=True)
+    present = present.gather(1, order)
+    pi_ids = torch.where(present, found.gather(1, order), sampled[:, None])
+    known = reads.known_logits.to(work)
+    # the logits at `_candidates`' columns: a_t, mu's ids, then pi's (a missing one repeats a_t)
+    column_logits = torch.cat([known, torch.where(present, values, known[:, :1])], dim=1)
+    _, c_ids, c_source, c_first = _candidates(sampled, mu_ids, pi_ids)
+    c_exp = torch.where(c_first, (column_logits.gather(1, c_source) - reads.row_max[:, None]).exp(), 0.0)
+    support = _support(values[:, :width], reads.row_max, reads.rest, c_ids, c_source, c_first, c_exp, sampled,
+                       mu_selected, k_pi, support_mass, pi_rows, pi_columns=found.shape[1])
+    slot_logits = torch.where(support.valid, column_logits.gather(1, support.source), known[:, :1])
+    return support, slot_logits, reads.count > reads.found.shape[1]
+
+
 def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
-                      pi_rows: Optional[torch.Tensor] = None, defer_crowded: bool = False):
+                      pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
     """`support_in_chunk` on the selected `rows` of the whole logits, read in place by two kernels
     (`verl_dppo.math.kernels`), no [n, V] temporary and no sort of the vocabulary:
 
@@ -124,39 +185,22 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     pi's top k_pi + 1 are the largest of those candidates, exactly (every logit >= t is among them, ties included);
     all of them stay candidates of S_t, so the tail is the same sum as the torch path's, grouped otherwise. A row
     with more candidates than room (a flat row of ties) is read again with torch's top-k (`support_by_topk`).
-
-    defer_crowded: no wait for the GPU (the fused path calls this once per chunk of a few hundred rows, and each
-    wait stalls the launches queued behind it): every one of the candidates' columns is kept, and the crowded rows
-    are not read again but returned, as (ChunkSupport, crowded bool [n]), for the caller to read with
-    `support_by_topk` (their S_t here is wrong)."""
+    One wait for the device (the candidates' columns in use and the crowded rows' count). The fused path reads
+    its chunks with `read_candidates` and selects S_t for many chunks at once with `support_from_candidates`."""
     width = pi_read_width(k_pi, logits.shape[1])
     if width > LANES:
-        support = support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
-        return (support, torch.zeros_like(sampled, dtype=torch.bool)) if defer_crowded else support
-    row_max, threshold = top_threshold(logits, width - 1, rows)
-    capacity = max(CANDIDATE_ROOM, 4 * width)
-    rest, count, found = sum_exp_below(logits, torch.cat([sampled[:, None], mu_ids], dim=1), row_max, threshold,
-                                       capacity, rows)
+        return support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, pi_rows)
+    capacity = candidate_room(width)
+    reads = read_candidates(logits, rows, torch.cat([sampled[:, None], mu_ids], dim=1), width, capacity)
     used, crowded_rows = width, 0
-    if defer_crowded:
-        used = capacity
-    elif count.numel():  # the candidates' columns in use and the crowded rows' count: one wait
-        most, crowded_rows = torch.stack([count.max(), (count > capacity).sum()]).tolist()
+    if reads.count.numel():  # the candidates' columns in use and the crowded rows' count: one wait
+        most, crowded_rows = torch.stack([reads.count.max(), (reads.count > capacity).sum()]).tolist()
         used = max(width, min(most, capacity))
-    found = found[:, :used].long()
-    present = found >= 0
-    values = torch.where(present, logits_at(logits, rows, found.clamp(min=0)), -math.inf)
-    values, order = values.sort(dim=1, descending=True)
-    pi_ids = torch.where(present.gather(1, order), found.gather(1, order), sampled[:, None])
-    candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, pi_ids)
-    c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
-    support = _support(values[:, :width], row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected,
-                       k_pi, support_mass, pi_rows, pi_columns=used)
-    if defer_crowded:
-        return support, count > capacity
+    support, _, crowded = support_from_candidates(reads, sampled, mu_ids, mu_selected, k_pi, support_mass, width,
+                                                  pi_rows, used)
     if crowded_rows == 0:
         return support
-    crowded = torch.argsort((count <= capacity).to(torch.uint8), stable=True)[:crowded_rows]  # ascending
+    crowded = torch.argsort((~crowded).to(torch.uint8), stable=True)[:crowded_rows]  # ascending
     again = support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
                              mu_selected[crowded], k_pi, support_mass,
                              None if pi_rows is None else pi_rows[crowded])
