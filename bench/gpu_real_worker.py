@@ -63,6 +63,7 @@ network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.abc
 import importlib.machinery
@@ -232,6 +233,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="actor_rollout_ref.model.use_fused_kernels: off, on (the plugin's LM-head-fused paths and "
                         "verl's own for dppo_binary_tv, torch backend), or both (each mode twice; the ratios compare "
                         "runs of the same setting)")
+    parser.add_argument("--verl-paths", action="store_true",
+                        help=f"also run {BASELINE} on verl's own log-prob path (as before issue 54.1: verl's "
+                        "logprobs_from_logits and entropy_from_logits unfused, its FusedLinearForPPO fused), for each "
+                        "--fused setting, beside the plugin's one-read pass; the plugin's row gets time_vs_verl_path")
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
     parser.add_argument("--json", default=None, help="also write the results here (rewritten after each mode, with "
                         "\"complete\": false until the last, so a run stopped by a time limit keeps what it measured)")
@@ -284,9 +289,13 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     for fused in settings:
         for mode in modes:
             overrides = (*extra.get("overrides", ()), *(FUSED_OVERRIDES if fused else ()))
-            configs[mode, fused] = driver.compose_config(mode, model_dir, shape, device=args.device,
-                                                         **{**extra, "overrides": overrides})
+            config = driver.compose_config(mode, model_dir, shape, device=args.device,
+                                           **{**extra, "overrides": overrides})
+            configs[mode, fused, "plugin"] = config
+            if args.verl_paths and mode == BASELINE:
+                configs[mode, fused, "verl"] = config
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
+    counted = count_plugin_passes()
     setup_seconds = time.perf_counter() - progress.start
     sampling = args.rollout_sampling if args.device != "cpu" else "cpu"
     progress(f"model saved, {len(configs)} configs composed; sampling the rollout ({shape.batch_size} sequences, "
@@ -317,7 +326,8 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         "rollout_seconds": rollout_seconds, "rollout_sampling": sampling, "warmup": args.warmup,
         "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
     }
-    for (mode, fused), config in configs.items():
+    for (mode, fused, path), config in configs.items():
+        label = f"{mode}{' (fused)' if fused else ''}{' (verl path)' if path == 'verl' else ''}"
         # What earlier modes' workers left allocated (measured on an H100: about 1 GiB more per earlier mode), before
         # this mode's worker is built: the mode's own peak is the allocator's peak minus this.
         leftover = float(torch.cuda.memory_allocated()) if args.device == "cuda" else 0.0
@@ -325,15 +335,17 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         worker = async_worker.build_worker(config) if separate else driver.build_worker(config)
         trainer = driver.Trainer(config, worker)
         build_seconds = time.perf_counter() - built
-        progress(f"{mode}{' (fused)' if fused else ''}: worker built in {build_seconds:.1f} s")
+        progress(f"{label}: worker built in {build_seconds:.1f} s")
         versions = async_worker.versions(0, len(rollout.responses)) if separate else None
         times, peaks, pushes, first = [], [], [], None
         if separate:
             async_worker.push(worker, 0)
+        counted["calls"] = 0
         for step in range(args.warmup + args.steps):
             memory.reset()
             start = time.perf_counter()
-            metrics = trainer.step(rollout, rewards, versions)
+            with verl_logprob_path() if path == "verl" else contextlib.nullcontext():
+                metrics = trainer.step(rollout, rewards, versions)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -350,6 +362,8 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         rows.append({
             "mode": mode,
             "fused": fused,
+            "logprob_path": path,
+            "plugin_pass_calls": counted["calls"],  # the plugin's log-prob passes over the mode's steps
             "method": driver.method_for_mode(mode),
             "step_seconds": statistics.median(times),
             "peak_memory_gib": (max(peaks) - leftover) / 2**30,
@@ -370,7 +384,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             torch.cuda.empty_cache()
         add_ratios(rows)
         row = rows[-1]
-        progress(f"{mode}{' (fused)' if fused else ''}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
+        progress(f"{label}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
                  f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
                  f"{BASELINE} {row['memory_vs_binary_tv']:.3f}")
         if args.json:  # what is measured so far, should a time limit stop the run
@@ -386,12 +400,57 @@ FUSED_OVERRIDES = ("actor_rollout_ref.model.use_fused_kernels=True",
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each mode's step time and peak memory as ratios to the baseline's (the first row of the same fused setting)."""
+    """Each mode's step time and peak memory as ratios to the baseline's (the first row of the same fused setting);
+    with --verl-paths, the baseline's step time and peak memory on the plugin's pass as ratios to verl's path."""
     for row in rows:
         baseline = next(r for r in rows if r.get("fused", False) == row.get("fused", False))
         row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
         peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
+        verl = next((r for r in rows if r["mode"] == row["mode"] and r.get("fused") == row.get("fused")
+                     and r.get("logprob_path") == "verl"), None)
+        if verl is not None and row.get("logprob_path") == "plugin":
+            row["time_vs_verl_path"] = row["step_seconds"] / verl["step_seconds"]
+            verl_peak = verl["peak_memory_gib"]
+            row["memory_vs_verl_path"] = peak / verl_peak if verl_peak and math.isfinite(verl_peak) else math.nan
+
+
+@contextlib.contextmanager
+def verl_logprob_path():
+    """The plugin's binary modes on verl's own log-prob path, as before issue 54.1 (the comparison's other side):
+    neither the plugin's unfused pass (verl's logprobs_from_logits and entropy_from_logits run) nor its fused head
+    (verl's FusedLinearForPPO runs); the Top-K and TROLL modes' steps as always."""
+    from verl_dppo.patches import fused_lm_head
+    from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
+
+    unfused, fused = fused_lm_head._unfused_config, fused_lm_head._topk_config
+
+    def topk_only(loss_function, micro_batch):
+        config = fused(loss_function, micro_batch)
+        return config if config is not None and is_topk_mode(policy_loss_get(config, "loss_mode")) else None
+
+    fused_lm_head._unfused_config, fused_lm_head._topk_config = (lambda *_: None), topk_only
+    try:
+        yield
+    finally:
+        fused_lm_head._unfused_config, fused_lm_head._topk_config = unfused, fused
+
+
+def count_plugin_passes() -> dict:
+    """Counts the calls of the plugin's log-prob passes (unfused `logits_logprobs`, fused `fused_token_logprobs`)
+    in a dict's "calls", so that each row says which path its steps took."""
+    from verl_dppo.math import fused_logprob, logits_logprob
+
+    counted = {"calls": 0}
+    for module, name in ((logits_logprob, "logits_logprobs"), (fused_logprob, "fused_token_logprobs")):
+        def wrap(original):
+            def counting(*args, **kwargs):
+                counted["calls"] += 1
+                return original(*args, **kwargs)
+            return counting
+
+        setattr(module, name, wrap(getattr(module, name)))
+    return counted
 
 
 def print_table(result: dict) -> None:
@@ -408,14 +467,21 @@ def print_table(result: dict) -> None:
           "(update_weights, timed apart) after each step, the lag as the plugin logs it"
           if result["trainer_mode"] == "separate_async" else ""))
     memory_label = "peak GiB" if result["device"] != "CPU" else "peak RSS GiB"
-    print(f"{'mode':<16} {'step s':>8} {'tokens/s':>9} {memory_label:>12} {'loss':>10} {'masked':>7} {'lag':>4} "
+    print(f"{'mode':<22} {'step s':>8} {'tokens/s':>9} {memory_label:>12} {'loss':>10} {'masked':>7} {'lag':>4} "
           f"{'time vs ' + BASELINE:>24} {'memory vs ' + BASELINE:>26}")
     for row in result["modes"]:
         ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
-                  if row["mode"] != BASELINE else f"{'':>24} {'':>26}")
+                  if row["mode"] != BASELINE or row.get("logprob_path") == "verl" else f"{'':>24} {'':>26}")
         lag = "" if math.isnan(row["lag_mean"]) else f"{row['lag_mean']:g}"
-        print(f"{row['mode'] + (' +fused' if row.get('fused') else ''):<16} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
+        name = (row["mode"] + (" +fused" if row.get("fused") else "")
+                + (" @verl" if row.get("logprob_path") == "verl" else ""))
+        print(f"{name:<22} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
               f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}")
+    for row in result["modes"]:
+        if "time_vs_verl_path" in row:
+            print(f"{row['mode']}{' +fused' if row.get('fused') else ''}: the plugin's log-prob pass "
+                  f"{row['time_vs_verl_path']:.3f}x the step on verl's path, {row['memory_vs_verl_path']:.3f}x its "
+                  f"peak memory")
 
 
 def main(argv=None) -> int:

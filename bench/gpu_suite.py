@@ -17,12 +17,15 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    dppo_binary_tv ran with use_fused_kernels=True before issue 54.1) against the plugin's one-read binary head
    (`fused_binary_plugin`, also at H = 4,096), fused Top-K and fused TROLL, forward + backward with the
    entropy (bench_fused_topk.step_fn), on the kernels and on the torch path, and torch.profiler's top device ops of
-   the fused steps on the kernels.
+   the fused Top-K and TROLL steps on the kernels; and the unfused binary step (the [T, V] logits formed) on verl's
+   logprobs_from_logits + entropy_from_logits against the plugin's one-read pass (issue 54.1 unfused; the row says
+   whether verl took flash-attn's cross entropy).
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
 4. worker: verl's real worker (bench/gpu_real_worker.py, a child process) for dppo_binary_tv, dppo_topk_tv and troll,
-   unfused and with use_fused_kernels=True, at --worker-response-length tokens per response.
+   unfused and with use_fused_kernels=True, at --worker-response-length tokens per response; dppo_binary_tv also on
+   verl's own log-prob path, unfused and fused (--verl-paths: the plugin's pass against verl's, issue 54's goals).
 
 With the `device` tool: verl, its pure-Python needs and this package travel as wheels in .whl (gpu_real_worker.py's
 docstring says how to build them). Rebuild this package's wheel from the tree before each call
@@ -251,6 +254,8 @@ FUSED_ROWS = (  # (row name, step_fn's method, VERL_DPPO_KERNELS)
     ("fused_troll", "fused_troll", "auto"),
     ("fused_topk, torch path", "fused_topk", "torch"),
     ("fused_troll, torch path", "fused_troll", "torch"),
+    ("unfused_binary_verl", "unfused_binary_verl", "auto"),
+    ("unfused_binary_plugin", "unfused_binary_plugin", "auto"),
 )
 
 
@@ -290,7 +295,7 @@ def fused(args, device, clock) -> dict:
             with kernels(choice):
                 rows[name] = {**measure(device, step, args.repeats), **stats,
                               "backend": backend_for(x["hidden"].float())}
-                if method not in ("fused_binary", "fused_binary_plugin") and choice == "auto":
+                if method in ("fused_topk", "fused_troll") and choice == "auto":
                     with torch_profile(activities=activities) as prof:
                         step()
                         if device.type == "cuda":
@@ -304,6 +309,12 @@ def fused(args, device, clock) -> dict:
     for name in rows:
         if "seconds" in rows[name] and "seconds" in rows["fused_binary"]:
             rows[name]["x_fused_binary"] = rows[name]["seconds"] / rows["fused_binary"]["seconds"]
+    if "seconds" in rows.get("unfused_binary_verl", {}) and "seconds" in rows.get("unfused_binary_plugin", {}):
+        # issue 54.1 unfused: the plugin's one-read pass over the logits against verl's logprobs_from_logits and
+        # entropy_from_logits (flash-attn's cross entropy where it is installed: said in the row)
+        rows["unfused_binary_plugin"]["x_unfused_binary_verl"] = (rows["unfused_binary_plugin"]["seconds"]
+                                                                  / rows["unfused_binary_verl"]["seconds"])
+    rows.setdefault("unfused_binary_verl", {})["flash_attn_cross_entropy"] = _flash_attn_ce()
     # Issue 54.3: the binary step at a real model's hidden size (Qwen3-8B's head: H = 4,096), verl's kernel against
     # the plugin's one-read head, ratio from the same run.
     wide = make_inputs(argparse.Namespace(**{**vars(shape), "h": 128 if args.smoke else 4096}), device)
@@ -321,6 +332,17 @@ def fused(args, device, clock) -> dict:
     del wide
     return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows,
             "profiles": profiles}
+
+
+def _flash_attn_ce() -> bool:
+    """Whether verl's logprobs_from_logits takes flash-attn's cross entropy here (its faster path)."""
+    try:
+        from verl.utils import torch_functional
+
+        return bool(getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+                    or getattr(torch_functional, "FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def troll_devices(args, device, clock) -> dict:
@@ -373,8 +395,8 @@ def worker(args, device, clock) -> dict:
                "--fused", "both", "--json", str(out)]
     if device.type == "cpu":
         command += ["--device", "cpu", "--tiny"]
-    else:
-        command += ["--response-length", str(args.worker_response_length)]
+    else:  # dppo_binary_tv also on verl's own log-prob path, unfused and fused (FSDP1 here: verl's kernel runs)
+        command += ["--response-length", str(args.worker_response_length), "--verl-paths"]
     clock(f"worker: {' '.join(command[1:])}")
     done = subprocess.run(command, text=True, timeout=args.worker_timeout)
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -422,6 +444,12 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {label} | {row['seconds'] * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
                              f"{row['extra_peak_MiB']:,.0f} |")
         lines.append("")
+        unfused = part["rows"].get("unfused_binary_plugin", {})
+        if "x_unfused_binary_verl" in unfused:
+            flash = part["rows"]["unfused_binary_verl"].get("flash_attn_cross_entropy", False)
+            lines += [f"Unfused binary step: the plugin's one-read pass {unfused['x_unfused_binary_verl']:.3f}x verl's "
+                      f"logprobs_from_logits + entropy_from_logits ({'with' if flash else 'without'} flash-attn's "
+                      "cross entropy).", ""]
     part = result.get("troll_devices")
     if part:
         lines += [f"## TROLL on bf16 ties: {part['device_vs_cpu']['rows']} rows, V = {part['V']:,}, K = {part['K']}, "

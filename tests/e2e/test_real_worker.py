@@ -91,7 +91,7 @@ def runs(tmp_path_factory) -> Runs:
                     directory / "all.log")
     smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                     "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                    "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
+                    "--verl-paths", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
     smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                           "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
                           "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
@@ -407,14 +407,21 @@ def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
     """bench/gpu_real_worker.py shares this driver; its CPU path (tiny model, Ray replaced by the stand-in the GPU
-    machine needs) prints a row per mode and the Top-K ratios to dppo_binary_tv."""
+    machine needs) prints a row per mode and the Top-K ratios to dppo_binary_tv; with --verl-paths, dppo_binary_tv
+    also on verl's own log-prob path (issue 54's comparison): the plugin's pass runs in its own row only, and both
+    rows train alike (the same loss and gradient norm, to float32 rounding)."""
     result = runs["gpu_script"]
-    rows = {row["mode"]: row for row in result["json"]["modes"]}
-    assert set(rows) == {"dppo_binary_tv", "dppo_topk_tv"}
+    rows = {(row["mode"], row["logprob_path"]): row for row in result["json"]["modes"]}
+    assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin")}
     for row in rows.values():
         assert row["step_seconds"] > 0 and math.isfinite(row["loss"]) and 0.0 <= row["masked_frac"] <= 1.0
-    assert rows["dppo_topk_tv"]["time_vs_binary_tv"] > 0
+    assert rows["dppo_topk_tv", "plugin"]["time_vs_binary_tv"] > 0
     assert "dppo_topk_tv" in result["stdout"] and "vs dppo_binary_tv" in result["stdout"]
+    plugin, verl = rows["dppo_binary_tv", "plugin"], rows["dppo_binary_tv", "verl"]
+    assert plugin["plugin_pass_calls"] > 0 and verl["plugin_pass_calls"] == 0, (plugin, verl)
+    for key in ("loss", "grad_norm", "masked_frac"):
+        assert verl[key] == pytest.approx(plugin[key], rel=1e-5, abs=1e-7), key
+    assert plugin["time_vs_verl_path"] > 0 and "the step on verl's path" in result["stdout"]
 
 
 def test_gpu_script_runs_separate_async_on_cpu_at_tiny_size(runs):
