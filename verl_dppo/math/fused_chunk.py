@@ -13,7 +13,7 @@ import torch
 
 from verl_dppo.math.kernels import chunk_bytes_for
 
-__all__ = ["chunk_logits", "entropy_rows", "entropy_grad", "logits_grad_in_place"]
+__all__ = ["chunk_logits", "entropy_rows", "entropy_sums", "entropy_grad", "logits_grad_in_place"]
 
 _ENTROPY_ROWS = 16
 """Rows per block of the entropy's temporaries on the torch path on a CPU (a few MiB each at Qwen3's vocabulary);
@@ -43,16 +43,24 @@ def entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     own 1 rounds 1 + 1e-9 to 1 (3.6% of H lost at 1 - p = 1e-9 before issue 53.3). Z - 1 is summed apart, without
     that 1 (one argmax's entry zeroed: the max's ties keep theirs), in float32 (the small terms keep their relative
     digits), and log Z = log1p(Z - 1) (`kernels.row_entropy` does the same; tests/test_fused_topk.py)."""
-    out = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
+    rest, weighted = entropy_sums(block, row_max)
+    return torch.log1p(rest) - weighted / (1.0 + rest)
+
+
+def entropy_sums(block: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`entropy_rows`'s two sums per row, float64 [N] each: Z - 1 (sum of exp(s) less one argmax's own exp(s),
+    summed in float32 without it) and sum exp(s) s, s = logit - row_max. With `row_max` the row's own max, Z - 1
+    excludes the max's 1; the vocabulary-parallel pass (`fused_logprob.vocab_parallel_token_logprobs`) combines the ranks' sums."""
+    rest = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
+    weighted = torch.empty_like(rest)
     step = _entropy_block_rows(block)
     for r in range(0, block.shape[0], step):
         shifted = block[r : r + step] - row_max[r : r + step, None]
         e = shifted.exp()
         # the max's own 1 out (one argmax per row; its ties keep theirs): Z - 1 summed in float32 holds its digits
-        rest = e.scatter_(1, shifted.argmax(dim=1, keepdim=True), 0.0).sum(dim=1).double()
-        weighted = e.mul_(shifted).sum(dim=1).double()  # the max's term is 0 either way
-        out[r : r + step] = torch.log1p(rest) - weighted / (1.0 + rest)
-    return out
+        rest[r : r + step] = e.scatter_(1, shifted.argmax(dim=1, keepdim=True), 0.0).sum(dim=1).double()
+        weighted[r : r + step] = e.mul_(shifted).sum(dim=1).double()  # the max's term is 0 either way
+    return rest, weighted
 
 
 def entropy_grad(logits, log_z, entropy, g_entropy) -> torch.Tensor:
