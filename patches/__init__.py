@@ -12,6 +12,7 @@ modes that are not the plugin's; the Top-K ones act only for `dppo_topk_tv` / `d
 | `engine_workers`         | workers.engine_workers                               | `TrainingWorker.train_batch`: hook on, exact metrics; `infer_batch`: the worker's loss known to no-grad steps |
 | `fsdp_logits_hook`       | workers.engine.fsdp.transformer_impl (called by)     | the logits hook's Top-K statistics, whole vocabulary |
 | `megatron_logits_hook`   | workers.engine.megatron (called by)                  | the same, vocabulary-parallel                      |
+| `megatron_fused_head`    | workers.engine.megatron.transformer_impl, models.mcore.model_forward_fused | `MegatronEngineWithLMHead.forward_step`, the module's `linear_cross_entropy`: the binary modes' and baselines' log-probs and entropy from the plugin's vocabulary-parallel one-read pass (use_fused_kernels) |
 | `fused_lm_head`          | utils.experimental.torch_functional, workers.engine.fsdp.transformer_impl | `FusedLinearForPPO.forward`, `FSDPEngineWithLMHead.forward_step` / `prepare_model_outputs`: the hook fused with the LM head (use_fused_kernels); without fused kernels, transformer_impl's `logprobs_from_logits` / `verl_F.entropy_from_logits`: the binary modes' log-probs and entropy in one read of the logits |
 | `llm_server`             | workers.rollout.llm_server                           | `LLMServerManager.__init__`, `LLMServerClient.generate` |
 | `vllm_async_server`      | workers.rollout.vllm_rollout.vllm_async_server       | `vLLMHttpServer.generate`: logprobs=K; `__init__`: the weight socket's job id per Ray cluster |
@@ -44,6 +45,7 @@ def install() -> None:
         fused_lm_head,
         llm_server,
         main_ppo,
+        megatron_fused_head,
         megatron_router_replay,
         padding_utils,
         sglang_async_server,
@@ -58,6 +60,8 @@ def install() -> None:
     when_imported("verl.workers.engine_workers", engine_workers.patch_engine_workers)
     when_imported("verl.utils.experimental.torch_functional", fused_lm_head.patch_torch_functional)
     when_imported("verl.workers.engine.fsdp.transformer_impl", fused_lm_head.patch_fsdp_engine)
+    when_imported("verl.workers.engine.megatron.transformer_impl", megatron_fused_head.patch_megatron_engine)
+    when_imported("verl.models.mcore.model_forward_fused", megatron_fused_head.patch_model_forward_fused)
     fsdp_router_replay.install()
     megatron_router_replay.install()
     when_imported("verl.workers.rollout.llm_server", llm_server.patch_llm_server)
