@@ -116,7 +116,8 @@ def fused_kernels_problem(mode: str, megatron: bool, backend: Optional[str], rem
     if megatron:
         return (
             f"{mode} with use_fused_kernels on the Megatron engine: verl's fused path there is its Triton "
-            "linear_cross_entropy kernel (log-probs and entropy only), which the plugin does not replace: set "
+            "linear_cross_entropy kernel (log-probs and entropy only, which the plugin's pass replaces for the binary "
+            "modes and the baselines, not the Top-K statistics): set "
             "actor_rollout_ref.model.use_fused_kernels=False (the logits hook runs) or use the FSDP engine"
         )
     if backend == "triton":
