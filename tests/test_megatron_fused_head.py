@@ -6,7 +6,8 @@ keep verl's kernel.
 verl's kernel is Triton-only (CUDA), so it cannot run here: where a call must reach it, `LinearCrossEntropy.forward`
 is replaced by a recorder. The routing test uses the plugin's two wrappers around stand-ins of verl's
 `MegatronEngineWithLMHead.forward_step` (which takes the micro-batch from its iterator) and of the kernel. The two-rank
-test runs verl's real `model_forward_fused._fused_GPTModel_forward` (the legacy path megatron-core 0.16.1 takes) with
+test runs verl's real `model_forward_fused._fused_GPTModel_forward` (the legacy path megatron-core 0.16.1 takes; and
+`fused_output_processor`, the output-processor hook's, megatron-core >= 0.18) with
 megatron-core's real parallel_state and sequence-parallel all-gather on a gloo group, around a stand-in model
 (embedding and decoder replaced by the hidden states), with and without sequence parallelism: the outputs and the
 gradients to the hidden states and to each rank's weight shard equal a float64 log-softmax of the whole logits.
@@ -112,10 +113,10 @@ class _Model:
 
     post_process = True
 
-    def __init__(self, hidden, weight, sequence_parallel):
+    def __init__(self, hidden, weight, sequence_parallel, hook=False):
         self.config = types.SimpleNamespace(sequence_parallel=sequence_parallel, moe_n_hash_layers=0)
         self.output_layer = types.SimpleNamespace(weight=weight)
-        self._hidden = hidden
+        self._hidden, self.hook = hidden, hook
 
     def _preprocess(self, **_kwargs):
         return (None,) * 5
@@ -157,16 +158,20 @@ def _rank(rank: int, init_file: str) -> None:
 
     def engine_step(self, batch_iter, model, loss_fn, post):
         next(batch_iter)
+        if model.hook:  # megatron-core >= 0.18's output-processor hook: verl's fused_output_processor
+            return fused_module.fused_output_processor(
+                hidden_states=model._hidden, output_layer=model.output_layer, output_weight=None, labels=labels,
+                context=fused_module.FusedOutputProcessorContext(temperature=0.7), config=model.config)
         return fused_module._fused_GPTModel_forward(model, None, None, None, labels=labels, temperature=0.7)
 
     forward_step = megatron_fused_head._forward_step_wrapper(engine_step)
     engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(use_fused_kernels=True))
-    for sequence_parallel in (False, True):
-        where = f"rank {rank} sequence_parallel={sequence_parallel}"
+    for sequence_parallel, hook in ((False, False), (True, False), (False, True), (True, True)):
+        where = f"rank {rank} sequence_parallel={sequence_parallel} output-processor hook={hook}"
         mine = slice(rank * 6, (rank + 1) * 6) if sequence_parallel else slice(None)
         local_h = h[mine].clone().requires_grad_()
         local_w = w[rank * rows : (rank + 1) * rows].clone().requires_grad_()
-        out = forward_step(engine, iter([_batch(True)]), _Model(local_h, local_w, sequence_parallel),
+        out = forward_step(engine, iter([_batch(True)]), _Model(local_h, local_w, sequence_parallel, hook),
                            _loss("dppo_binary_tv"), None)
         # float32 out, as verl's kernel returns: float32 rounding of the float64 values and gradients
         assert out.log_probs.dtype == out.entropy.dtype == torch.float32 and out.log_probs.shape == (12,), where
