@@ -1,7 +1,8 @@
-"""log pi(a_t) and the entropy fused with a vocabulary-parallel LM head (verl_dppo.math.fused_logprob.vocab_parallel_token_logprobs, issue
-54.1 on Megatron): each rank holds a shard of the weight's rows; against a float64 log-softmax of the whole logits
-with gradients, float32 peaked rows (top-1 1 - 1e-9, the max tied across ranks) and log-probs down to -100, bf16.
-Two CPU processes in a gloo group stand for two tensor-parallel ranks; one rank is `fused_token_logprobs`."""
+"""log pi(a_t) and the entropy fused with a vocabulary-parallel LM head (issue 54.1 on Megatron:
+`verl_dppo.math.fused_logprob.vocab_parallel_token_logprobs`): each rank holds a shard of the weight's rows; against
+a float64 log-softmax of the whole logits with gradients, float32 peaked rows (top-1 1 - 1e-9, the max tied across
+ranks) and log-probs down to -100, bf16. Two CPU processes in a gloo group stand for two tensor-parallel ranks; one
+rank is `fused_token_logprobs`; the kernels' path (a GPU's) under Triton's interpreter."""
 
 from __future__ import annotations
 

@@ -48,9 +48,9 @@ def entropy_rows(block: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_sums(block: torch.Tensor, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`entropy_rows`'s two sums per row, float64 [N] each: Z - 1 (sum of exp(s) less one argmax's own exp(s),
-    summed in float32 without it) and sum exp(s) s, s = logit - row_max. With `row_max` the row's own max, Z - 1
-    excludes the max's 1; the vocabulary-parallel pass (`fused_logprob.vocab_parallel_token_logprobs`) combines the ranks' sums."""
+    """`entropy_rows`'s two sums per row, float64 [N] each, s = logit - row_max: Z - 1 (one argmax's exp(s) left
+    out, summed in float32 without it) and sum exp(s) s; `fused_logprob.vocab_parallel_token_logprobs` combines the
+    vocabulary shards' sums."""
     rest = torch.empty(block.shape[0], dtype=torch.float64, device=block.device)
     weighted = torch.empty_like(rest)
     step = _entropy_block_rows(block)
