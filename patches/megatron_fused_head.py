@@ -1,5 +1,5 @@
 """The binary DPPO modes and the baselines (ratio-clip, PG-IS) under `actor_rollout_ref.model.use_fused_kernels=True`
-on verl 0.9.1's Megatron engine: log pi(a_t) and the entropy from the plugin's one-read pass over Megatron's
+on verl 0.9.1's Megatron engine: log pi(a_t) and the entropy from the plugin's fused pass over Megatron's
 vocabulary-parallel LM head (`verl_dppo.math.fused_logprob.vocab_parallel_token_logprobs`) instead of verl's Triton
 `linear_cross_entropy` kernel.
 
@@ -119,7 +119,7 @@ def plugin_linear_cross_entropy(step: _Step, hidden, weight, labels, temperature
     )
     mode = policy_loss_get(step.config, "loss_mode")
     warn_once(("megatron_fused", mode), "verl-dppo %s: log-probs and entropy fused with Megatron's vocabulary-parallel "
-              "LM head in the plugin's one-read pass (use_fused_kernels) instead of verl's linear_cross_entropy kernel",
+              "LM head in the plugin's pass (use_fused_kernels) instead of verl's linear_cross_entropy kernel",
               mode)
     return log_p.float(), (ent.float() if ent is not None else torch.zeros_like(log_p, dtype=torch.float32))
 

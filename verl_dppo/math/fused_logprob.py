@@ -11,14 +11,15 @@ chunk's logits, a log-softmax and a second pass for the entropy.
 `vocab_parallel_token_logprobs`: the same over a vocabulary-parallel LM head (Megatron's tensor parallelism, verl's
 `linear_cross_entropy(..., "none", tp_group)`): each rank holds the weight's rows [vocab_start, vocab_start +
 V_local) and the same hidden states, and reads its chunks as above: its row max m_r and, relative to it, the sum of
-exp outside a_t, the logit at a_t where it owns a_t and `fused_chunk.entropy_sums`. After the pass two all-reduces
-for all chunks: MAX of m_r (M), then SUM of [T, 5] float64 partials rescaled by exp(m_r - M): the sum outside a_t,
-the logit at a_t (its owner's), Z - 1 (the ranks holding M count their 1 apart: a peaked row keeps its 1 - p
-digits, a max tied across ranks its other 1s) and sum exp(logit - M)(logit - M) (W_r + (m_r - M) Z_r, terms <= 0);
-log pi(a_t) and the normalisers by `topk._pi_at_slots` / `fused_topk.log_normalisers`, H = log1p(Z - 1) - W / Z.
-The backward forms the shard's dL/dlogits by `fused_topk.grad_terms` / `chunk_grad` (a rank without a_t has no
-slot); dW stays local, dh is summed over the group unless reduce_grad_hidden=False (hidden states from Megatron's
-sequence-parallel all-gather, whose backward reduce-scatters the ranks' shares, as for verl's kernel).
+exp outside a_t, the logit at a_t where it owns a_t and `fused_chunk.entropy_sums` (torch, also beside the kernels).
+After the pass two all-reduces for all chunks: MAX of m_r (M), then SUM of [T, 5] float64 partials rescaled by
+exp(m_r - M): the sum outside a_t, the logit at a_t (its owner's), Z - 1 (the ranks holding M count their 1 apart: a
+peaked row keeps its 1 - p digits, a max tied across ranks its other 1s) and sum exp(logit - M)(logit - M) (W_r +
+(m_r - M) Z_r, terms <= 0); log pi(a_t) and the normalisers by `topk._pi_at_slots` / `fused_topk.log_normalisers`, H
+= log1p(Z - 1) - W / Z. The backward forms the shard's dL/dlogits by `fused_topk.grad_terms` / `chunk_grad` (a rank
+without a_t has no slot); dW stays local, dh is summed over the group unless reduce_grad_hidden=False (hidden states
+from Megatron's sequence-parallel all-gather, whose backward reduce-scatters the ranks' shares, as for verl's
+kernel).
 """
 
 from __future__ import annotations
