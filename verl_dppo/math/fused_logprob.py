@@ -15,8 +15,8 @@ exp outside a_t, the logit at a_t where it owns a_t and `fused_chunk.entropy_sum
 After the pass two all-reduces for all chunks: MAX of m_r (M), then SUM of [T, 5] float64 partials rescaled by
 exp(m_r - M): the sum outside a_t, the logit at a_t (its owner's), Z - 1 (the ranks holding M count their 1 apart: a
 peaked row keeps its 1 - p digits, a max tied across ranks its other 1s) and sum exp(logit - M)(logit - M) (W_r +
-(m_r - M) Z_r, terms <= 0); log pi(a_t) and the normalisers by `topk._pi_at_slots` / `fused_topk.log_normalisers`, H
-= log1p(Z - 1) - W / Z. The backward forms the shard's dL/dlogits by `fused_topk.grad_terms` / `chunk_grad` (a rank
+(m_r - M) Z_r, terms <= 0); log pi(a_t) and the normalisers by `topk._pi_at_slots` / `fused_chunk.log_normalisers`, H
+= log1p(Z - 1) - W / Z. The backward forms the shard's dL/dlogits by `fused_chunk.grad_terms` / `chunk_grad` (a rank
 without a_t has no slot); dW stays local, dh is summed over the group unless reduce_grad_hidden=False (hidden states
 from Megatron's sequence-parallel all-gather, whose backward reduce-scatters the ranks' shares, as for verl's
 kernel).
@@ -30,9 +30,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_dppo.math.fused_chunk import chunk_logits, entropy_grad, entropy_sums
-from verl_dppo.math.fused_topk import (DEFAULT_CHUNK_TOKENS, _fixed_selector, _kernels_read, chunk_grad,
-                                       fused_slot_logprobs, grad_terms, log_normalisers)
+from verl_dppo.math.fused_chunk import (chunk_grad, chunk_logits, entropy_grad, entropy_sums, grad_terms,
+                                        log_normalisers)
+from verl_dppo.math.fused_topk import DEFAULT_CHUNK_TOKENS, _fixed_selector, _kernels_read, fused_slot_logprobs
 from verl_dppo.math.kernels import logits_at, max_and_sum_exp_outside
 from verl_dppo.math.topk import _finite, _pi_at_slots, _sum_exp_outside
 

@@ -49,8 +49,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from verl_dppo.math.fused_chunk import chunk_logits, entropy_grad, entropy_rows, logits_grad_in_place
-from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, row_entropy, scaled_exp_into
+from verl_dppo.math.fused_chunk import chunk_grad, chunk_logits, entropy_rows, grad_terms, log_normalisers
+from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, row_entropy
 from verl_dppo.math.topk import (
     MASS_TOLERANCE,
     TopKInputError,
@@ -252,62 +252,6 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                         grad_weight += d_logits.t() @ h
                 del d_logits, grad
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
-
-
-class GradTerms(NamedTuple):
-    """Per-row coefficients of dL/dlogits (the module doc's three lines), in the work dtype ([T] and [T, S])."""
-
-    tail_base: torch.Tensor  # exp(logit - tail_base) * tail_coef off the slots
-    tail_coef: torch.Tensor
-    on_slots: torch.Tensor  # [T, S]: the slots' own term (the entropy's added per chunk)
-    log_z: torch.Tensor
-    entropy: torch.Tensor
-    g_entropy: Optional[torch.Tensor]  # None: no entropy term
-
-    def rows(self, index) -> "GradTerms":
-        return GradTerms(*(t[index] if t is not None else None for t in self))
-
-
-def log_normalisers(row_max, sum_outside, slot_logits, dropped) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log Z, log Z_tail) in float64 from the same sums as `_pi_at_slots`'s: the backward's normalisers."""
-    shift, outside = row_max.double(), sum_outside.double()
-    at_slots = torch.where(dropped, 0.0, (slot_logits.double() - shift[:, None]).exp())
-    return shift + (outside + at_slots.sum(dim=1)).log(), shift + outside.log()
-
-
-def grad_terms(g_slots, g_other, g_entropy, dropped, log_pi, log_z, log_z_tail, entropy, work) -> GradTerms:
-    """The backward's per-row coefficients from the incoming gradients (None: zero) and the forward's per-row
-    results (float64); `entropy` is only read with a g_entropy."""
-    g_s = torch.zeros_like(log_pi) if g_slots is None else g_slots.double()
-    has_tail = torch.isfinite(log_z_tail)
-    g_o = torch.zeros_like(log_z) if g_other is None else torch.where(has_tail, g_other.double(), 0.0)
-    total = g_s.sum(dim=1) + g_o
-    pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
-    return GradTerms(
-        tail_base=torch.where(has_tail, log_z_tail, log_z).to(work),
-        tail_coef=(g_o - total * pi_other).to(work),
-        on_slots=(g_s - torch.where(dropped, 0.0, total[:, None] * log_pi.exp())).to(work),
-        log_z=log_z.to(work),
-        entropy=entropy.to(work),
-        g_entropy=g_entropy.to(work) if g_entropy is not None else None,
-    )
-
-
-def chunk_grad(logits, out, ids, dropped, terms: GradTerms, in_place: bool) -> torch.Tensor:
-    """dL/dlogits of one chunk of rows, returned in `out` (the chunk's shape; None: the torch path overwrites
-    `logits` itself, which must then be float32 at least). in_place: one kernel pass from the logits as they are,
-    written in out's dtype; else the torch path on `out` holding a float32 (at least) copy of the logits."""
-    tail_base, tail_coef, on_slots, log_z, entropy, g_h = terms
-    if in_place:
-        term = None
-        if g_h is not None:  # the entropy's term: at the slots here, elsewhere in the kernel
-            at_slots = entropy_grad(logits_at(logits, None, ids), log_z, entropy, g_h)
-            on_slots = on_slots + torch.where(dropped, 0.0, at_slots)
-            term = (log_z, entropy, -g_h)
-        grad = scaled_exp_into(out, logits, tail_base, tail_coef, entropy_term=term)
-        return grad.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_slots.to(grad.dtype))
-    block = logits if out is None else out.copy_(logits)
-    return logits_grad_in_place(block, ids, dropped, tail_base, tail_coef, on_slots, log_z, entropy, g_h)
 
 
 def _widest(dropped: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ the chunk); log pi(a_t) = `topk._pi_at_slots` in float64 (exact to rounding at a
 probability of 1 - 1e-9 and 100 nats down the tail). Chunks of rows sized by `kernels.chunk_bytes_for`: no float32
 [N, V] copy is made. The backward saves the logits by reference and per-row float64 results (log Z, the entropy)
 and writes dL/dlogits = g_lp (onehot - p) + g_H dH/dlogits chunk by chunk into one new tensor of the logits' dtype
-(`fused_topk.chunk_grad`: `kernels.scaled_exp_into` on a GPU, `fused_chunk.logits_grad_in_place` on the torch path).
+(`fused_chunk.chunk_grad`: `kernels.scaled_exp_into` on a GPU, `fused_chunk.logits_grad_in_place` on the torch path).
 Temperature is the caller's (verl divides the logits before).
 """
 
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from verl_dppo.math.fused_chunk import entropy_rows
-from verl_dppo.math.fused_topk import _fixed_selector, chunk_grad, grad_terms, log_normalisers
+from verl_dppo.math.fused_chunk import chunk_grad, entropy_rows, grad_terms, log_normalisers
+from verl_dppo.math.fused_topk import _fixed_selector
 from verl_dppo.math.kernels import backend_for, chunk_bytes_for, logits_at, max_sum_outside_and_entropy
 from verl_dppo.math.topk import _finite, _pi_at_slots
 

@@ -69,7 +69,7 @@ from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll_projection import (  # noqa: F401  (LOG_ETA_BRACKET, SOLVER_STEPS: re-exported)
     EPS, LOG_ETA_BRACKET, SOLVER_STEPS, Projection, _logsumexp, kl_projection,
 )
-from verl_dppo.math.troll_support import MU_FLOOR, mu_on_atoms, pi_on_support, top_selected
+from verl_dppo.math.troll_support import pi_on_support, top_selected
 
 __all__ = [
     "EPS",
@@ -105,12 +105,36 @@ DEFAULT_CHUNK_BYTES = CPU_CHUNK_BYTES
 MASS_TOLERANCE = 1e-3
 """mu's reported mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
 
+MU_FLOOR = 1e-12
+"""Smallest probability mu' gives an atom it has no report for (each token of S_t outside mu's report, and "other"),
+per atom: the authors' tiny probability of a token outside their support."""
 
+
+def mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, valid, vocab):
+    """log mu' on S_t U {other} (float64): known where reported, elsewhere the uniform unreported share capped at the
+    smallest reported probability; that share and mu'(other) each floored at MU_FLOOR, then renormalised."""
+    k = mu_ids.shape[1]
+    reported = torch.isfinite(mu_lp)
+    known = torch.cat([sampled_lp[:, None], mu_lp, torch.full_like(sampled_lp[:, None], -math.inf)], dim=1)
+    slot_lp = known.gather(1, source.clamp(max=k + 1))
+    sampled_reported = ((mu_ids == sampled[:, None]) & reported).any(dim=1)
+    unreported_mass = 1.0 - torch.where(reported, mu_lp.exp(), 0.0).sum(dim=1)
+    unreported_mass = unreported_mass - torch.where(sampled_reported, 0.0, sampled_lp.exp())
+    unreported_count = vocab - reported.sum(dim=1) - (~sampled_reported).long()
+    share = (unreported_mass / unreported_count.clamp(min=1)).clamp(min=0.0).log()
+    share = torch.minimum(share, torch.where(reported, mu_lp, math.inf).amin(dim=1))
+    # Per atom, last: no token without a report gets less than the authors' fixed tiny probability, whatever the
+    # vocabulary size or the rounding of the reported mass (which can leave nothing, or less than nothing, over).
+    share = share.clamp(min=math.log(MU_FLOOR))
+    slot_lp = torch.where(torch.isfinite(slot_lp), slot_lp, share[:, None])
+    slot_lp = torch.where(valid, slot_lp, -math.inf)
+    other = (1.0 - slot_lp.exp().sum(dim=1)).clamp(min=MU_FLOOR).log()
+    atoms = torch.cat([slot_lp, other[:, None]], dim=1)
+    return atoms - _logsumexp(atoms)
 
 
 class TrollInputError(ValueError):
     """The rollout's top-K statistics or the sampled tokens are malformed."""
-
 
 
 @dataclass

@@ -19,20 +19,14 @@ from verl_dppo.math.kernels import (
     sum_exp_below,
     top_threshold,
 )
-from verl_dppo.math.troll_projection import _logsumexp
 
-__all__ = ["MU_FLOOR", "pi_on_support", "mu_on_atoms", "top_selected", "pi_read_width", "support_by_kernel",
+__all__ = ["pi_on_support", "top_selected", "pi_read_width", "support_by_kernel",
            "support_by_topk", "CandidateReads", "candidate_room", "read_candidates", "support_from_candidates"]
 
 CANDIDATE_ROOM = 256
 """Room per row for pi's candidates in `support_by_kernel` (at least 4x pi's read width): a real row has a few more
 than k_pi + 1 (the lanes' threshold sits just below pi's (k_pi + 1)-th logit); a flat row of ties may have more,
 and is read again with torch's top-k."""
-
-MU_FLOOR = 1e-12
-"""Smallest probability mu' gives an atom it has no report for (each token of S_t outside mu's report, and "other"),
-per atom: the authors' tiny probability of a token outside their support."""
-
 
 def _candidates(sampled, mu_ids, pi_ids):
     """Every id that may enter S_t, {a_t} U mu's reported ids U Top-K(pi), sorted by id. `first` marks the first
@@ -409,33 +403,7 @@ class _ChunkReader:
             yield start, end, block, scratch[: end - start]
 
 
-
-def _mu_on_atoms(sampled, sampled_lp, mu_ids, mu_lp, ids, source, valid, vocab):
-    """log mu' on S_t U {other} (float64): known where reported, elsewhere the uniform unreported share capped at the
-    smallest reported probability; that share and mu'(other) each floored at MU_FLOOR, then renormalised."""
-    k = mu_ids.shape[1]
-    reported = torch.isfinite(mu_lp)
-    known = torch.cat([sampled_lp[:, None], mu_lp, torch.full_like(sampled_lp[:, None], -math.inf)], dim=1)
-    slot_lp = known.gather(1, source.clamp(max=k + 1))
-    sampled_reported = ((mu_ids == sampled[:, None]) & reported).any(dim=1)
-    unreported_mass = 1.0 - torch.where(reported, mu_lp.exp(), 0.0).sum(dim=1)
-    unreported_mass = unreported_mass - torch.where(sampled_reported, 0.0, sampled_lp.exp())
-    unreported_count = vocab - reported.sum(dim=1) - (~sampled_reported).long()
-    share = (unreported_mass / unreported_count.clamp(min=1)).clamp(min=0.0).log()
-    share = torch.minimum(share, torch.where(reported, mu_lp, math.inf).amin(dim=1))
-    # Per atom, last: no token without a report gets less than the authors' fixed tiny probability, whatever the
-    # vocabulary size or the rounding of the reported mass (which can leave nothing, or less than nothing, over).
-    share = share.clamp(min=math.log(MU_FLOOR))
-    slot_lp = torch.where(torch.isfinite(slot_lp), slot_lp, share[:, None])
-    slot_lp = torch.where(valid, slot_lp, -math.inf)
-    other = (1.0 - slot_lp.exp().sum(dim=1)).clamp(min=MU_FLOOR).log()
-    atoms = torch.cat([slot_lp, other[:, None]], dim=1)
-    return atoms - _logsumexp(atoms)
-
-
-
 pi_on_support = _PiOnSupport.apply
 """(logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace) -> (ids, source, valid,
 log pi at the ids, log pi(other)): see `_PiOnSupport`."""
 
-mu_on_atoms = _mu_on_atoms
