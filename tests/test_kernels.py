@@ -86,6 +86,9 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
     assert result["complete"] and result["device"] == "CPU"
     rows = result["per_token"]["rows"]
     assert all("seconds" in row for row in rows.values()), rows
+    # the device's own time beside the wall time (on the CPU: the ops' own time, under one more call's profile)
+    assert all(0 < row["device_seconds"] < 10 * row["seconds"] for row in rows.values()), rows
+    assert "| device ms |" in (tmp_path / "gpu_suite.md").read_text()
     assert rows["topk_divergence, kernels"]["backend"] == "torch"  # no Triton in the suite's processes
     agreement = result["troll_devices"]["permuted_vocabulary_on_device"]
     assert agreement["support_differs_rows"] == 0 and agreement["log_p_max_abs_diff"] <= 1e-5, agreement
