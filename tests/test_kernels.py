@@ -48,7 +48,9 @@ def test_every_kernel_compiles_for_an_h100_without_one():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "all kernels compile for sm_90" in done.stdout, done.stdout
-    assert done.stdout.count("sm_90 cubin of") == 6, done.stdout  # four kernels, two with and without the entropy
+    # four kernels, two with and without the entropy, the max-and-sum kernel also with the entropy's sums stored
+    assert done.stdout.count("sm_90 cubin of") == 7, done.stdout
+    assert "max_and_sum_outside_kernel{'ENTROPY': True, 'SUMS': True}" in done.stdout, done.stdout
 
 
 def test_the_torch_path_runs_where_triton_does_not_import_and_on_cpu_tensors():

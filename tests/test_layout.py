@@ -178,11 +178,11 @@ def test_a_cluster_process_loads_the_plugin_without_the_rehearsal():
         ("dppo", "verl_dppo.plugin.entry"), ("dppo_cpu", "verl_dppo.rehearsal.entry")}
 
 
-KERNEL_MODULES = ("verl_dppo.math.kernels", "verl_dppo.math.kernel_jit")
+KERNEL_MODULES = ("verl_dppo.math.kernels", "verl_dppo.math.kernels.jit")
 
 
 def test_the_math_layer_imports_nothing_but_torch_triton_and_the_standard_library():
-    """Triton only where the GPU kernels live (their source, `verl_dppo.math.kernel_jit`, and the dispatch that asks
+    """Triton only where the GPU kernels live (their source, `verl_dppo.math.kernels.jit`, and the dispatch that asks
     whether Triton imports, `verl_dppo.math.kernels`), and there only inside a function: the package imports without
     it (CPU machines, the suite's own processes)."""
     for name, path in modules().items():

@@ -161,18 +161,25 @@ KERNELS_CHILD = """
 import verl_dppo.math.fused_logprob as fused
 import test_vocab_parallel_logprob as tests
 
-reads, original = [], fused.max_and_sum_exp_outside
-fused.max_and_sum_exp_outside = lambda *args, **kwargs: reads.append(1) or original(*args, **kwargs)
+import torch
+
+reads, original = [], fused.max_sum_outside_and_entropy_sums
+fused.max_sum_outside_and_entropy_sums = lambda *args, **kwargs: reads.append(1) or original(*args, **kwargs)
+torch_sums, torch_original = [], fused.entropy_sums
+fused.entropy_sums = lambda block, *args: torch_sums.append(block.dtype) or torch_original(block, *args)
 tests.test_one_rank()
 assert reads, "the kernels' path did not run"
+# the entropy's sums from the kernel's one read of each chunk: torch's second pass only where float64 keeps it
+assert set(torch_sums) == {torch.float64}, torch_sums
 tests.test_two_tensor_parallel_ranks()
 print("kernels' path agrees")
 """
 
 
 def test_the_kernels_path_under_tritons_interpreter():
-    """The same checks with the chunks read by the Triton kernels (a GPU's path: bf16 read in place, the sum outside
-    a_t and the max in one read, dL/dlogits by `scaled_exp_into`), run by Triton's interpreter in a child process
+    """The same checks with the chunks read by the Triton kernels (a GPU's path: bf16 read in place, the max, the sum
+    outside a_t and the entropy's sums in one read, dL/dlogits by `scaled_exp_into`), run by Triton's interpreter in
+    a child process
     (Triton from .venv/triton-interpret, as tests/test_kernels.py); float64 stays on the torch path."""
     site = Path(sys.prefix) / "triton-interpret"
     assert (site / "triton").is_dir(), f"{site} holds no Triton: `make venv` installs it there"

@@ -414,6 +414,7 @@ def fused_logprob_cases():
     chunks' logits read by the kernels as the matmul left them (bf16 in place), forward and backward, a temperature,
     T not a multiple of the chunk, a_t the dominant token on some rows."""
     from verl_dppo.math.fused_logprob import fused_token_logprobs
+    from verl_dppo.math.fused_topk import fused_topk_logprobs
 
     rows, hid = 21, 16
     for vocab, dtype, temperature in ((1_000, torch.float32, 1.0), (5_000, torch.bfloat16, 0.7)):
@@ -436,6 +437,17 @@ def fused_logprob_cases():
             close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
         close_gradients(where, got_grads, want_grads, dtype)
         print(f"{where}, forward and backward with the entropy: agree")
+        # one read of each chunk in the forward, the entropy with it (a launch a chunk; it was two: row_entropy's)
+        topk_ids = torch.stack([torch.randperm(vocab, generator=gen)[:5] for _ in range(rows)])
+        for name, forward in (("log-prob", lambda: fused_token_logprobs(h, w, labels, temperature, entropy=True,
+                                                                        chunk_tokens=8)),
+                              ("top-k", lambda: fused_topk_logprobs(h, w, labels, topk_ids, temperature,
+                                                                    entropy=True, chunk_tokens=8))):
+            launched = LAUNCHES["launched"]
+            forward()
+            reads, chunks = LAUNCHES["launched"] - launched, -(-rows // 8)
+            assert reads == chunks, f"{where}: the fused {name} forward read {chunks} chunks with {reads} launches"
+        print(f"{where}: the fused forwards read each chunk once, the entropy with it")
 
 
 def logits_logprob_cases():

@@ -17,8 +17,9 @@ from verl_dppo.math import kernels
 POINTERS = {"logits_ptr": "*bf16", "rows_ptr": "*i64", "excluded_ptr": "*i64", "count_ptr": "*i32",
             "candidates_ptr": "*i32"}  # every other pointer: float32
 WIDE = {"stride_row", "stride_out"}  # int64 arguments; every other scalar: int32
-CONSTANTS = {"HAS_ROWS": True, "HAS_MAX": False, "BLOCK": 1024}
+CONSTANTS = {"HAS_ROWS": True, "HAS_MAX": False, "SUMS": False, "BLOCK": 1024}
 VARIANTS = ({"ENTROPY": False}, {"ENTROPY": True})  # the kernels with an entropy flag compile both ways
+SUMS = {"ENTROPY": True, "SUMS": True}  # and with the entropy's sums stored as they are, where a kernel can
 
 
 def signature(fn, variant):
@@ -40,7 +41,8 @@ if __name__ == "__main__":
     target = GPUTarget("cuda", 90, 32)
     for fn in kernels._kernels():
         flagged = any(param.name == "ENTROPY" for param in fn.params)
-        for variant in VARIANTS if flagged else ({},):
+        has_sums = any(param.name == "SUMS" for param in fn.params)
+        for variant in (*VARIANTS, *((SUMS,) if has_sums else ())) if flagged else ({},):
             start = time.perf_counter()
             types, constants = signature(fn, variant)
             source = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=constants)

@@ -3,15 +3,16 @@ DPPO modes, the ratio-clip and PG-IS baselines): what verl's `FusedLinearForPPO`
 pass (`verl_dppo.math.fused_topk.fused_slot_logprobs` with a_t as the only slot).
 
 Pure torch (no verl import). Per chunk of tokens the logits are formed once and read once: their max, the logit at
-a_t and the sum of exp over the rest (on a GPU in one Triton kernel, `kernels.max_and_sum_exp_outside`, as the matmul
-left them), and the entropy (`kernels.row_entropy`); the backward recomputes the chunk's logits and forms dL/dlogits
-in place (`kernels.scaled_exp_into`). verl's torch kernel computes the same in float32 from a float32 copy of each
+a_t, the sum of exp over the rest and the entropy (on a GPU in one Triton kernel, `kernels.max_sum_outside_and_entropy`
+or without the entropy `max_and_sum_exp_outside`, as the matmul left them); the backward recomputes the chunk's
+logits and forms dL/dlogits in place (`kernels.scaled_exp_into`). verl's torch kernel computes the same in float32 from a float32 copy of each
 chunk's logits, a log-softmax and a second pass for the entropy.
 
 `vocab_parallel_token_logprobs`: the same over a vocabulary-parallel LM head (Megatron's tensor parallelism, verl's
 `linear_cross_entropy(..., "none", tp_group)`): each rank holds the weight's rows [vocab_start, vocab_start +
 V_local) and the same hidden states, and reads its chunks as above: its row max m_r and, relative to it, the sum of
-exp outside a_t, the logit at a_t where it owns a_t and `fused_chunk.entropy_sums` (torch, also beside the kernels).
+exp outside a_t, the logit at a_t where it owns a_t and the entropy's two sums (on a GPU from the same kernel read,
+`kernels.max_sum_outside_and_entropy_sums`; on the torch path `fused_chunk.entropy_sums`).
 After the pass two all-reduces for all chunks: MAX of m_r (M), then SUM of [T, 5] float64 partials rescaled by
 exp(m_r - M): the sum outside a_t, the logit at a_t (its owner's), Z - 1 (the ranks holding M count their 1 apart: a
 peaked row keeps its 1 - p digits, a max tied across ranks its other 1s) and sum exp(logit - M)(logit - M) (W_r +
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from verl_dppo.math.fused_chunk import (chunk_grad, chunk_logits, entropy_grad, entropy_sums, grad_terms,
                                         log_normalisers)
 from verl_dppo.math.fused_topk import DEFAULT_CHUNK_TOKENS, _fixed_selector, _kernels_read, fused_slot_logprobs
-from verl_dppo.math.kernels import logits_at, max_and_sum_exp_outside
+from verl_dppo.math.kernels import logits_at, max_and_sum_exp_outside, max_sum_outside_and_entropy_sums
 from verl_dppo.math.topk import _finite, _pi_at_slots, _sum_exp_outside
 
 __all__ = ["fused_token_logprobs", "vocab_parallel_token_logprobs"]
@@ -84,10 +85,14 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             matmul_dtype = logits.dtype
             block = logits if logits.dtype == work or in_place else buffer[: logits.shape[0]].copy_(logits)
             at_label[c] = torch.where(owned[c], logits_at(block, None, ids[c])[:, 0], 0.0)
-            if in_place:  # one kernel read (a_t not owned: -1 excludes nothing)
-                m, s = max_and_sum_exp_outside(block, torch.where(owned[c], local_ids[c], -1)[:, None])
+            excluded = torch.where(owned[c], local_ids[c], -1)[:, None]  # a_t not owned: -1 excludes nothing
+            if in_place and want_entropy:  # one kernel read: the max, the sum outside a_t and the entropy's sums
+                m, s, sums = max_sum_outside_and_entropy_sums(block, excluded)
+                rest[c], weighted[c] = sums[:, 0].double(), sums[:, 1].double()
+            elif in_place:
+                m, s = max_and_sum_exp_outside(block, excluded)
             m = _finite(m if in_place else block.amax(dim=1))
-            if want_entropy:
+            if want_entropy and not in_place:
                 rest[c], weighted[c] = entropy_sums(block, m)
             row_max[c] = m  # the torch path's sum outside a_t overwrites block
             sum_outside[c] = s if in_place else _sum_exp_outside(block, m, ids[c], owned[c][:, None])

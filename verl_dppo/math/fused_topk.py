@@ -24,8 +24,9 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
 
 (q rather than pi_j / pi(other): exact where pi(other) underflows), then dh = dlogits W / temperature and
 dW += dlogits^T h. On a GPU (`kernels.backend_for`) the chunk's logits are read as the matmul left them (bf16, no
-float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` (and
-`row_entropy` when the entropy is asked for) in the forward, `scaled_exp_into` (with the entropy's term) into the
+float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` in the forward
+(`max_sum_outside_and_entropy` when the entropy is asked for: one read of each chunk for the fixed slots, a_t and
+mu's top-K; TROLL's selector reads with its own kernels and `row_entropy`), `scaled_exp_into` (with the entropy's term) into the
 float32 buffer in the backward. The torch path's entropy works in row blocks (16 rows on a CPU, sized by the free
 memory on an accelerator).
 
@@ -50,7 +51,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from verl_dppo.math.fused_chunk import chunk_grad, chunk_logits, entropy_rows, grad_terms, log_normalisers
-from verl_dppo.math.kernels import backend_for, logits_at, max_and_sum_exp_outside, row_entropy
+from verl_dppo.math.kernels import (backend_for, logits_at, max_and_sum_exp_outside, max_sum_outside_and_entropy,
+                                    row_entropy)
 from verl_dppo.math.topk import (
     MASS_TOLERANCE,
     TopKInputError,
@@ -123,6 +125,8 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         # A selector that reads its chunks now and selects the slots after the pass (TROLL's on the kernels):
         # per chunk a few reads, the selection in a few large launches once the logits are gone
         deferred = in_place and getattr(select, "read", None) is not None
+        # A selector that reads the entropy from its own read of the chunk (the fixed slots' on the kernels)
+        with_entropy = getattr(select, "with_entropy", None) if want_entropy and in_place else None
         reads = None  # the deferred selector's reads of every row: [n, ...] tensors
 
         def allocate():
@@ -158,7 +162,7 @@ class _FusedSlotLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             block, matmul_dtype = chunk_block(slice(start, end), end - start)
-            if want_entropy:
+            if want_entropy and with_entropy is None:
                 entropy[start:end] = (row_entropy(block) if in_place
                                       else entropy_rows(block, _finite(block.amax(dim=1))))
             if deferred:
@@ -169,7 +173,10 @@ class _FusedSlotLogprobs(torch.autograd.Function):
                     whole[start:end] = t
                 del block, part
                 continue
-            slots = select(block, scratch[: end - start] if scratch is not None else None, slice(start, end))
+            if with_entropy is not None:
+                slots, entropy[start:end] = with_entropy(block, slice(start, end))
+            else:
+                slots = select(block, scratch[: end - start] if scratch is not None else None, slice(start, end))
             store(slice(start, end), slots)
             if slots.again is not None:
                 if again is None:
@@ -307,6 +314,13 @@ def _fixed_selector(slot_ids: torch.Tensor, dropped: torch.Tensor) -> Selector:
         sum_outside = _sum_exp_outside(block, row_max, ids)  # topk.py's sum; overwrites block
         return ChunkSlots(ids, dropped[index], row_max, sum_outside, slot_logits)
 
+    def with_entropy(block, index):
+        """The kernels' path with the entropy asked for: (slots, entropy) from one read of the chunk."""
+        ids = slot_ids[index]
+        row_max, sum_outside, entropy = max_sum_outside_and_entropy(block, ids)
+        return ChunkSlots(ids, dropped[index], _finite(row_max), sum_outside, logits_at(block, None, ids)), entropy
+
+    select.with_entropy = with_entropy
     return select
 
 

@@ -49,12 +49,12 @@ from typing import Optional
 
 import torch
 
-from verl_dppo.math.kernel_jit import build_kernels as _kernels
+from verl_dppo.math.kernels.jit import build_kernels as _kernels
 
 __all__ = [
     "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
     "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES", "row_entropy",
-    "max_sum_outside_and_entropy", "sorted_excluded",
+    "max_sum_outside_and_entropy", "max_sum_outside_and_entropy_sums", "sorted_excluded",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -176,7 +176,18 @@ def max_sum_outside_and_entropy(
     return _max_and_sums(logits, excluded, None, None, True, block, num_warps)
 
 
+def max_sum_outside_and_entropy_sums(
+    logits: torch.Tensor, excluded: torch.Tensor, block: int = _BLOCK, num_warps: int = _WARPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum of exp(logit - max) outside `excluded`, [N, 2] sums) per row, float32, in one read: the sums are
+    those `row_entropy` forms H from, before it does, with s = logit - the row max: Z - 1 (the max's own 1 left out;
+    its ties keep theirs) and sum exp(s) s, as the torch path's `fused_chunk.entropy_sums` returns them: a
+    vocabulary shard's, which the vocabulary-parallel pass rescales and sums across the shards."""
+    return _max_and_sums(logits, excluded, None, None, "sums", block, num_warps)
+
+
 def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
+    """entropy: False, True (H per row) or "sums" (Z - 1 and sum exp(s) s per row, [n, 2])."""
     logits = _unit_stride(logits)
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
@@ -184,13 +195,14 @@ def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
     out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
                else row_max.to(torch.float32).contiguous())
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
-    out_entropy = torch.empty(n if entropy else 1, dtype=torch.float32, device=logits.device)
+    sums = entropy == "sums"
+    out_entropy = torch.empty((n, 2) if sums else n if entropy else 1, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out_max, out_sum, out_entropy[:n]
     kernel = _kernels()[0]
     kernel[(n,)](
         logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
-        out_entropy, HAS_ROWS=rows is not None, HAS_MAX=row_max is not None, ENTROPY=entropy,
+        out_entropy, HAS_ROWS=rows is not None, HAS_MAX=row_max is not None, ENTROPY=bool(entropy), SUMS=sums,
         BLOCK=block, num_warps=num_warps,
     )
     return out_max, out_sum, out_entropy

@@ -74,7 +74,7 @@ def build_kernels():
     @triton.jit
     def max_and_sum_outside_kernel(
         logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr, entropy_ptr,
-        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, ENTROPY: tl.constexpr, SUMS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
         # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
@@ -128,10 +128,14 @@ def build_kernels():
                 # (an all -inf row: -1, H NaN)
                 ties = tl.sum(tl.where((lane_max == top) & (lane_max > float("-inf")), 1.0, 0.0), axis=0)
                 rest = tl.sum(lane_rest * weights + tl.where(lane_max < top, weights, 0.0), axis=0) + (ties - 1.0)
-                total = 1.0 + rest
                 weighted = tl.sum((lane_weighted + lane_drop * (lane_rest + 1.0)) * weights, axis=0)
-                log_z = tl.where(total == 1.0, rest, tl.log(total) * (rest / (total - 1.0)))  # log1p(rest)
-                tl.store(entropy_ptr + pid, log_z - weighted / total)
+                if SUMS:  # the two sums as they are: a vocabulary shard's, combined across the shards by the caller
+                    tl.store(entropy_ptr + 2 * pid, rest)
+                    tl.store(entropy_ptr + 2 * pid + 1, weighted)
+                else:
+                    total = 1.0 + rest
+                    log_z = tl.where(total == 1.0, rest, tl.log(total) * (rest / (total - 1.0)))  # log1p(rest)
+                    tl.store(entropy_ptr + pid, log_z - weighted / total)
 
     @triton.jit
     def lane_threshold_kernel(
