@@ -18,7 +18,8 @@ tp_group)` on each tensor-parallel rank's [V / tp, H] shard of the output layer.
   reduce-scatters the shares, as for verl's kernel), else summed over the group (the whole gradient, which each
   rank's replicated hidden states need: Megatron's own output layer all-reduces it there).
 Every other call (verl's own loss modes, the Top-K modes, critics) goes to verl's kernel unchanged. Not replaced:
-`models.mcore.model_forward_1f1b_overlap` (its own import of the kernel). Megatron's padded vocabulary rows stay in
+`models.mcore.model_forward_1f1b_overlap` (its own import of the kernel; nothing in verl 0.9.1 calls its
+`gptmodel_forward_1f1b_overlap`, so no step reaches it). Megatron's padded vocabulary rows stay in
 the normaliser, as in verl's kernel.
 Why no extension point: verl calls its kernel by name, with no choice of implementation. What would make it
 unnecessary: a configurable log-prob / entropy function in verl's fused forward.
