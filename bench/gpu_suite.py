@@ -470,8 +470,8 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {name} | {row['error']} | | | |")
             else:
                 label = f"{name} ({row['backend']})" if "backend" in row and name != "fused_binary" else name
-                lines.append(f"| {label} | {row['seconds'] * 1e3:.1f} | {row.get('device_seconds', math.nan) * 1e3:.1f} | "
-                             f"{row.get('x_fused_binary', math.nan):.3f} | "
+                lines.append(f"| {label} | {row['seconds'] * 1e3:.1f} | "
+                             f"{row.get('device_seconds', math.nan) * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
                              f"{row['extra_peak_MiB']:,.0f} |")
         lines.append("")
         unfused = part["rows"].get("unfused_binary_plugin", {})

@@ -5,8 +5,8 @@ pass (`verl_dppo.math.fused_topk.fused_slot_logprobs` with a_t as the only slot)
 Pure torch (no verl import). Per chunk of tokens the logits are formed once and read once: their max, the logit at
 a_t, the sum of exp over the rest and the entropy (on a GPU in one Triton kernel, `kernels.max_sum_outside_and_entropy`
 or without the entropy `max_and_sum_exp_outside`, as the matmul left them); the backward recomputes the chunk's
-logits and forms dL/dlogits in place (`kernels.scaled_exp_into`). verl's torch kernel computes the same in float32 from a float32 copy of each
-chunk's logits, a log-softmax and a second pass for the entropy.
+logits and forms dL/dlogits in place (`kernels.scaled_exp_into`). verl's torch kernel computes the same in float32
+from a float32 copy of each chunk's logits, a log-softmax and a second pass for the entropy.
 
 `vocab_parallel_token_logprobs`: the same over a vocabulary-parallel LM head (Megatron's tensor parallelism, verl's
 `linear_cross_entropy(..., "none", tp_group)`): each rank holds the weight's rows [vocab_start, vocab_start +
@@ -85,12 +85,13 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             matmul_dtype = logits.dtype
             block = logits if logits.dtype == work or in_place else buffer[: logits.shape[0]].copy_(logits)
             at_label[c] = torch.where(owned[c], logits_at(block, None, ids[c])[:, 0], 0.0)
-            excluded = torch.where(owned[c], local_ids[c], -1)[:, None]  # a_t not owned: -1 excludes nothing
-            if in_place and want_entropy:  # one kernel read: the max, the sum outside a_t and the entropy's sums
-                m, s, sums = max_sum_outside_and_entropy_sums(block, excluded)
-                rest[c], weighted[c] = sums[:, 0].double(), sums[:, 1].double()
-            elif in_place:
-                m, s = max_and_sum_exp_outside(block, excluded)
+            if in_place:  # one kernel read: the max, the sum outside a_t (not owned: -1 excludes nothing), the
+                excluded = torch.where(owned[c], local_ids[c], -1)[:, None]  # entropy's two sums when asked
+                if want_entropy:
+                    m, s, sums = max_sum_outside_and_entropy_sums(block, excluded)
+                    rest[c], weighted[c] = sums[:, 0].double(), sums[:, 1].double()
+                else:
+                    m, s = max_and_sum_exp_outside(block, excluded)
             m = _finite(m if in_place else block.amax(dim=1))
             if want_entropy and not in_place:
                 rest[c], weighted[c] = entropy_sums(block, m)

@@ -26,8 +26,8 @@ dL/dlogit_j in place, with G the sum of all incoming gradients:
 dW += dlogits^T h. On a GPU (`kernels.backend_for`) the chunk's logits are read as the matmul left them (bf16, no
 float32 copy, and no float32 buffer in the forward) by the Triton kernels: `max_and_sum_exp_outside` in the forward
 (`max_sum_outside_and_entropy` when the entropy is asked for: one read of each chunk for the fixed slots, a_t and
-mu's top-K; TROLL's selector reads with its own kernels and `row_entropy`), `scaled_exp_into` (with the entropy's term) into the
-float32 buffer in the backward. The torch path's entropy works in row blocks (16 rows on a CPU, sized by the free
+mu's top-K; TROLL's selector reads with its own kernels and `row_entropy`), `scaled_exp_into` (with the entropy's
+term) into the float32 buffer in the backward. The torch path's entropy works in row blocks (16 rows on a CPU, sized by the free
 memory on an accelerator).
 
 A slot that repeats an id (a_t inside the top-K, or a row outside the mask whose slots all hold a_t) is "dropped":
