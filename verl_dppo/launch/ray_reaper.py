@@ -157,6 +157,11 @@ class RunSegments:
         return pids
 
     def note(self) -> set[str]:
+        # Only a segment in /dev/shm that is neither old nor noted yet sends it through the processes' maps and
+        # descriptors (tens of MB of text a scan with torch loaded in each): the watchdog polls every POLL_S, and
+        # scanning at every poll took a quarter of a core for a whole run.
+        if not segments() - self.before - self.noted:
+            return self.noted
         for pid in self.processes():
             self.noted |= {name for name in _segments_of(str(pid)) if name.startswith(SHM_PREFIX)} - self.before
         return self.noted
