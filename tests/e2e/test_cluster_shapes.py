@@ -10,11 +10,12 @@ The runs, in two lanes side by side:
   (the rollout dump), some advantage is non-zero, nothing is masked or projected on the policy that sampled (the
   fp32 level), and every ratio metric is exact over the two ranks (a probe in the workers records the per-rank
   parts: tests/e2e/parts_probe).
-- LoRA on the `hf` rollout (base sync, then adapter syncs merged by the server) and a Qwen3-MoE of 4 experts on the
-  `hf` rollout (experts pushed per expert into transformers' fused tensors): the rollout samples from the policy
+- LoRA on the `hf` rollout (base sync, then adapter syncs merged by the server): the rollout samples from the policy
   the actor scores, to float rounding, at every step.
-- two ranks with `dppo_topk_tv`, one rank's worker SIGKILLed after the step-2 checkpoint, then started again through
-  the CLI: it continues at step 3, on weights the rollout got from the checkpoint.
+- two ranks with `dppo_topk_tv` on a Qwen3-MoE of 4 experts with R3, one rank's worker SIGKILLed after the step-2
+  checkpoint, then started again through the CLI: it continues at step 3, on weights the rollout got from the
+  checkpoint. The experts pushed per expert into transformers' fused tensors: the rollout samples from the policy
+  the actor scores, to float rounding, at every step before the kill and after the resume.
 LoRA on vLLM runs in the vLLM tier (test_vllm_loop's troll run). Ulysses sequence parallelism is refused on the CPU
 (verl 0.9.1 exchanges the slices around flash-attention only; with sdpa each rank attends within its slice, which
 this tier's first SP=2 runs showed: tests/test_cli_errors.py checks the refusal).
@@ -69,7 +70,6 @@ def _lanes(root: Path) -> list[list[loop.Run]]:
     resume = ("trainer.save_freq=2", *TWO_RANKS, *MOE, *R3_HF)
     shapes = [
         loop.Run("shape-lora-hf", "dppo_binary_tv", via_cli=True, overrides=LORA),
-        loop.Run("shape-moe-hf", "dppo_topk_kl", via_cli=True, overrides=MOE),
         loop.Run("shape-2r-killed", "dppo_topk_tv", steps=3, kill_after_step=2, via_cli=True, overrides=resume),
         loop.Run("shape-2r-restarted", "dppo_topk_tv", steps=3, folder_of="shape-2r-killed", via_cli=True,
                  overrides=resume),
@@ -110,6 +110,11 @@ def _parts(run: loop.Run) -> list[list[dict]]:
     return [[json.loads(line) for line in path.read_text().splitlines()] for path in files]
 
 
+def test_the_modes_the_full_loop_leaves_here_have_a_run_here():
+    """test_full_loop trains the modes of its TRAINED_IN_CLUSTER_TIER in no run of its own: each has its run here."""
+    assert set(loop.TRAINED_IN_CLUSTER_TIER) <= set(FAMILIES)
+
+
 @pytest.mark.parametrize("method", list(FAMILIES))
 def test_two_ranks_bf16_learn_and_mask_nothing_on_policy(shape_runs, method):
     """Two ranks, bf16 both sides, on the policy that sampled: a prompt's samples are distinct draws at every step
@@ -117,8 +122,7 @@ def test_two_ranks_bf16_learn_and_mask_nothing_on_policy(shape_runs, method):
     advantages are non-zero at some step, and nothing is masked or projected (issue 34.2: bf16 log pi = 0 is within
     its rounding), the mismatch KL at the rounding's size."""
     run = shape_runs[FAMILIES[method]]
-    loop.finished(run, run.steps)
-    assert f"verl-dppo {method} in effect" in run.log, loop._fail(run, "the mode's 'in effect' line is missing")
+    loop.trained_through_main_ppo(run, method)  # and test_full_loop's checks of a mode trained through main_ppo
     groups = _groups(run)
     assert sorted(groups) == list(range(1, run.steps + 1)), loop._fail(run, f"rollout dumps of steps {sorted(groups)}")
     for step, outputs in groups.items():
@@ -183,19 +187,6 @@ def test_lora_on_the_hf_rollout_samples_from_the_adapted_policy(shape_runs):
     assert min(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update: the check above could not fail")
 
 
-def test_moe_on_the_hf_rollout_samples_from_the_trained_experts(shape_runs):
-    """A Qwen3-MoE of 4 experts (dppo.tiny_model.num_experts=4): the actor exports its experts one by one (verl's
-    unfuse_moe_params), the hf rollout puts them back in transformers' fused tensors; the rollout's log-probs equal
-    the actor's to float rounding at every step after an update."""
-    run = shape_runs["shape-moe-hf"]
-    loop.finished(run, run.steps)
-    mismatch = run.values("actor/dppo/mismatch_tv_mean")
-    assert all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
-    assert min(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
-    config = json.loads((run.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random" / "config.json").read_text())
-    assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
-
-
 def test_two_ranks_killed_and_resumed_replaying_the_hf_rollouts_routes(shape_runs):
     """Two ranks, dppo_topk_tv on the Qwen3-MoE with R3: one rank's worker SIGKILLed after the step-2 checkpoint,
     main_ppo fails on its own; the restart through the CLI resumes at step 3 (logged once) on both ranks, the rollout
@@ -203,14 +194,21 @@ def test_two_ranks_killed_and_resumed_replaying_the_hf_rollouts_routes(shape_run
     sampled. Issue 52: at every step before the kill and after the resume, the trainer's routers on both ranks took
     the experts the hf rollout recorded on every row with a route (`r3_replayed_frac` 1: without the replay there is
     no such metric), the router alone would have chosen otherwise on at most a few (the routes reached their rows),
-    and the rows without a route (padding, each sequence's last token) are counted apart."""
+    and the rows without a route (padding, each sequence's last token) are counted apart. The MoE weights: the actor
+    exports its experts one by one (verl's unfuse_moe_params), the hf rollout puts them back in transformers' fused
+    tensors, and the rollout's log-probs equal the actor's to float rounding at every step after an update."""
     killed, restarted = shape_runs["shape-2r-killed"], shape_runs["shape-2r-restarted"]
+    model = killed.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random"
+    config = json.loads((model / "config.json").read_text())
+    assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
     assert killed.killed_pid is not None, loop._fail(killed, "the worker was never killed")
     assert killed.exited_on_its_own and killed.rc not in (0, None), loop._fail(killed, "did not fail on its own")
     loop.finished(restarted, 3)
     assert "setting global step to 2" in restarted.log, loop._fail(restarted, "did not resume from step 2")
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
-    assert all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(restarted, f"mismatch_tv_mean {mismatch}")
+    assert len(mismatch) == 3 and all(0 < m < SYNC_BOUND for m in mismatch), loop._fail(
+        restarted, f"mismatch_tv_mean {mismatch}")
+    assert min(restarted.values("actor/grad_norm")) > 0, loop._fail(restarted, "no update: the check above can't fail")
     assert max(restarted.values("actor/pg_clipfrac")) == 0.0, loop._fail(restarted, "masked on the sampling policy")
     for run, steps in ((killed, 2), (restarted, 3)):  # the restart's log keeps the steps before the kill
         loop.replayed_every_route(run, steps, router_differs=False, unrouted_max=0.5)  # fp32: the router agrees
