@@ -1,6 +1,7 @@
 """Issue 24.8: after a SIGKILL of `verl-dppo run`, Ray's processes (the dashboard and runtime-env agents among them)
-stayed orphaned for minutes. The local Ray instance `run` starts ends with it (verl_dppo/launch/ray_reaper.py), and a
-later launch trains."""
+stayed orphaned for minutes. The local Ray instance `run` starts ends with it (verl_dppo/launch/ray_reaper.py), and the
+next launch trains: `verl-dppo check --rehearse` on verl's GRPO example (issue 43; one launch for both checks, each
+launch 2-3 minutes on a slow 2-core machine)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _names(pids) -> list[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
-def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_trains(tmp_path):
+def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_rehearses_a_command(tmp_path):
     # a user's shell: no RAY_ADDRESS (run starts the local instance), no VERL_* left by other tests of this process
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_") and k != "RAY_ADDRESS"}
     env.update(DPPO_ROOT=str(tmp_path / "root"), PYTHONUNBUFFERED="1")
@@ -68,10 +69,32 @@ def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_trains(tmp_
         time.sleep(0.5)
     assert not left, f"still running after the launcher's SIGKILL: {_names(left)}"
 
-    result = subprocess.run(_command(1), capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = tmp_path / "root" / "logs" / "verl-dppo" / "cpu_tiny-dppo_binary_tv-sync.jsonl"
-    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1], result.stderr[-3000:]
+    # The next launch on this machine: `check --rehearse` of verl's GRPO example switched to dppo_binary_tv, one step
+    # through verl's trainer on a local Ray instance of its own (its model and data from the killed launch's build).
+    rehearsed(tmp_path, env)
+
+
+def rehearsed(tmp_path: Path, env: dict) -> None:
+    """verl's GRPO example switched to dppo_binary_tv, rehearsed for one step on this CPU through verl's trainer:
+    exit 0, the worker's values in effect are the command's (inherited 0.2 / 0.2 / cap 3), its KL loss logged, the
+    run record's command the one `check` composed (tests/test_check.py checks the rehearsal's composition)."""
+    from test_check import FROM_GRPO, verl_grpo_example
+
+    command = [VERL_DPPO, "check", "--rehearse", "--steps", "1", *verl_grpo_example(tmp_path), FROM_GRPO[0]]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    # issue 43.4: the console leads with what it rehearses; the `run` line is in the run record; no K for binary
+    assert "verl-dppo: check: rehearsing dppo_binary_tv as your command sets it" in log, log[-3000:]
+    (in_effect,) = {line.split("verl-dppo ", 1)[1] for line in log.splitlines() if "dppo_binary_tv in effect:" in line}
+    assert in_effect.startswith("dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3"), log[-3000:]
+    assert "topk" not in in_effect, in_effect
+    jsonl = Path(env["DPPO_ROOT"]) / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
+    (record,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert record["step"] == 1 and "actor/kl_loss" in record["data"], record
+    run = json.loads(jsonl.with_suffix(".run.json").read_text())
+    assert run["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), run
+    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in run["command"], run
 
 
 def descendants_alive(pid: int, started: int) -> bool:

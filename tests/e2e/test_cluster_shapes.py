@@ -3,7 +3,7 @@ kill and resume at two ranks. Every run is launched as a user launches it,
 `verl-dppo run cpu_tiny --method M ...`, on a local Ray cluster of the test's own (the harness of
 test_full_loop: one update per step on the policy that sampled, the suite's reward, fp32 unless a run says bf16).
 
-The runs, in two lanes side by side:
+The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py):
 - two ranks, bf16 mixed precision and a bf16 rollout, on cpu_tiny's warm-started model (peaked rows, where bf16
   rounds a confident token's log-prob to 0), one run per family: `dppo_binary_kl`, `dppo_topk_tv`, and `troll` with
   `use_kl_loss=True` (the reference model on the CPU platform). Each: a prompt's two samples are distinct draws
@@ -77,17 +77,15 @@ def _lanes(root: Path) -> list[list[loop.Run]]:
     return [families, shapes]
 
 
+def lane_chains(root: Path) -> list[list[loop.Run]]:
+    """This tier's launches for the pool of lanes (tests/e2e/conftest.py): the killed run and its restart one chain."""
+    families, shapes = _lanes(root)
+    return [[run] for run in families] + [[shapes[0]], shapes[1:]]
+
+
 @pytest.fixture(scope="module")
-def shape_runs(tmp_path_factory) -> dict[str, loop.Run]:
-    root = tmp_path_factory.mktemp("cluster_shapes")
-
-    def warm_model() -> None:  # cpu_tiny's warm-started model, built once for both lanes
-        from verl_dppo.launch.compose import compose_recipe
-        from verl_dppo.rehearsal.setups.cpu_tiny import build_assets
-
-        build_assets(compose_recipe("cpu_tiny", "dppo_binary_tv"))
-
-    return loop.run_lanes(root, loop.compose_lanes(root, _lanes(root), warm_model), "cluster shapes")
+def shape_runs(launches) -> dict[str, loop.Run]:
+    return launches
 
 
 def _groups(run: loop.Run) -> dict[int, list[list[str]]]:

@@ -8,9 +8,9 @@ would, through the `verl-dppo run` console script (its own composition, checks a
 the uninterrupted run's, composed here. Every stage is verl's: the agent loop, verl's GSM8K
 reward, GRPO advantages, `update_actor` with the plugin's loss, the weight sync, checkpoints, the JSONL log.
 
-The runs go in two lanes side by side, each lane's runs one after another on a local Ray cluster of its own (started
-and stopped here); the tests read what a user reads: the exit code, the JSONL log, the workers' log lines, the
-checkpoint folder.
+The runs go in the e2e tiers' pool of lanes (tests/e2e/conftest.py, `run_pool` here), each lane's runs one after
+another on a local Ray cluster of its own (started and stopped here); the tests read what a user reads: the exit
+code, the JSONL log, the workers' log lines, the checkpoint folder.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 
@@ -70,7 +70,7 @@ VALIDATION_FILE = "${dppo.tiny_data.dir}/validation.parquet"
 """cpu_tiny's problems with other prompts (validation_file): the resume runs validate on them."""
 RESUME_METHOD = "dppo_binary_tv"
 DEFAULT_METHODS = ("dppo_binary_tv", "troll")
-"""Run with cpu_tiny's own settings, one after the other in one lane (they build cpu_tiny's warm-started model)."""
+"""Run with cpu_tiny's own settings, on cpu_tiny's warm-started model (the pool builds it before the lanes start)."""
 TRAINED_IN_CLUSTER_TIER = ("dppo_binary_kl",)
 """Modes whose main_ppo run is test_cluster_shapes' two-rank bf16 run of the mode (checked there with
 `trained_through_main_ppo`, as here): no one-rank run of their own (a launch: 2-4 minutes on a slow 2-core machine)."""
@@ -149,6 +149,8 @@ class Run:
     killed_pid: Optional[int] = None
     exited_on_its_own: bool = True
     folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
+    after: Optional[Callable] = None
+    """after(run, cluster), called in the run's lane once the run has ended (its lane's Ray cluster still up)."""
     defaults: bool = False
     """cpu_tiny's own settings, as a user's `verl-dppo run cpu_tiny --method M` trains: only the run's folders set
     (checkpoints, JSONL log). The other runs set the suite's reward, lr and model, and one update per step."""
@@ -311,21 +313,46 @@ def chains() -> list[list[Run]]:
     # validation at step 2 leaves what step 3 samples as the uninterrupted run sampled it.
     resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}")
     # cpu_tiny as it ships (issue 27.2): the trust region acts within its 4 steps.
-    defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True) for method in DEFAULT_METHODS]]
+    defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True)] for method in DEFAULT_METHODS]
     resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=resumed),
                Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed", via_cli=True,
                    overrides=resumed)]]
     return resume + defaults + modes
 
 
+def lane_chains(root: Path) -> list[list[Run]]:
+    """This tier's launches for the pool of lanes (tests/e2e/conftest.py: `launches`)."""
+    return chains()
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Run]:
-    """Every run, in lanes pulling chains from one queue as they are composed: the composition (Hydra, the models'
-    build: about 20 s, the warm-started model most of it) overlaps the first runs instead of delaying them."""
-    root = tmp_path_factory.mktemp("full_loop")
-    only = os.environ.get("DPPO_FULL_LOOP_ONLY")  # comma-separated run names, for a quick look at a few of them
-    plan = [[r for r in chain if not only or r.name in only.split(",")] for chain in chains()]
-    plan = [chain for chain in plan if chain]
+def runs(launches) -> dict[str, Run]:
+    return launches
+
+
+def chain_cost(chain: list[Run]) -> float:
+    """A chain's rough length for the pool's order, in launches of a one-rank sync run (the vLLM and Megatron start-ups,
+    two ranks, more steps, the separate_async trainer cost more: 2026-11-28's clean-clone suite, a slow 2-core Intel,
+    117-200 s a plain launch, 164-251 s on Megatron, 208-296 s on vLLM)."""
+    cost = 0.0
+    for run in chain:
+        settings = " ".join(run.overrides)
+        cost += (1.0 + 0.5 * ("rollout.name=vllm" in settings) + 0.3 * ("model_engine=megatron" in settings)
+                 + 0.2 * ("n_gpus_per_node=2" in settings) + 0.1 * max(0, run.steps - 2)
+                 + 0.5 * (run.trainer_mode == "separate_async"))
+    return cost
+
+
+def run_pool(root: Path, chains_: list[list[Run]], prepare: Optional[Callable] = None) -> dict[str, Run]:
+    """Every tier's chains (a resume after its killed run) in PARALLEL lanes that pull them from one queue, longest
+    first, each lane on a local Ray cluster of its own (started once for every tier), its runs one after another.
+    This thread composes the chains as the lanes run the first ones (Hydra's composition is not thread-safe),
+    DPPO_ROOT=root/dppo_root for all of them: each model and data set is built once (`prepare()` once the lanes have
+    a chain each: the builds that launches through the CLI would otherwise make side by side). Only the runs named
+    in DPPO_FULL_LOOP_ONLY (comma-separated), if set. The times go to root/seconds.json."""
+    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
+    plan = [[run for run in chain if not only or run.name in only.split(",")] for chain in chains_]
+    plan = sorted((chain for chain in plan if chain), key=chain_cost, reverse=True)
     done: dict[str, Run] = {}
     lock = threading.Lock()
     ready: queue.Queue = queue.Queue()
@@ -337,22 +364,24 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             while (chain := ready.get()) is not None:
                 for run in chain if not failed.is_set() else ():
                     execute(run, cluster.address)
+                    if run.after is not None:
+                        run.after(run, cluster)
                     with lock:
                         done[run.name] = run
-                    print(f"full loop: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
+                    print(f"lanes: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
         finally:
             cluster.stop()
 
     start = time.perf_counter()
     lanes = min(PARALLEL, len(plan))
-    with ThreadPoolExecutor(max_workers=lanes) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, lanes)) as pool:
         futures = [pool.submit(run_lane, index) for index in range(lanes)]
-        # The cpu_tiny model and data are built here, once for every run (not in the user's ~/dppo). Hydra's
-        # composition is not thread-safe: this thread composes every config, the lanes only launch them.
         saved_root = os.environ.get("DPPO_ROOT")
         os.environ["DPPO_ROOT"] = str(root / "dppo_root")
         try:
-            for chain in plan:
+            for index, chain in enumerate(plan):
+                if index == lanes and prepare is not None:
+                    prepare()  # the lanes have a chain each (a launch that needs its build first makes it itself)
                 for run in chain:
                     compose(run, root)  # resolved: the runs read their paths from the YAML, not from DPPO_ROOT
                 ready.put(chain)
@@ -369,56 +398,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         for future in futures:
             future.result()
     total = time.perf_counter() - start
-    print(f"full loop: all runs {total:.0f} s", file=sys.stderr)
+    print(f"lanes: all runs {total:.0f} s", file=sys.stderr)
     (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
-    return done
-
-
-def compose_lanes(root: Path, lanes: list[list[Run]], prepare=None) -> list[list[Run]]:
-    """The lanes' runs (those DPPO_FULL_LOOP_ONLY names, if set) composed under `root`, DPPO_ROOT=root/dppo_root for
-    the composition only; `prepare()` runs first under it (a build the lanes share)."""
-    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
-    plan = [[run for run in lane if not only or run.name in only.split(",")] for lane in lanes]
-    plan = [lane for lane in plan if lane]
-    saved_root = os.environ.get("DPPO_ROOT")
-    os.environ["DPPO_ROOT"] = str(root / "dppo_root")
-    try:
-        if prepare is not None and plan:
-            prepare()
-        for run in (run for lane in plan for run in lane):
-            compose(run, root)
-    finally:
-        if saved_root is None:
-            os.environ.pop("DPPO_ROOT")
-        else:
-            os.environ["DPPO_ROOT"] = saved_root
-    return plan
-
-
-def run_lanes(root: Path, plan: list[list[Run]], label: str, after=None) -> dict[str, Run]:
-    """Each lane's runs one after another on a local Ray cluster of its own, the lanes side by side; `after(run,
-    cluster)` once each run has ended. The times go to root/seconds.json."""
-    done: dict[str, Run] = {}
-
-    def run_lane(index: int, lane: list[Run]) -> None:
-        cluster = Cluster(root / f"lane{index}")
-        try:
-            for run in lane:
-                execute(run, cluster.address)
-                if after is not None:
-                    after(run, cluster)
-                done[run.name] = run
-                print(f"{label}: {run.name} rc={run.rc} {run.seconds:.0f} s", file=sys.stderr)
-        finally:
-            cluster.stop()
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
-        for future in [pool.submit(run_lane, index, lane) for index, lane in enumerate(plan)]:
-            future.result()
-    total = time.perf_counter() - start
-    (root / "seconds.json").write_text(json.dumps({"all": total, **{n: r.seconds for n, r in done.items()}}, indent=1))
-    print(f"{label}: all runs {total:.0f} s", file=sys.stderr)
     return done
 
 

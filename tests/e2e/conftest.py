@@ -1,0 +1,41 @@
+"""The launches of the e2e tiers that train through `main_ppo` on local Ray clusters (the full loop, the cluster
+shapes, Megatron, vLLM) go in one pool of lanes (issue 53.7): two Ray clusters for all of them instead of two per
+tier, each model built once, and no lane idle at the end of each tier while the other finishes its last run (on a
+slow 2-core machine the four tiers' tails had cost about four minutes). Each tier's module gives its chains
+(`lane_chains(root)`, only where it can run: `LANES_AVAILABLE`) and reads its runs from `launches` by name; the pool
+holds the tiers that have a test in this pytest session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(scope="session")
+def launches(request, tmp_path_factory) -> dict:
+    import test_full_loop as loop
+
+    tiers = []
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "lane_chains") and module not in tiers:
+            tiers.append(module)
+    root = tmp_path_factory.mktemp("lanes")
+    chains = [chain for module in tiers if getattr(module, "LANES_AVAILABLE", True)
+              for chain in module.lane_chains(root)]
+    return loop.run_pool(root, chains, prepare=warm_model)
+
+
+def warm_model() -> None:
+    """cpu_tiny's warm-started model and data, built before the lanes start: several launches through the CLI read it,
+    and side by side each would build it (about 40 s of a core on a slow machine)."""
+    from verl_dppo.launch.compose import compose_recipe
+    from verl_dppo.rehearsal.setups.cpu_tiny import build_assets
+
+    build_assets(compose_recipe("cpu_tiny", "dppo_binary_tv"))
