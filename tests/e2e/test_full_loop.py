@@ -646,7 +646,8 @@ def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(run
     restarted = runs["resume-restarted"]
     finished(restarted, 3)
     lines = [line for line in restarted.log.splitlines() if line.strip()]
-    log = restarted.folder / "logs" / "verl-dppo" / f"cpu_tiny-{RESUME_METHOD}-sync.jsonl"
+    # the run's log is named by setup, method, trainer mode and shape (RESUME_SHAPE's MoE of 4 experts: -moe4)
+    log = restarted.folder / "logs" / "verl-dppo" / f"cpu_tiny-{RESUME_METHOD}-sync-moe4.jsonl"
     last = lines[-1]
     assert last.startswith(f"verl-dppo: done, 3 of 3 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
                            f"{restarted.folder / 'checkpoints'}"), last
