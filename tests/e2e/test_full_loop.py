@@ -88,7 +88,7 @@ VALIDATION_FILE = "${dppo.tiny_data.dir}/validation.parquet"
 """cpu_tiny's problems with other prompts (validation_file): the resume runs validate on them."""
 RESUME_METHOD = "dppo_binary_tv"
 DEFAULT_METHODS = ("dppo_binary_tv", "troll")
-"""Run with cpu_tiny's own settings, on cpu_tiny's warm-started model (the pool builds it before the lanes start)."""
+"""Run with cpu_tiny's own settings, on cpu_tiny's warm-started model (the pool builds it once, as the lanes start)."""
 TRAINED_ELSEWHERE = {"dppo_binary_kl": ("test_cluster_shapes", "shape-2r-bf16-binary_kl"),
                      "pg_is": ("test_megatron_loop", "megatron-moe-ep2")}
 """Modes whose main_ppo run is another tier's launch in the pool (its module, the run): no run of their own here (a
