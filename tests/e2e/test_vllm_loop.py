@@ -4,10 +4,10 @@ the README's set-up) as `actor_rollout_ref.rollout.name=vllm`, every run launche
 own, joined with RAY_ADDRESS), verl's unmodified vLLM server code and the plugin's top-K capture of the engine's rows.
 
 The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py; each lane on a local Ray cluster of its own: verl's
-TransferQueue names its controller globally, one job per cluster at a time): dppo_topk_tv sync, its training
-worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); troll sync;
-dppo_topk_kl separate_async (samples a version old, requests cut by a weight push after generating tokens, resumed
-on the new weights and trained); a Qwen3-MoE in bf16 with R3 on verl's FSDP engine (issue 52). After each run: no
+TransferQueue names its controller globally, one job per cluster at a time): troll with LoRA, sync, its training
+worker SIGKILLed after the step-2 checkpoint and the run started again (it continues at step 3); dppo_topk_kl
+separate_async (samples a version old, requests cut by a weight push after generating tokens, resumed on the new
+weights and trained); a Qwen3-MoE in bf16 with R3 on verl's FSDP engine (issue 52). After each run: no
 vLLM process of its lane left; after every run of the pool, no /dev/shm segment left (the launcher's watchdog sweeps
 what the killed engines left). Skipped where vLLM's CPU build is not installed.
 """
@@ -100,12 +100,12 @@ def _segments_left(before: set[str]) -> set[str]:
 
 
 def _lanes() -> list[list[loop.Run]]:
-    kill = loop.Run("vllm-topk_tv-killed", "dppo_topk_tv", steps=3, kill_after_step=2, via_cli=True,
-                    overrides=(*VLLM, "trainer.save_freq=2"))
-    restart = loop.Run("vllm-topk_tv-restarted", "dppo_topk_tv", steps=3, folder_of=kill.name, via_cli=True,
-                       overrides=(*VLLM, "trainer.save_freq=2"))
-    # With LoRA (issue 34.3, a cluster run's shape): vLLM serves the adapter verl pushes at every step.
-    troll = loop.Run("vllm-troll", "troll", via_cli=True, overrides=(*VLLM, *LORA))
+    # troll with LoRA (issue 34.3, a cluster run's shape: vLLM serves the adapter verl pushes at every step), its
+    # training worker killed after the step-2 checkpoint and the run started again through the CLI
+    kill = loop.Run("vllm-troll-lora-killed", "troll", steps=3, kill_after_step=2, via_cli=True,
+                    overrides=(*VLLM, *LORA, "trainer.save_freq=2"))
+    restart = loop.Run("vllm-troll-lora-restarted", "troll", steps=3, folder_of=kill.name, via_cli=True,
+                       overrides=(*VLLM, *LORA, "trainer.save_freq=2"))
     # Every weight push must find responses half generated, and the last steps must train some resumed (CUT). The
     # rollout pool alone serves (hybrid_engine=False: no second vLLM server on the trainer's device, about 50 s
     # less; verl 0.9.1 needs the plugin's patch to start so).
@@ -115,7 +115,7 @@ def _lanes() -> list[list[loop.Run]]:
     # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes).
     r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=2, via_cli=True,
                   overrides=(*VLLM, *MOE, *R3_FSDP, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
-    return [[kill, restart, r3], [troll, separate]]
+    return [[kill, restart], [r3], [separate]]
 
 
 _SEGMENTS_BEFORE: set[str] = set()
@@ -130,10 +130,11 @@ def lane_chains(root: Path) -> list[list[loop.Run]]:
     after each run, the vLLM processes left in its lane's session are noted (`left_processes`)."""
     global _SEGMENTS_BEFORE
     _SEGMENTS_BEFORE = ray_reaper.segments()  # the pool has not started
-    (kill, restart, r3), (troll, separate) = _lanes()
-    for run in (kill, restart, r3, troll, separate):
-        run.after = _no_vllm_process_left
-    return [[kill, restart], [r3], [troll], [separate]]
+    chains = _lanes()
+    for chain in chains:
+        for run in chain:
+            run.after = _no_vllm_process_left
+    return chains
 
 
 @pytest.fixture(scope="module")
@@ -157,38 +158,29 @@ def _served_by_vllm(run: loop.Run) -> None:
     assert "vLLMHttpServer" in run.log, loop._fail(run, "no vLLM server in the run's log")
 
 
-def test_topk_tv_trains_on_vllm_is_killed_and_resumes(vllm_runs):
-    """dppo_topk_tv, sync, on vLLM: steps 1-2 trained (the rows' mass in the log), its training worker SIGKILLed after the step-2 checkpoint, main_ppo fails on its own; the
-    restart through the CLI resumes at step 3. Steps 1, 2, 3 each once in the JSONL log; nothing left behind."""
-    killed, restarted = vllm_runs["vllm-topk_tv-killed"], vllm_runs["vllm-topk_tv-restarted"]
+def test_troll_with_lora_trains_on_vllm_is_killed_and_resumes(vllm_runs):
+    """troll with a LoRA adapter (rank 8, all-linear), sync, on vLLM: steps 1-2 trained, its training worker SIGKILLed
+    after the step-2 checkpoint (the adapter in it), main_ppo fails on its own; the restart through the CLI resumes at
+    step 3. Steps 1, 2, 3 each once in the JSONL log; at every step vLLM's log-probs are the adapted actor's to float
+    rounding (fp32, one update per step: an adapter not pushed to the restarted vLLM, or pushed onto the wrong base,
+    would be off by the update's size), the rows' mass, an update; nothing left behind."""
+    killed, restarted = vllm_runs["vllm-troll-lora-killed"], vllm_runs["vllm-troll-lora-restarted"]
     assert killed.killed_pid is not None, loop._fail(killed, "the worker was never killed")
     assert killed.exited_on_its_own and killed.rc not in (0, None), loop._fail(killed, "did not fail on its own")
     _served_by_vllm(killed)
     loop.finished(restarted, 3)
+    _served_by_vllm(restarted)
     assert "setting global step to 2" in restarted.log, loop._fail(restarted, "did not resume from step 2")
-    mass = _mass(restarted, "actor/dppo/")
+    assert "lora_train_meta.json" in {p.name for p in (restarted.folder / "checkpoints").rglob("*")}, loop._fail(
+        restarted, "the checkpoint holds no LoRA adapter")
+    mass = _mass(restarted, "actor/troll/")
     assert len(mass) == 3 and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(restarted, f"mass {mass}")
-    # fp32 on both sides (the harness's settings): vLLM's log-probs are the actor's to float rounding
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
-    assert all(0 < m < 1e-4 for m in mismatch), loop._fail(restarted, f"mismatch_tv_mean {mismatch}")
+    assert len(mismatch) == 3 and all(0 < m < 1e-4 for m in mismatch), loop._fail(
+        restarted, f"mismatch_tv_mean {mismatch}")
+    assert min(restarted.values("actor/grad_norm")) > 0, loop._fail(restarted, "a step without an update")
     _nothing_left(killed)
     _nothing_left(restarted)
-
-
-def test_troll_trains_on_vllm_with_lora(vllm_runs):
-    """troll with a LoRA adapter (rank 8, all-linear) on vLLM: vLLM's log-probs are the adapted actor's to float
-    rounding at every step (fp32, one update per step), the rows' mass at every step."""
-    run = vllm_runs["vllm-troll"]
-    loop.finished(run, run.steps)
-    _served_by_vllm(run)
-    assert "lora_train_meta.json" in {p.name for p in (run.folder / "checkpoints").rglob("*")}, loop._fail(
-        run, "the checkpoint holds no LoRA adapter")
-    mismatch = run.values("actor/dppo/mismatch_tv_mean")
-    assert all(0 < m < 1e-4 for m in mismatch), loop._fail(run, f"mismatch_tv_mean {mismatch}")
-    mass = _mass(run, "actor/troll/")
-    assert all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(run, f"mass {mass}")
-    assert min(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
-    _nothing_left(run)
 
 
 def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
