@@ -179,6 +179,14 @@ class Run:
     """Launched as a user launches it, `verl-dppo run cpu_tiny --method M OVERRIDES` (the console script: its own
     composition, checks, asset build and Ray launch), instead of main_ppo on a YAML composed here."""
     command: list = field(default_factory=list)
+    """Set here for a launch that is not cpu_tiny's (`compose` then leaves it as it is)."""
+    own_ray: bool = False
+    """Launched without RAY_ADDRESS: `verl-dppo run` starts a Ray instance of its own, as on a machine without a
+    cluster (its lane's cluster idles meanwhile)."""
+    timeout_s: float = 0.0
+    """How long the launch may take (0: RUN_TIMEOUT_S)."""
+    cost: float = 1.0
+    """Its length in launches of a one-rank sync run, before what its settings add (`chain_cost`)."""
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -204,6 +212,8 @@ def compose(run: Run, root: Path) -> Path:
 
     run.folder = root / (run.folder_of or run.name)
     run.folder.mkdir(parents=True, exist_ok=True)
+    if run.command:
+        return run.folder
     checkpoints = run.folder / "checkpoints"
     # Hydra composes each (method, trainer mode) once (some 30 YAML files: seconds on a small CPU); the overrides
     # are parsed by Hydra's own parser and set on a copy (driver.apply_overrides), as Hydra would set them.
@@ -296,11 +306,13 @@ def worker_pid(log_path: Path) -> int:
 def execute(run: Run, address: str) -> Run:
     env = Cluster.env(RAY_ADDRESS=address, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
                       HYDRA_FULL_ERROR="1", DPPO_ROOT=str(run.folder.parent / "dppo_root"))
+    if run.own_ray:
+        del env["RAY_ADDRESS"]
     start = time.perf_counter()
     log_path = run.folder / f"{run.name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
-        deadline = start + RUN_TIMEOUT_S
+        deadline = start + (run.timeout_s or RUN_TIMEOUT_S)
         while process.poll() is None and time.perf_counter() < deadline:
             if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step):
                 run.killed_pid = worker_pid(log_path)
@@ -360,7 +372,7 @@ def chain_cost(chain: list[Run]) -> float:
     cost = 0.0
     for run in chain:
         settings = " ".join(run.overrides)
-        cost += (1.0 + 0.5 * ("rollout.name=vllm" in settings) + 0.3 * ("model_engine=megatron" in settings)
+        cost += (run.cost + 0.5 * ("rollout.name=vllm" in settings) + 0.3 * ("model_engine=megatron" in settings)
                  + 0.2 * ("n_gpus_per_node=2" in settings) + 0.1 * max(0, run.steps - 2)
                  + 0.5 * (run.trainer_mode == "separate_async"))
     return cost

