@@ -440,7 +440,8 @@ def run_pool(root: Path, chains_: list[list[Run]], prepare: Optional[Callable] =
 
 def _fail(run: Run, what: str) -> str:
     tail = "\n".join(run.log.splitlines()[-40:])
-    return f"{run.name}: {what} (rc={run.rc}, {run.seconds:.0f} s); log tail:\n{tail}"
+    limit = "" if run.exited_on_its_own else ", killed at its time limit"
+    return f"{run.name}: {what} (rc={run.rc}, {run.seconds:.0f} s{limit}); log tail:\n{tail}"
 
 
 def validation_only(record: dict) -> bool:

