@@ -7,7 +7,6 @@ holds the tiers that have a test in this pytest session."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -43,8 +42,10 @@ class Launches(dict):
     def __missing__(self, name: str):
         """A run left out by DPPO_FULL_LOOP_ONLY (a developer's subset of the pool): its tests skip. Any other missing
         run is a failure (the pool stopped, or a test names a run no tier launches)."""
-        only = os.environ.get("DPPO_FULL_LOOP_ONLY")
-        if only and name not in only.split(","):
+        from test_full_loop import only_runs
+
+        only = only_runs()
+        if only is not None and name not in only:
             pytest.skip(f"{name} is not in DPPO_FULL_LOOP_ONLY")
         raise KeyError(name)
 

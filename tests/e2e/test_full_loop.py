@@ -187,6 +187,8 @@ class Run:
     """How long the launch may take (0: RUN_TIMEOUT_S)."""
     cost: float = 1.0
     """Its length in launches of a one-rank sync run, before what its settings add (`chain_cost`)."""
+    first: bool = False
+    """Its chain goes before every chain without such a run, whatever the costs (`run_pool`)."""
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -378,16 +380,24 @@ def chain_cost(chain: list[Run]) -> float:
     return cost
 
 
+def only_runs() -> Optional[set[str]]:
+    """The runs named in DPPO_FULL_LOOP_ONLY (comma-separated), a developer's subset of the pool; None: every run."""
+    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
+    return {name.strip() for name in only.split(",") if name.strip()} if only else None
+
+
 def run_pool(root: Path, chains_: list[list[Run]], prepare: Optional[Callable] = None) -> dict[str, Run]:
     """Every tier's chains (a resume after its killed run) in PARALLEL lanes that pull them from one queue, longest
     first, each lane on a local Ray cluster of its own (started once for every tier), its runs one after another.
     This thread composes the chains as the lanes run the first ones (Hydra's composition is not thread-safe),
     DPPO_ROOT=root/dppo_root for all of them: each model and data set is built once (`prepare()` once the lanes have
     a chain each: the builds that launches through the CLI would otherwise make side by side). Only the runs named
-    in DPPO_FULL_LOOP_ONLY (comma-separated), if set. The times go to root/seconds.json."""
-    only = os.environ.get("DPPO_FULL_LOOP_ONLY")
-    plan = [[run for run in chain if not only or run.name in only.split(",")] for chain in chains_]
-    plan = sorted((chain for chain in plan if chain), key=chain_cost, reverse=True)
+    in DPPO_FULL_LOOP_ONLY (comma-separated), if set; a chain with a `first` run before the others. The times go to
+    root/seconds.json."""
+    only = only_runs()
+    plan = [[run for run in chain if only is None or run.name in only] for chain in chains_]
+    plan = sorted((chain for chain in plan if chain), key=lambda chain: (any(run.first for run in chain),
+                                                                         chain_cost(chain)), reverse=True)
     done: dict[str, Run] = {}
     lock = threading.Lock()
     ready: queue.Queue = queue.Queue()
