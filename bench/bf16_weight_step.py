@@ -3,8 +3,9 @@ candidate cause of the mismatch that grows after the first update in the smollm2
 
     .venv/bin/python bench/bf16_weight_step.py            # lr 1e-6 (the setup's), 8 sums, 48 sampled tokens each
 
-The model is the setup's (SmolLM2-135M-Instruct, built once under $DPPO_ROOT/models as a launch builds it: float32
-weights, the Q4_1 de-quantisation). The trainer keeps those float32 weights; vLLM in bf16 rounds each pushed weight to
+The model is the setup's SmolLM2-135M-Instruct, read from the package's GGUF file as the setup's build reads it: the
+Q4_1 de-quantisation in float32, which the build then rounds to bf16 values (`--bf16-checkpoint` does the same here;
+without it, the weights as the build wrote them before 2026-11-29). The trainer keeps float32 weights; vLLM in bf16 rounds each pushed weight to
 the nearest bf16 value. One step of Adam from a fresh state moves each weight by lr * g / (|g| + eps) against its
 gradient g (weight decay aside: lr * 0.01 * |w|, a hundred times smaller at these weights), whatever the loss; here g is
 the gradient of the sampled tokens' mean log-prob on the setup's sums (sampled by the float32 model at temperature 1),
@@ -21,7 +22,8 @@ so the step is coherent as a training step's is, not random. Printed:
   of the step alone makes (the trainer at w + s against w + s without the exact weights' part), and the change that
   the halfway weights' copies alone make (w with those weights replaced by their bf16 copy after the step, against w).
 
-`--bf16-checkpoint` starts from the weights rounded to bf16, as a published bf16 checkpoint's are.
+`--bf16-checkpoint` starts from the weights rounded to bf16, as the build writes them and as a published bf16
+checkpoint's are.
 
 vLLM also computes in bf16, which this leaves out: the launches' mismatch at step 1 includes that, this bench's does
 not. Prints one JSON line at the end.
@@ -47,28 +49,27 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bf16-checkpoint", action="store_true",
-                        help="start from the checkpoint's weights rounded to bf16, as a published bf16 checkpoint is")
+                        help="start from the weights rounded to bf16, as the setup's build and a published bf16 "
+                             "checkpoint have them")
     args = parser.parse_args()
 
     import pyarrow.parquet as pq
     from torch.func import functional_call
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_dppo.rehearsal.setups.real_model import build_real_model, write_arithmetic
+    from verl_dppo.rehearsal.setups.real_model import gguf_file, write_arithmetic
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    path, did = build_real_model()
-    if did:
-        print(did, flush=True)
+    source = gguf_file()
     with tempfile.TemporaryDirectory() as folder:
         rows = pq.read_table(write_arithmetic(Path(folder), 64, 0)).to_pylist()[:args.sums]
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # SmolLM2's tokenizer has none: pad with its end of text, masked out
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32).eval()
 
     texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in rows]
     encoded = tokenizer(texts, return_tensors="pt", padding=True)

@@ -67,13 +67,16 @@ def smollm2(real_model_checkpoint):  # tests/conftest.py: built once per session
 
 
 def test_the_real_model_is_a_real_instruct_llm(smollm2):
-    """The checkpoint is SmolLM2-135M-Instruct: a BPE vocabulary of 49,152, a chat template, and it answers."""
+    """The checkpoint is SmolLM2-135M-Instruct: a BPE vocabulary of 49,152, a chat template, weights of bf16 values,
+    and it answers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert real_model.build_real_model(smollm2)[1] is None  # built once
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     assert len(tokenizer) == 49152 and 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    # bf16 values, as a published checkpoint's: vLLM's bf16 copy then moves with an update as it would on a cluster
+    assert all(torch.equal(p.bfloat16().float(), p) for p in model.parameters())
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():

