@@ -1,15 +1,16 @@
 """What of the real model's first optimizer step reaches a bf16 copy of its weights, as vLLM in bf16 holds them: the
-candidate cause of the mismatch that grows after the first update in the smollm2 launches (docs/real-model.md).
+cause of the mismatch that grew after the first update in the smollm2 launches until the setup's build rounded the
+weights to bf16 values (docs/real-model.md).
 
     .venv/bin/python bench/bf16_weight_step.py            # lr 1e-6 (the setup's), 8 sums, 48 sampled tokens each
 
 The model is the setup's SmolLM2-135M-Instruct, read from the package's GGUF file as the setup's build reads it: the
 Q4_1 de-quantisation in float32, which the build then rounds to bf16 values (`--bf16-checkpoint` does the same here;
-without it, the weights as the build wrote them before 2026-11-29). The trainer keeps float32 weights; vLLM in bf16 rounds each pushed weight to
-the nearest bf16 value. One step of Adam from a fresh state moves each weight by lr * g / (|g| + eps) against its
-gradient g (weight decay aside: lr * 0.01 * |w|, a hundred times smaller at these weights), whatever the loss; here g is
-the gradient of the sampled tokens' mean log-prob on the setup's sums (sampled by the float32 model at temperature 1),
-so the step is coherent as a training step's is, not random. Printed:
+without it, the weights as the build wrote them before 2026-11-29). The trainer keeps float32 weights; vLLM in bf16
+rounds each pushed weight to the nearest bf16 value. One step of Adam from a fresh state moves each weight by
+lr * g / (|g| + eps) against its loss's gradient g (weight decay aside: lr * 0.01 * |w|, a hundred times smaller at
+these weights), whatever the loss; here the step ascends the sampled tokens' mean log-prob on the setup's sums
+(sampled by the float32 model at temperature 1), so it is coherent as a training step is, not random. Printed:
 
 - the weights: the share that are bf16 values exactly and the share halfway between two bf16 values (round to nearest
   even keeps such a weight's even neighbour, and any step towards the other, however small, moves the copy by a whole

