@@ -305,7 +305,7 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
 
 
 # The rehearsal through verl's trainer on this CPU (exit 0, the command's values in effect, its KL loss logged): the
-# launch after a killed one in tests/test_launcher_kill.py (`rehearsed`).
+# launch after a killed one in tests/e2e/test_launcher_kill.py (`test_the_next_launch_rehearses_verls_grpo_example`).
 
 
 # Issue 51: the scripts verl users actually run (the shapes of verl's examples/**/*.sh near 0.9.1), switched by the

@@ -1,9 +1,9 @@
-"""The launches of the e2e tiers that train through `main_ppo` on local Ray clusters (the full loop, the cluster
-shapes, Megatron, vLLM) go in one pool of lanes (issue 53.7): two Ray clusters for all of them instead of two per
-tier, each model built once, and no lane idle at the end of each tier while the other finishes its last run (on a
-slow 2-core machine the four tiers' tails had cost about four minutes). Each tier's module gives its chains
-(`lane_chains(root)`, only where it can run: `LANES_AVAILABLE`) and reads its runs from `launches` by name; the pool
-holds the tiers that have a test in this pytest session."""
+"""The launches of the e2e tiers that train through `main_ppo` on local Ray clusters (the full loop, the cluster shapes,
+Megatron, vLLM; the real model and the killed launcher on a Ray instance of their own) go in one pool of lanes (issue
+53.7): two Ray clusters for all of them instead of two per tier, each model built once, and no lane idle at the end of
+each tier while the other finishes its last run (on a slow 2-core machine the four tiers' tails had cost about four
+minutes). Each tier's module gives its chains (`lane_chains(root)`, only where it can run: `LANES_AVAILABLE`) and reads
+its runs from `launches` by name; the pool holds the tiers that have a test in this pytest session."""
 
 from __future__ import annotations
 

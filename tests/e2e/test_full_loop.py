@@ -165,6 +165,9 @@ class Run:
     kill_after_step: Optional[int] = None
     """SIGKILL the run's training worker (verl's WorkerDict actor: the FSDP actor) once this step is checkpointed and
     logged, as a node lost mid-run would; the driver must then fail on its own."""
+    kill_launcher_when: Optional[Callable] = None
+    """kill_launcher_when(run, process), polled while the launch runs: once True, SIGKILL the launched process itself
+    (`verl-dppo run`), as a user's closed terminal or OOM kill would (`killed_pid` its pid)."""
     killed_pid: Optional[int] = None
     exited_on_its_own: bool = True
     folder_of: Optional[str] = None  # another run whose folder (checkpoints, JSONL log) this one continues
@@ -189,6 +192,8 @@ class Run:
     """Its length in launches of a one-rank sync run, before what its settings add (`chain_cost`)."""
     first: bool = False
     """Its chain goes before every chain without such a run, whatever the costs (`run_pool`)."""
+    notes: dict = field(default_factory=dict)
+    """What the run's hooks (kill_launcher_when, after) record for its tests."""
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -320,6 +325,9 @@ def execute(run: Run, address: str) -> Run:
                 run.killed_pid = worker_pid(log_path)
                 os.kill(run.killed_pid, signal.SIGKILL)  # the worker dies right after step kill_after_step
                 deadline = min(deadline, time.perf_counter() + WORKER_DEATH_TIMEOUT_S)
+            if run.kill_launcher_when is not None and run.killed_pid is None and run.kill_launcher_when(run, process):
+                run.killed_pid = process.pid
+                process.kill()
             time.sleep(0.2)
         if process.poll() is None:
             run.exited_on_its_own = False

@@ -1,30 +1,38 @@
 """Issue 24.8: after a SIGKILL of `verl-dppo run`, Ray's processes (the dashboard and runtime-env agents among them)
 stayed orphaned for minutes. The local Ray instance `run` starts ends with it (verl_dppo/launch/ray_reaper.py), and the
-next launch trains: `verl-dppo check --rehearse` on verl's GRPO example (issue 43; one launch for both checks, each
-launch 2-3 minutes on a slow 2-core machine)."""
+next launch trains: `verl-dppo check --rehearse` on verl's GRPO example (issue 43).
+
+The two launches are a chain in the e2e tiers' pool of lanes (tests/e2e/conftest.py), each on a Ray instance of its
+own as on a machine without a cluster (`own_ray`), beside the other lanes' launches: alone after the pool, the two had
+left one of two cores idle for about four minutes on a slow machine (issue 53.7). What the launcher leaves is read
+from its own process tree only, so the other lanes' Ray processes do not count."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from verl_dppo.launch.ray_reaper import GRACE_S, descendants
+HERE = Path(__file__).resolve().parent
+for folder in (HERE.parent, HERE):  # the e2e harness, and tests/ for test_check (alone: not yet on the path)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
-pytestmark = pytest.mark.e2e
+import test_full_loop as loop  # noqa: E402  (the pool's runs)
+from test_check import FROM_GRPO, verl_grpo_example  # noqa: E402  (verl's GRPO example, as `check` reads it)
 
+from verl_dppo.launch.ray_reaper import GRACE_S, _stat, descendants  # noqa: E402
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")]
+
+KILLED, REHEARSAL = "launcher-killed", "launcher-next-rehearsal"
 VERL_DPPO = str(Path(sys.executable).parent / "verl-dppo")
-
-
-def _command(steps: int) -> list[str]:
-    return [VERL_DPPO, "run", "cpu_tiny", "--method", "dppo_binary_tv", f"trainer.total_training_steps={steps}",
-            "trainer.save_freq=-1"]
+UP = ("DashboardAgent", "RuntimeEnvAgent", "WorkerDict")
+"""The launcher is killed once these are among its descendants (the processes that had outlived it) and its raylet."""
 
 
 def _names(pids) -> list[str]:
@@ -37,68 +45,74 @@ def _names(pids) -> list[str]:
     return names
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
-def test_a_killed_launcher_leaves_no_ray_process_and_the_next_launch_rehearses_a_command(tmp_path):
-    # a user's shell: no RAY_ADDRESS (run starts the local instance), no VERL_* left by other tests of this process
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_") and k != "RAY_ADDRESS"}
-    env.update(DPPO_ROOT=str(tmp_path / "root"), PYTHONUNBUFFERED="1")
-    log = open(tmp_path / "killed.log", "w")
-    launcher = subprocess.Popen(_command(3), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-    noted: dict[int, int] = {}
-    deadline = time.monotonic() + 240
-    try:
-        # until Ray's agents and the training worker are up (the processes that outlived the launcher)
-        while time.monotonic() < deadline and launcher.poll() is None:
-            noted.update(descendants(launcher.pid))
-            names = " ".join(_names(noted))
-            if "DashboardAgent" in names and "RuntimeEnvAgent" in names and "WorkerDict" in names:
-                break
+def _up(run: loop.Run, process) -> bool:
+    """Polled while the launch runs: note the launcher's descendants (pid -> start time); True once Ray's agents and
+    the training worker are among them."""
+    noted = run.notes.setdefault("noted", {})
+    noted.update(descendants(process.pid))
+    names = " ".join(_names(noted))
+    if all(name in names for name in UP):
+        noted.update(descendants(process.pid))
+        run.notes["names"] = _names(noted)
+        return True
+    return False
+
+
+def _reaped(run: loop.Run, cluster) -> None:
+    """In the run's lane right after the kill: the launcher's descendants still alive after Ray's own shutdown on
+    SIGTERM and the watchdog's SIGKILL (GRACE_S), with 20 s to spare."""
+    left = dict(run.notes.get("noted", {}))
+    until = time.monotonic() + GRACE_S + 20
+    while left and time.monotonic() < until:
+        left = {pid: started for pid, started in left.items() if (_stat(pid) or (0, None))[1] == started}
+        if left:
             time.sleep(0.5)
-        assert launcher.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        noted.update(descendants(launcher.pid))
-        assert "raylet" in " ".join(_names(noted)), _names(noted)
-    finally:
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-    left = noted
-    until = time.monotonic() + GRACE_S + 20  # Ray's own shutdown on SIGTERM, then the watchdog's SIGKILL
-    while time.monotonic() < until:
-        left = {pid: t for pid, t in left.items() if descendants_alive(pid, t)}
-        if not left:
-            break
-        time.sleep(0.5)
-    assert not left, f"still running after the launcher's SIGKILL: {_names(left)}"
-
-    # The next launch on this machine: `check --rehearse` of verl's GRPO example switched to dppo_binary_tv, one step
-    # through verl's trainer on a local Ray instance of its own (its model and data from the killed launch's build).
-    rehearsed(tmp_path, env)
+    run.notes["left"] = _names(left)
 
 
-def rehearsed(tmp_path: Path, env: dict) -> None:
+def lane_chains(root: Path) -> list[list[loop.Run]]:
+    """A `verl-dppo run` killed once Ray's agents and its training worker are up, then the next launch on the machine:
+    `check --rehearse` of verl's GRPO example switched to dppo_binary_tv (one step through verl's trainer), both as a
+    user's shell runs them (no RAY_ADDRESS), on the pool's DPPO_ROOT (cpu_tiny's model and data built once)."""
+    folder = root / REHEARSAL
+    folder.mkdir(parents=True, exist_ok=True)
+    killed = loop.Run(KILLED, "dppo_binary_tv", steps=3, own_ray=True, timeout_s=300, cost=0.7,
+                      command=[VERL_DPPO, "run", "cpu_tiny", "--method", "dppo_binary_tv",
+                               "trainer.total_training_steps=3", "trainer.save_freq=-1"],
+                      kill_launcher_when=_up, after=_reaped)
+    rehearsal = loop.Run(REHEARSAL, "dppo_binary_tv", steps=1, own_ray=True, timeout_s=900,
+                         command=[VERL_DPPO, "check", "--rehearse", "--steps", "1", *verl_grpo_example(folder),
+                                  FROM_GRPO[0]])
+    return [[killed, rehearsal]]
+
+
+@pytest.fixture(scope="module")
+def runs(launches) -> dict[str, loop.Run]:
+    return launches
+
+
+def test_a_killed_launcher_leaves_no_ray_process(runs):
+    killed = runs[KILLED]
+    assert killed.killed_pid is not None, loop._fail(killed, f"never killed: {' '.join(UP)} not all up")
+    assert "raylet" in " ".join(killed.notes["names"]), killed.notes["names"]
+    assert not killed.notes["left"], f"still running after the launcher's SIGKILL: {killed.notes['left']}"
+
+
+def test_the_next_launch_rehearses_verls_grpo_example(runs):
     """verl's GRPO example switched to dppo_binary_tv, rehearsed for one step on this CPU through verl's trainer:
     exit 0, the worker's values in effect are the command's (inherited 0.2 / 0.2 / cap 3), its KL loss logged, the
     run record's command the one `check` composed (tests/test_check.py checks the rehearsal's composition)."""
-    from test_check import FROM_GRPO, verl_grpo_example
-
-    command = [VERL_DPPO, "check", "--rehearse", "--steps", "1", *verl_grpo_example(tmp_path), FROM_GRPO[0]]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-3000:]
+    run = runs[REHEARSAL]
+    log = run.log
+    assert run.rc == 0, loop._fail(run, "check --rehearse failed")
     # issue 43.4: the console leads with what it rehearses; the `run` line is in the run record; no K for binary
     assert "verl-dppo: check: rehearsing dppo_binary_tv as your command sets it" in log, log[-3000:]
     (in_effect,) = {line.split("verl-dppo ", 1)[1] for line in log.splitlines() if "dppo_binary_tv in effect:" in line}
     assert in_effect.startswith("dppo_binary_tv in effect: delta_low=0.2 delta_high=0.2 ratio_cap=3"), log[-3000:]
     assert "topk" not in in_effect, in_effect
-    jsonl = Path(env["DPPO_ROOT"]) / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
+    jsonl = run.folder.parent / "dppo_root" / "logs" / "verl-dppo" / "cpu_tiny-rehearsal+dppo_binary_tv-sync.jsonl"
     (record,) = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert record["step"] == 1 and "actor/kl_loss" in record["data"], record
-    run = json.loads(jsonl.with_suffix(".run.json").read_text())
-    assert run["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), run
-    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in run["command"], run
-
-
-def descendants_alive(pid: int, started: int) -> bool:
-    from verl_dppo.launch.ray_reaper import _stat
-
-    stat = _stat(pid)
-    return stat is not None and stat[1] == started
+    recorded = json.loads(jsonl.with_suffix(".run.json").read_text())
+    assert recorded["command"].startswith("verl-dppo run cpu_tiny --method grpo_clip_higher "), recorded
+    assert "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv" in recorded["command"], recorded
