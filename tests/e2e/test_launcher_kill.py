@@ -24,7 +24,7 @@ for folder in (HERE.parent, HERE):  # the e2e harness, and tests/ for test_check
 import test_full_loop as loop  # noqa: E402  (the pool's runs)
 from test_check import FROM_GRPO, verl_grpo_example  # noqa: E402  (verl's GRPO example, as `check` reads it)
 
-from verl_dppo.launch.ray_reaper import GRACE_S, _stat, descendants  # noqa: E402
+from verl_dppo.launch.ray_reaper import GRACE_S, _alive, descendants  # noqa: E402
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")]
@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.e2e,
 KILLED, REHEARSAL = "launcher-killed", "launcher-next-rehearsal"
 VERL_DPPO = str(Path(sys.executable).parent / "verl-dppo")
 UP = ("DashboardAgent", "RuntimeEnvAgent", "WorkerDict")
-"""The launcher is killed once these are among its descendants (the processes that had outlived it) and its raylet."""
+"""The launcher is killed once these three are among its descendants; the test then asserts its raylet among the
+processes noted (those that had outlived it)."""
 
 
 def _names(pids) -> list[str]:
@@ -64,7 +65,7 @@ def _reaped(run: loop.Run, cluster) -> None:
     left = dict(run.notes.get("noted", {}))
     until = time.monotonic() + GRACE_S + 20
     while left and time.monotonic() < until:
-        left = {pid: started for pid, started in left.items() if (_stat(pid) or (0, None))[1] == started}
+        left = _alive(left)
         if left:
             time.sleep(0.5)
     run.notes["left"] = _names(left)
