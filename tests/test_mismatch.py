@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_dppo.launch import console
+from verl_dppo.studies import launches
 from verl_dppo.cli import main
 from verl_dppo.studies import mismatch
 from verl_dppo.rehearsal.setups import real_model
@@ -221,7 +221,7 @@ def fake_launches(tmp_path, monkeypatch):
     script.write_text(FAKE_RUN)
     monkeypatch.setattr(mismatch, "LAUNCHER", (sys.executable, str(script)))
     monkeypatch.setenv("FAKE_RECORDS", str(records))
-    monkeypatch.setattr(console, "POLL_S", 0.02)
+    monkeypatch.setattr(launches, "POLL_S", 0.02)
     monkeypatch.setattr(mismatch, "_labels", lambda setup, config_dir, overrides: (
         dict(mismatch.CPU_TRAINER_DTYPES), "vllm (bfloat16)", ["data.train_batch_size=16"]))
     monkeypatch.setattr(mismatch, "thresholds", lambda setup, config_dir, overrides: dict(BOUNDS))

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from verl_dppo.cli import main
-from verl_dppo.studies import study
+from verl_dppo.launch.ray_reaper import _stat
+from verl_dppo.studies import launches, study
 
 
 def _write_log(out: Path, name: str, steps: list[dict]) -> None:
@@ -173,12 +177,11 @@ def test_the_launch_is_a_real_run_command_with_the_studys_settings_first(tmp_pat
     assert captured["args"][1:4] == (["troll"], [4], 2)
     assert captured["args"][5][-2:] == ["trainer.logger=[console]", "actor_rollout_ref.actor.optim.lr=3e-5"]
 
-    commands, real_run = [], subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda command, **k: commands.append(command) or
-                        subprocess.CompletedProcess(command, 0))
+    commands = []
+    monkeypatch.setattr(launches, "run_launch", lambda command, stdout: commands.append(command) or 0)
     study._launch("smollm2", "dppo_topk_tv", 1, 3, tmp_path, overrides, [])
     (command,) = commands
-    dry = real_run([*command[:command.index("--method") + 2], "--dry-run", *command[command.index("--method") + 2:]],
+    dry = subprocess.run([*command[:command.index("--method") + 2], "--dry-run", *command[command.index("--method") + 2:]],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "DPPO_ROOT": str(tmp_path / "root")})
     assert dry.returncode == 0, dry.stderr[-3000:]
     config = yaml.safe_load(dry.stdout)
@@ -189,3 +192,47 @@ def test_the_launch_is_a_real_run_command_with_the_studys_settings_first(tmp_pat
     assert config["actor_rollout_ref"]["rollout"]["seed"] == 1
     assert config["trainer"]["experiment_name"] == "study-smollm2-dppo_topk_tv-seed1"
     assert config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["VERL_FILE_LOGGER_ROOT"] == str(tmp_path / "logs")
+
+
+# A stand-in launch: writes its pid, then would train for two minutes.
+LAUNCH = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \
+         "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"
+# The study command as a user runs it, its launch (`launches.run_launch`'s command) replaced by the stand-in; or
+# `verl-dppo mismatch`'s way of launching (`launches.follow_launch`).
+DRIVERS = {
+    "study": "from verl_dppo.studies import launches; from verl_dppo.cli import main; real = launches.run_launch; "
+             "launches.run_launch = lambda command, stdout: real([sys.executable, '-c', LAUNCH, PID], stdout); "
+             "sys.exit(main(['study', '--out', OUT, '--methods', 'dppo_binary_tv', '--seeds', '0']))",
+    "follow_launch": "from verl_dppo.studies.launches import follow_launch; "
+                     "sys.exit(follow_launch([sys.executable, '-c', LAUNCH, PID], OUT + '/launch.log', None, print))",
+}
+
+
+@pytest.mark.parametrize("driver, number, ignored", [("study", signal.SIGTERM, signal.SIGHUP),
+                                                     ("follow_launch", signal.SIGHUP, None)])
+def test_a_study_ended_by_a_signal_ends_its_launch(tmp_path, driver, number, ignored):
+    """`kill` (SIGTERM) or a closed terminal (SIGHUP) on the command alone reaches none of its launch: the launch (a
+    `verl-dppo run`, whose own watchdog then ends its Ray instance) must be ended by the command itself, which then
+    ends as the signal ends it. A signal the command ignores (`nohup verl-dppo study ...`: SIGHUP) ends neither."""
+    pid_file = tmp_path / "launch.pid"
+    code = (f"import sys\nLAUNCH, PID, OUT = {LAUNCH!r}, {str(pid_file)!r}, {str(tmp_path)!r}\n"
+            f"{DRIVERS[driver]}\n")
+    ignore = (lambda: signal.signal(ignored, signal.SIG_IGN)) if ignored else None
+    command = subprocess.Popen([sys.executable, "-c", code], preexec_fn=ignore, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        until = time.monotonic() + 240
+        while not pid_file.exists() and command.poll() is None and time.monotonic() < until:
+            time.sleep(0.2)
+        assert pid_file.exists(), command.stderr.read() if command.poll() is not None else "no launch in 240 s"
+        launch = int(pid_file.read_text())
+        if ignored:
+            command.send_signal(ignored)
+            time.sleep(1)
+            assert command.poll() is None and _stat(launch) is not None  # both go on
+        command.send_signal(number)
+        assert command.wait(timeout=60) == -number, command.stderr.read()
+        assert _stat(launch) is None, "the launch outlived the command"
+    finally:
+        command.kill()
+        command.wait()

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import test_full_loop as loop  # noqa: E402  (the pool's runs: one harness)
 
-from verl_dppo.launch.console import LAUNCH_PHASES  # noqa: E402
+from verl_dppo.studies.launches import LAUNCH_PHASES  # noqa: E402
 from verl_dppo.rehearsal.setups.real_model import real_model_problems  # noqa: E402
 from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
     steps = run["steps"]
     assert len(steps) == STEPS, [sorted(s)[:5] for s in steps]
     assert "-vllm" in run["log"] and "SmolLM2-135M-Instruct" in run["log"]
-    # the lines `verl-dppo mismatch` reads a launch's phases off (verl_dppo.launch.console.LAUNCH_PHASES), in order
+    # the lines `verl-dppo mismatch` reads a launch's phases off (verl_dppo.studies.launches.LAUNCH_PHASES), in order
     found = [pattern.search(run["log"]) for _, pattern in LAUNCH_PHASES]
     assert all(found) and [m.start() for m in found] == sorted(m.start() for m in found), found
     # a step whose groups all agree has advantages of zero and, for this loss, no gradient; every other step updates

@@ -8,23 +8,16 @@ Cut, in the run's Ray processes only (`python -m verl.trainer.main_ppo` keeps ve
   megatron: five per process that imports `verl.workers.engine`, in three processes of a run); `verl-dppo doctor`
   says which engines this environment has; and megatron-core's and mbridge's warnings that TransformerEngine and Apex
   are absent, where megatron-core is installed.
-
-And, for a command that launches `verl-dppo run` with its console going to a file (`verl-dppo mismatch`), the phase
-the launch has reached, read off that console as it is written (`follow_launch`).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from verl_dppo.patches.main_ppo import CONFIG_FILE_VARIABLE
 
-__all__ = ["ENGINE_WARNINGS_FILTER", "MEGATRON_WARNINGS_FILTERS", "LAUNCH_PHASES", "follow_launch", "quiet_launch",
-           "summary_line", "steps_logged"]
+__all__ = ["ENGINE_WARNINGS_FILTER", "MEGATRON_WARNINGS_FILTERS", "quiet_launch", "summary_line", "steps_logged"]
 
 ENGINE_WARNINGS_FILTER = "ignore::UserWarning:verl.workers.engine"
 """A PYTHONWARNINGS entry: the UserWarnings `verl/workers/engine/__init__.py` raises for each optional engine it
@@ -110,39 +103,3 @@ def summary_line(config: Any) -> str:
         figure = os.path.basename(os.path.splitext(log)[0]) + ".png"
         parts.append(f"draw it: verl-dppo plot {log} -o {figure}")
     return "; ".join(parts)
-
-
-LAUNCH_PHASES = (  # phase -> the line of a launch's console that says it has begun
-    ("rollout", re.compile(r"Training Progress:")),  # verl's fit loop opened its progress bar: a step's rollout first
-    ("update", re.compile(r"verl-dppo \S+ in effect: ")),  # the plugin's loss announces its values at its first call
-)
-"""After "build" (the launch itself: the model and data where missing, Ray, verl's workers, the rollout server)."""
-POLL_S = 0.5
-"""How often `follow_launch` reads the launch's console."""
-
-
-def follow_launch(command: Sequence[str], log: str, env: dict, on_phase: Callable[[str], None]) -> int:
-    """Run `command` (a `verl-dppo run`) with its console into the file `log`, calling `on_phase(name)` once per
-    phase ("build" at once, then each of LAUNCH_PHASES as its line reaches the file); returns the exit status. The
-    launch is killed if this process is interrupted (as subprocess.run does)."""
-    with open(log, "w") as handle:
-        process = subprocess.Popen(list(command), stdout=handle, stderr=subprocess.STDOUT, env=env)
-    on_phase("build")
-    pending = list(LAUNCH_PHASES)
-    try:
-        with open(log, errors="replace") as reader:
-            tail = ""
-            while True:
-                ended = process.poll() is not None
-                tail += reader.read()
-                while pending and any(pattern.search(tail) for _, pattern in pending):
-                    name, _ = pending.pop(0)  # in order: a phase whose line was missed is still said before the next
-                    on_phase(name)
-                tail = tail[-512:]  # a marker cut between two reads is found in the next
-                if ended:
-                    return process.returncode
-                time.sleep(POLL_S)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise

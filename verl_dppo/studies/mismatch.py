@@ -54,7 +54,7 @@ SETTINGS = "measurement.json"
 labels in order: with each launch's records, all a redraw needs."""
 LAUNCHED = "launch.json"
 """In DIR/tokens/<label>, written when the launch ended with its tokens: its command and seconds."""
-PHASES = {  # a launch's phase (verl_dppo.launch.console.follow_launch) -> what the command says of it
+PHASES = {  # a launch's phase (verl_dppo.studies.launches.follow_launch) -> what the command says of it
     "build": "the model and data where missing, Ray, verl's workers and the rollout server",
     "rollout": "the rollout engine samples the responses (mu)",
     "update": "the trainer ({label}) scores them in the update's forward (pi)",
@@ -160,7 +160,7 @@ def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list,
     first: an earlier measurement's files are never merged into this one's), its console to out/runs/label.log. The
     console names the log and says each phase as the launch reaches it; a launch that ends with its tokens leaves
     LAUNCHED beside them (the command and its seconds): the records are complete."""
-    from verl_dppo.launch.console import follow_launch
+    from verl_dppo.studies.launches import follow_launch
     from verl_dppo.plugin.mismatch_dump import ENV
 
     tokens = out / "tokens" / label

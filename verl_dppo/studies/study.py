@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -190,11 +189,12 @@ def _launch(setup: str, method: str, seed: int, steps: int, out: Path, overrides
     arguments = run_arguments(setup, method, seed, steps, out, overrides, config_dir)
     log = out / "runs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    from verl_dppo.studies import launches
+
     with open(log, "w") as handle:
         handle.write(" ".join(["verl-dppo", *arguments]) + "\n")
         handle.flush()
-        return subprocess.run([sys.executable, "-m", "verl_dppo.cli", *arguments], stdout=handle,
-                              stderr=subprocess.STDOUT).returncode
+        return launches.run_launch([sys.executable, "-m", "verl_dppo.cli", *arguments], handle)
 
 
 def _log_paths(out: Path, name: str) -> list[Path]:
