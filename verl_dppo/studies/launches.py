@@ -112,9 +112,9 @@ def follow_launch(command: Sequence[str], log: str, env: dict, on_phase: Callabl
     with launches_end_with_this_process():
         with open(log, "w") as handle:
             process = subprocess.Popen(list(command), stdout=handle, stderr=subprocess.STDOUT, env=env)
-        on_phase("build")
-        pending = list(LAUNCH_PHASES)
         try:
+            on_phase("build")
+            pending = list(LAUNCH_PHASES)
             with open(log, errors="replace") as reader:
                 tail = ""
                 while True:
