@@ -217,8 +217,11 @@ def test_a_study_ended_by_a_signal_ends_its_launch(tmp_path, driver, number, ign
     pid_file = tmp_path / "launch.pid"
     code = (f"import sys\nLAUNCH, PID, OUT = {LAUNCH!r}, {str(pid_file)!r}, {str(tmp_path)!r}\n"
             f"{DRIVERS[driver]}\n")
-    ignore = (lambda: signal.signal(ignored, signal.SIG_IGN)) if ignored else None
-    command = subprocess.Popen([sys.executable, "-c", code], preexec_fn=ignore, stdout=subprocess.DEVNULL,
+    def dispositions():  # the command's own, not what it inherits (a suite run under `nohup` ignores SIGHUP)
+        for each in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(each, signal.SIG_IGN if each == ignored else signal.SIG_DFL)
+
+    command = subprocess.Popen([sys.executable, "-c", code], preexec_fn=dispositions, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     try:
         until = time.monotonic() + 240
