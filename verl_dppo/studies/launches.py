@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["LAUNCH_PHASES", "follow_launch", "run_launch", "launches_end_with_this_process", "Terminated"]
 
@@ -92,12 +92,12 @@ def _end(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def run_launch(command: Sequence[str], stdout: Any, env: Optional[dict] = None) -> int:
+def run_launch(command: Sequence[str], stdout: Any) -> int:
     """`subprocess.run(command)` with its output and errors to `stdout`, the exit status returned, for a command that
     launches runs one after another (`verl-dppo study`): the launch also ends when this process is terminated
     (SIGTERM, SIGHUP), not only when it is interrupted."""
     with launches_end_with_this_process():
-        process = subprocess.Popen(list(command), stdout=stdout, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(list(command), stdout=stdout, stderr=subprocess.STDOUT)
         try:
             return process.wait()
         except BaseException:
