@@ -337,7 +337,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         build_seconds = time.perf_counter() - built
         progress(f"{label}: worker built in {build_seconds:.1f} s")
         versions = async_worker.versions(0, len(rollout.responses)) if separate else None
-        times, peaks, pushes, first = [], [], [], None
+        times, peaks, pushes, first, warm = [], [], [], None, None
         if separate:
             async_worker.push(worker, 0)
         counted["calls"] = 0
@@ -346,6 +346,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             start = time.perf_counter()
             with verl_logprob_path() if path == "verl" else contextlib.nullcontext():
                 metrics = trainer.step(rollout, rewards, versions)
+            warm = warm or metrics  # the first step: every mode's worker from the same weights on the same rollout
             if args.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -373,6 +374,9 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             "grad_norm": first["actor/grad_norm"],
             "masked_frac": first["actor/pg_clipfrac"],
             "mismatch_tv_mean": first["actor/dppo/mismatch_tv_mean"],
+            # |mu - pi| on the sampled tokens in the first step, whose first mini-batch every mode computes from the
+            # same weights: equal across modes when their log pi(a_t) are (issue 53.5)
+            "first_step_mismatch_tv_mean": warm["actor/dppo/mismatch_tv_mean"],
             "tokens_per_second": tokens / statistics.median(times),
             "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
             "push_seconds": statistics.median(pushes) if pushes else math.nan,

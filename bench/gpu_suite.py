@@ -23,6 +23,11 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    the fused Top-K and TROLL steps on the kernels; and the unfused binary step (the [T, V] logits formed) on verl's
    logprobs_from_logits + entropy_from_logits against the plugin's one-read pass (issue 54.1 unfused; the row says
    whether verl took flash-attn's cross entropy).
+2b. unfused (issue 53.5): the unfused steps (the [T, V] logits formed, H = 1,024, fwd + bwd with the entropy) as
+   verl's engine runs them: dppo_binary_tv on verl's logprobs_from_logits + entropy_from_logits and on the plugin's
+   one-read pass, and troll (verl's two formed, TROLL's pass carrying the loss); each with its device time, the
+   device's events counted (kernels on CUDA) and torch.profiler's top ops; and log pi(a_t) and the entropy by verl's
+   functions and by the plugin's pass on the same bf16 logits, each against float64.
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
@@ -64,7 +69,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-PARTS = ("per_token", "launch_shapes", "profile", "fused", "troll_devices", "worker")
+PARTS = ("per_token", "launch_shapes", "profile", "fused", "unfused", "troll_devices", "worker")
 
 
 class Clock:
@@ -361,6 +366,81 @@ def fused(args, device, clock) -> dict:
             "profiles": profiles}
 
 
+UNFUSED_STEPS = ("unfused_binary_verl", "unfused_binary_plugin", "unfused_troll")
+"""The unfused steps (use_fused_kernels=False, the [T, V] logits formed, calculate_entropy=True) as verl's engine
+runs them: dppo_binary_tv on verl's logprobs_from_logits + entropy_from_logits (before issue 54.1) and on the plugin's
+one-read pass (now); troll, whose step forms verl's two as well and takes its loss through TROLL's own pass."""
+
+
+def unfused(args, device, clock) -> dict:
+    """Issue 53.5: why the unfused `troll` step measured 0.53-0.70x `dppo_binary_tv`'s in verl's worker. Per step:
+    wall and device time, the device's kernels counted and torch.profiler's top ops (one more call); and the log
+    pi(a_t) and entropy that verl's functions and the plugin's pass compute on the same logits, each against float64
+    (the troll step's log pi and entropy are verl's: the same calls as the first step's)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bench_fused_topk import make_inputs
+
+    cuda = device.type == "cuda"
+    shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
+                               dtype="bfloat16" if cuda else "float32")
+    x = make_inputs(shape, device)
+    rows, profiles = {}, {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name in UNFUSED_STEPS:
+        step, stats = _fused_step(name, x)
+        try:
+            rows[name] = {**measure(device, step, args.repeats), **stats}
+            with torch_profile(activities=activities) as prof:
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
+            kind = DeviceType.CUDA if cuda else DeviceType.CPU
+            rows[name]["device_events"] = sum(1 for event in prof.events() if event.device_type == kind)
+            sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            profiles[name] = prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60)
+            print(f"profile of {name}:\n{profiles[name]}", flush=True)
+        except Exception as error:
+            rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        clock(f"unfused: {name}: {rows[name]}")
+    for name in UNFUSED_STEPS:
+        for base in ("unfused_binary_verl", "unfused_binary_plugin"):
+            if name != base and "seconds" in rows[name] and "seconds" in rows[base]:
+                rows[name][f"x_{base}"] = rows[name]["seconds"] / rows[base]["seconds"]
+    agreement = _logprob_agreement(x, min(args.fused_tokens, 2048))
+    clock(f"unfused: agreement: {agreement}")
+    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "dtype": shape.dtype, "rows": rows,
+            "profiles": profiles, "agreement": agreement, "flash_attn_cross_entropy": _flash_attn_ce()}
+
+
+def _logprob_agreement(x: dict, rows: int) -> dict:
+    """log pi(a_t) and the entropy of `rows` rows of the inputs' logits (their dtype: bf16 on the GPU) by verl's
+    logprobs_from_logits + entropy_from_logits and by the plugin's logits_logprobs, each against float64 over the same
+    logits, and against each other: the largest absolute difference of each."""
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    from verl_dppo.math.logits_logprob import logits_logprobs
+
+    labels = x["sampled"][:rows]
+    with torch.no_grad():
+        logits = x["hidden"][:rows] @ x["weight"].t()
+        exact = torch.log_softmax(logits.double(), dim=-1)
+        values = {"float64": (exact.gather(1, labels[:, None]).squeeze(1), -(exact.exp() * exact).sum(-1))}
+        del exact
+        values["verl"] = (logprobs_from_logits(logits, labels), entropy_from_logits(logits))
+        values["plugin"] = logits_logprobs(logits, labels, entropy=True)
+    result = {"rows": rows, "logits_dtype": str(logits.dtype).replace("torch.", ""),
+              "entropy_mean": float(values["float64"][1].mean()), "log_p_mean": float(values["float64"][0].mean())}
+    for a, b in (("verl", "float64"), ("plugin", "float64"), ("plugin", "verl")):
+        result[f"{a}_vs_{b}"] = {
+            "log_p_max_abs_diff": float((values[a][0].double() - values[b][0].double()).abs().max()),
+            "entropy_max_abs_diff": float((values[a][1].double() - values[b][1].double()).abs().max()),
+        }
+    return result
+
+
 def _flash_attn_ce() -> bool:
     """Whether verl's logprobs_from_logits takes flash-attn's cross entropy here (its faster path)."""
     try:
@@ -480,6 +560,25 @@ def markdown(result: dict) -> str:
             lines += [f"Unfused binary step: the plugin's one-read pass {unfused['x_unfused_binary_verl']:.3f}x verl's "
                       f"logprobs_from_logits + entropy_from_logits ({'with' if flash else 'without'} flash-attn's "
                       "cross entropy).", ""]
+    part = result.get("unfused")
+    if part and "rows" in part:
+        lines += [f"## Unfused steps (the [T, V] logits formed): T = {part['T']:,}, H = {part['H']:,}, fwd + bwd with "
+                  "the entropy", "", "| step | time ms | device ms | device events | x binary, verl's path | "
+                  "x binary, plugin's pass | extra peak MiB |", "|---|---|---|---|---|---|---|"]
+        for name, row in part["rows"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['error']} | | | | | |")
+            else:
+                lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row['device_seconds'] * 1e3:.1f} | "
+                             f"{row['device_events']:,} | {row.get('x_unfused_binary_verl', 1.0):.3f} | "
+                             f"{row.get('x_unfused_binary_plugin', 1.0):.3f} | {row['extra_peak_MiB']:,.0f} |")
+        agreement = part["agreement"]
+        lines += ["", f"log pi(a_t) and the entropy on {agreement['rows']:,} rows of {agreement['logits_dtype']} "
+                  "logits, largest absolute differences:", "", "| pair | log pi(a_t) | entropy |", "|---|---|---|"]
+        for pair in ("verl_vs_float64", "plugin_vs_float64", "plugin_vs_verl"):
+            lines.append(f"| {pair} | {agreement[pair]['log_p_max_abs_diff']:.2e} | "
+                         f"{agreement[pair]['entropy_max_abs_diff']:.2e} |")
+        lines.append("")
     part = result.get("troll_devices")
     if part:
         lines += [f"## TROLL on bf16 ties: {part['device_vs_cpu']['rows']} rows, V = {part['V']:,}, K = {part['K']}, "
@@ -495,11 +594,12 @@ def markdown(result: dict) -> str:
     part = result.get("worker")
     if part and part.get("modes"):
         lines += [f"## verl's real worker: {part.get('tokens', 0):,} tokens a step, responses <= "
-                  f"{part.get('response_length')}", "", "| mode | fused | step s | x binary (same fused) | peak GiB |",
-                  "|---|---|---|---|---|"]
+                  f"{part.get('response_length')}", "", "| mode | fused | log-prob path | step s | x binary (same fused) | peak GiB | "
+                  "first step's mean TV(mu, pi) on a_t |", "|---|---|---|---|---|---|---|"]
         for row in part["modes"]:
-            lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row['step_seconds']:.3f} | "
-                         f"{row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} |")
+            lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
+                         f"{row['step_seconds']:.3f} | {row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} | "
+                         f"{row.get('first_step_mismatch_tv_mean', math.nan):.6f} |")
     return "\n".join(lines) + "\n"
 
 

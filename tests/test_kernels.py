@@ -82,7 +82,7 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--smoke", "--out", str(tmp_path),
-                           "--parts", "per_token,troll_devices"], capture_output=True, text=True, timeout=300)
+                           "--parts", "per_token,unfused,troll_devices"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert result["complete"] and result["device"] == "CPU"
@@ -96,3 +96,12 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
     agreement = result["troll_devices"]["permuted_vocabulary_on_device"]
     assert agreement["support_differs_rows"] == 0 and agreement["log_p_max_abs_diff"] <= 1e-5, agreement
     assert "## TROLL on bf16 ties" in (tmp_path / "gpu_suite.md").read_text()
+    # issue 53.5: the unfused steps side by side, and the log-probs and entropy verl's functions and the plugin's
+    # pass compute on the same logits (float32 here), each against float64
+    unfused = result["unfused"]
+    assert all(row["device_events"] > 0 and "x_unfused_binary_verl" in row for name, row in unfused["rows"].items()
+               if name != "unfused_binary_verl"), unfused["rows"]
+    for pair in ("verl_vs_float64", "plugin_vs_float64", "plugin_vs_verl"):
+        assert unfused["agreement"][pair]["log_p_max_abs_diff"] <= 1e-5, unfused["agreement"]
+        assert unfused["agreement"][pair]["entropy_max_abs_diff"] <= 1e-5, unfused["agreement"]
+    assert "## Unfused steps" in (tmp_path / "gpu_suite.md").read_text()
