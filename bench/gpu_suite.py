@@ -599,7 +599,7 @@ def markdown(result: dict) -> str:
         for row in part["modes"]:
             lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
                          f"{row['step_seconds']:.3f} | {row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} | "
-                         f"{row.get('first_step_mismatch_tv_mean', math.nan):.6f} |")
+                         f"{row.get('first_step_mismatch_tv_mean', math.nan):.3g} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,11 +19,11 @@ Why no extension point: verl's fused kernels return log-probs and entropy only a
 What would make it unnecessary: a hook in `FusedLinearForPPO` that sees each chunk's logits (or a fused top-K
 output beside log-probs and entropy).
 
-With fused kernels off (`use_fused_kernels=False`, verl's default) the plugin's other modes (binary DPPO, the
-ratio-clip and PG-IS baselines: `DPPO_MODES` less the Top-K modes and troll, whose logits hook runs as before) take
-log pi(a_t) and the entropy from the logits in the plugin's one-read pass (`verl_dppo.math.logits_logprob`) instead
-of verl's `entropy_from_logits` (several [nnz, V] tensors) and `logprobs_from_logits` (without flash-attn a loop row
-by row). `forward_step` marks such a step the same way (unfused; a no-grad pass without a loss function, such as
+With fused kernels off (`use_fused_kernels=False`, verl's default) every plugin mode (`DPPO_MODES`; the Top-K modes'
+and troll's logits hook runs beside it, as before) takes log pi(a_t) and the entropy from the logits in the plugin's
+one-read pass (`verl_dppo.math.logits_logprob`) instead of verl's `entropy_from_logits` (several [nnz, V] tensors)
+and `logprobs_from_logits` (without flash-attn a loop row by row, in bf16 for bf16 logits: on an H200 the Top-K and
+troll steps took 6.6x and 4.3x the binary step's time on it, docs/benchmarks.md). `forward_step` marks such a step the same way (unfused; a no-grad pass without a loss function, such as
 the old log-probs' recompute, by the worker's loss: `worker_loss`, opened by `engine_workers` around
 `TrainingWorker.infer_batch`); while `prepare_model_outputs` runs for it, the
 engine's `compute_entropy_from_logits` (the remove-padding branch, chunked or checkpointed alike) and
@@ -94,21 +94,19 @@ def _announce_unfused(config: Any) -> None:
 
 
 def _unfused_config(loss_function: Any, micro_batch: Any) -> Any:
-    """The actor config of a plugin loss that is not a Top-K / troll loss (those need verl's logits hook), on a
-    step without fused kernels, else None: its log pi(a_t) and entropy come from the plugin's pass on the logits."""
+    """The actor config of a plugin loss on a step without fused kernels, else None: its log pi(a_t) and entropy come
+    from the plugin's pass on the logits (a Top-K / troll loss's logits hook runs beside it, as before)."""
     from verl.utils import tensordict_utils as tu
 
     from verl_dppo.plugin.extras import DPPO_MODES
 
     if tu.get_non_tensor_data(micro_batch, key="use_fused_kernels", default=False):
         return None
-    if tu.get_non_tensor_data(micro_batch, key="distillation_use_topk", default=False):
-        return None
     if not isinstance(loss_function, functools.partial) or "distillation_config" in loss_function.keywords:
-        return None
+        return None  # verl's own distillation (its hook, its log-probs)
     config = loss_function.keywords.get("config")
     mode = policy_loss_get(config, "loss_mode") if config is not None else None
-    return config if mode in DPPO_MODES and not is_topk_mode(mode) else None
+    return config if mode in DPPO_MODES else None
 
 
 def _serving_step() -> Optional[_Step]:

@@ -198,6 +198,29 @@ def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_on
     assert ours == [] and unfused == []
 
 
+@pytest.mark.parametrize("mode", ["dppo_topk_tv", "troll"])
+def test_the_topk_modes_and_troll_take_log_probs_and_entropy_from_the_plugins_pass_unfused(models, mode, monkeypatch):
+    """Issue 53.5: without fused kernels the Top-K modes and troll also take log pi(a_t) and the entropy from the
+    plugin's one-read pass (verl's bf16 row loop made their steps 6.6x and 4.3x the binary step's on an H200), their
+    logits hook beside it: the hook's outputs, log pi, the entropy, the loss and every gradient as on verl's path."""
+    from verl_dppo.math import logits_logprob
+
+    plain, _ = models
+    unfused = _counted(monkeypatch, logits_logprob, "logits_logprobs")
+    with monkeypatch.context() as verl_path:
+        _verl_unfused(verl_path)
+        reference = step(plain, mode, fused=False)
+    assert unfused == []
+    got = step(plain, mode, fused=False)
+    assert unfused == [1], "the plugin's pass on the logits did not serve the step (once for both)"
+    hook_keys = [k for k in reference[1] if k.startswith(("dppo_topk_", "troll_"))]
+    assert len(hook_keys) >= 2 and set(got[1]) == set(reference[1])
+    for key in hook_keys:
+        assert torch.allclose(_values(got[1][key]).double(), _values(reference[1][key]).double(), rtol=1e-5,
+                              atol=1e-6), key
+    _agree(got, reference)
+
+
 def test_verls_no_grad_pass_takes_the_plugins_pass_by_the_workers_loss(models, monkeypatch):
     """verl's old log-prob recompute calls forward_step without a loss function (compute_loss=False): inside the
     worker's infer_batch (wrapped by patches.engine_workers) the step is marked by the worker's loss, and log pi
