@@ -143,17 +143,22 @@ def step_fn(method: str, x: dict):
             stats["troll_support_size_mean"] = float(terms.diagnostics["support_size"].float().mean())
             return troll_token_loss(terms, adv).sum()
 
-    elif method == "unfused_troll":  # troll, use_fused_kernels=False, as verl's engine runs its step (issue 53.5)
+    elif method in ("unfused_troll_verl", "unfused_troll_plugin"):  # troll, use_fused_kernels=False (issue 53.5)
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
+        from verl_dppo.math.logits_logprob import logits_logprobs
         from verl_dppo.math.troll import troll_token_loss, troll_token_terms
 
         def forward(h, w):
             logits = h @ w.t()  # temperature 1: verl's engine leaves the logits as they are
-            # verl's entropy and log pi(a_t), formed in the graph as its engine forms them; TROLL's loss reaches the
-            # logits through its own terms only (troll_mode's docstring), so no gradient flows back through these
-            _entropy = entropy_from_logits(logits)
-            _log_p = logprobs_from_logits(logits, sampled, inplace_backward=False)
+            # the entropy and log pi(a_t), formed in the graph as the engine forms them (verl's functions before
+            # issue 53.5, the plugin's pass now); TROLL's loss reaches the logits through its own terms only
+            # (troll_mode's docstring), so no gradient flows back through these
+            if method == "unfused_troll_verl":
+                _entropy = entropy_from_logits(logits)
+                _log_p = logprobs_from_logits(logits, sampled, inplace_backward=False)
+            else:
+                _log_p, _entropy = logits_logprobs(logits, sampled, entropy=True)
             terms = troll_token_terms(logits, x["ids"], x["lps"], sampled, sampled_lp)  # the logits hook's pass
             stats["troll_projected_frac"] = float(terms.diagnostics["projected"].float().mean())
             return troll_token_loss(terms, adv).sum()

@@ -20,14 +20,15 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    (`fused_binary_plugin`), fused Top-K and fused TROLL, forward + backward with the entropy
    (bench_fused_topk.step_fn), on the kernels and on the torch path; each of the four again at H = 4,096 (Qwen3-8B's
    head) against verl's step at that size; and torch.profiler's top device ops of
-   the fused Top-K and TROLL steps on the kernels; and the unfused binary step (the [T, V] logits formed) on verl's
-   logprobs_from_logits + entropy_from_logits against the plugin's one-read pass (issue 54.1 unfused; the row says
-   whether verl took flash-attn's cross entropy).
-2b. unfused (issue 53.5): the unfused steps (the [T, V] logits formed, H = 1,024, fwd + bwd with the entropy) as
-   verl's engine runs them: dppo_binary_tv on verl's logprobs_from_logits + entropy_from_logits and on the plugin's
-   one-read pass, and troll (verl's two formed, TROLL's pass carrying the loss); each with its device time, the
-   device's events counted (kernels on CUDA) and torch.profiler's top ops; and log pi(a_t) and the entropy by verl's
-   functions and by the plugin's pass on the same bf16 logits, each against float64.
+   the fused Top-K and TROLL steps on the kernels.
+2b. unfused (issues 54.1, 53.5): the unfused steps (the [T, V] logits formed, H = 1,024, fwd + bwd with the entropy)
+   as verl's engine runs them: dppo_binary_tv and troll, each with log pi(a_t) and the entropy by verl's
+   logprobs_from_logits + entropy_from_logits (before issues 54.1 / 53.5) and by the plugin's one-read pass (now;
+   troll's loss through TROLL's own pass either way); each with its device time, the device's events counted
+   (kernels on CUDA) and torch.profiler's top ops, all from one profiled call; and log pi(a_t) and the entropy by
+   verl's functions and by the plugin's pass on the same bf16 logits, each against float64. On an H200 (2026-11-30)
+   this part took 227 s with verl's row loop in two rows (the profiler's 1e5 events: one profiled call per row now,
+   where that run made two, so about two minutes).
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
@@ -39,7 +40,9 @@ With the `device` tool: verl, its pure-Python needs and this package travel as w
 docstring says how to build them). Rebuild this package's wheel from the tree before each call
 (`rm -f .whl/verl_dppo-*.whl && .venv/bin/pip wheel -q --no-deps -w .whl .`): the GPU machine imports verl_dppo from
 it, recipes and patches included. The call that ran on 2026-11-27 (H100: 170-202 s for every part, the machine's
-start not counted; `--parts fused --repeats 5` alone: 35 s):
+start not counted; `--parts fused --repeats 5` alone: 35 s). On 2026-11-30 (H200), with the unfused part, the parts
+before the worker took 386 s (of which the unfused rows 300 s, under the old profiling) and the worker alone 149 s:
+run the worker as a call of its own (`--parts worker`), or give the whole suite a limit of 600 s:
 
     run(carry=[".whl"], timeout_s=400, command="python3 -m pip install -q --no-index --no-deps --no-compile
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
@@ -104,8 +107,9 @@ def kernels(choice: str):
             os.environ[KERNELS_ENV] = before
 
 
-def measure(device: torch.device, fn, repeats: int) -> dict:
-    """fn() after a warm-up: the median seconds and the largest extra peak memory (CUDA's allocator; NaN on CPU)."""
+def measure(device: torch.device, fn, repeats: int, busy: bool = True) -> dict:
+    """fn() after a warm-up: the median seconds and the largest extra peak memory (CUDA's allocator; NaN on CPU);
+    with `busy`, the device's own time in one more call (`device_seconds`)."""
     fn()
     times, peaks = [], []
     for _ in range(repeats):
@@ -128,6 +132,8 @@ def measure(device: torch.device, fn, repeats: int) -> dict:
             peaks.append(math.nan)
         del out
     seconds = statistics.median(times)
+    if not busy:
+        return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20}
     busy = device_seconds(device, fn)
     return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20, "device_seconds": busy,
             "device_share": busy / seconds}
@@ -287,8 +293,6 @@ FUSED_ROWS = (  # (row name, step_fn's method, VERL_DPPO_KERNELS)
     ("fused_troll", "fused_troll", "auto"),
     ("fused_topk, torch path", "fused_topk", "torch"),
     ("fused_troll, torch path", "fused_troll", "torch"),
-    ("unfused_binary_verl", "unfused_binary_verl", "auto"),
-    ("unfused_binary_plugin", "unfused_binary_plugin", "auto"),
 )
 
 
@@ -342,12 +346,6 @@ def fused(args, device, clock) -> dict:
     for name in rows:
         if "seconds" in rows[name] and "seconds" in rows["fused_binary"]:
             rows[name]["x_fused_binary"] = rows[name]["seconds"] / rows["fused_binary"]["seconds"]
-    if "seconds" in rows.get("unfused_binary_verl", {}) and "seconds" in rows.get("unfused_binary_plugin", {}):
-        # issue 54.1 unfused: the plugin's one-read pass over the logits against verl's logprobs_from_logits and
-        # entropy_from_logits (flash-attn's cross entropy where it is installed: said in the row)
-        rows["unfused_binary_plugin"]["x_unfused_binary_verl"] = (rows["unfused_binary_plugin"]["seconds"]
-                                                                  / rows["unfused_binary_verl"]["seconds"])
-    rows.setdefault("unfused_binary_verl", {})["flash_attn_cross_entropy"] = _flash_attn_ce()
     # Issue 54.3: every mode's fused step at a real model's hidden size (Qwen3-8B's head: H = 4,096) against verl's
     # kernel at that size, ratios from the same run.
     wide = make_inputs(argparse.Namespace(**{**vars(shape), "h": 128 if args.smoke else 4096}), device)
@@ -366,10 +364,11 @@ def fused(args, device, clock) -> dict:
             "profiles": profiles}
 
 
-UNFUSED_STEPS = ("unfused_binary_verl", "unfused_binary_plugin", "unfused_troll")
+UNFUSED_STEPS = ("unfused_binary_verl", "unfused_binary_plugin", "unfused_troll_verl", "unfused_troll_plugin")
 """The unfused steps (use_fused_kernels=False, the [T, V] logits formed, calculate_entropy=True) as verl's engine
-runs them: dppo_binary_tv on verl's logprobs_from_logits + entropy_from_logits (before issue 54.1) and on the plugin's
-one-read pass (now); troll, whose step forms verl's two as well and takes its loss through TROLL's own pass."""
+runs them: dppo_binary_tv with log pi(a_t) and the entropy by verl's logprobs_from_logits + entropy_from_logits
+(before issue 54.1) and by the plugin's one-read pass (now); troll, whose step forms the two as well (verl's before
+issue 53.5, the plugin's now) and takes its loss through TROLL's own pass."""
 
 
 def unfused(args, device, clock) -> dict:
@@ -391,14 +390,19 @@ def unfused(args, device, clock) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name in UNFUSED_STEPS:
         step, stats = _fused_step(name, x)
-        try:
-            rows[name] = {**measure(device, step, args.repeats), **stats}
+        try:  # one profiled call gives the device time, the events and the table (verl's row loop: 1e5 events)
+            rows[name] = {**measure(device, step, args.repeats, busy=False), **stats}
             with torch_profile(activities=activities) as prof:
                 step()
                 if cuda:
                     torch.cuda.synchronize()
             kind = DeviceType.CUDA if cuda else DeviceType.CPU
-            rows[name]["device_events"] = sum(1 for event in prof.events() if event.device_type == kind)
+            events = [event for event in prof.events() if event.device_type == kind]
+            own = [event.self_device_time_total if cuda else event.self_cpu_time_total for event in events
+                   if not getattr(event, "is_user_annotation", False)]
+            rows[name]["device_seconds"] = sum(own) / 1e6
+            rows[name]["device_share"] = rows[name]["device_seconds"] / rows[name]["seconds"]
+            rows[name]["device_events"] = len(events)
             sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             profiles[name] = prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60)
             print(f"profile of {name}:\n{profiles[name]}", flush=True)
@@ -554,12 +558,6 @@ def markdown(result: dict) -> str:
                              f"{row.get('device_seconds', math.nan) * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
                              f"{row['extra_peak_MiB']:,.0f} |")
         lines.append("")
-        unfused = part["rows"].get("unfused_binary_plugin", {})
-        if "x_unfused_binary_verl" in unfused:
-            flash = part["rows"]["unfused_binary_verl"].get("flash_attn_cross_entropy", False)
-            lines += [f"Unfused binary step: the plugin's one-read pass {unfused['x_unfused_binary_verl']:.3f}x verl's "
-                      f"logprobs_from_logits + entropy_from_logits ({'with' if flash else 'without'} flash-attn's "
-                      "cross entropy).", ""]
     part = result.get("unfused")
     if part and "rows" in part:
         lines += [f"## Unfused steps (the [T, V] logits formed): T = {part['T']:,}, H = {part['H']:,}, fwd + bwd with "
