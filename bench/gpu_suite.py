@@ -145,6 +145,13 @@ def device_seconds(device: torch.device, fn) -> float:
     events of device type CUDA, as torch's profiler table sums its "Self CUDA time total"); on the CPU the ops' own
     CPU time (what the ops ran, not the Python between them). device_share = this / wall: issue 54's goals ask
     at least 0.9 for the per-token Top-K call and 0.85 for the fused TROLL step (the host not the bound)."""
+    return profiled(device, fn)[0]
+
+
+def profiled(device: torch.device, fn, row_limit: int = 0) -> tuple[float, int, str]:
+    """One call of fn under torch.profiler: (the device's own seconds in it, as `device_seconds` counts them; the
+    device's events counted: kernels and copies on CUDA, ops on the CPU; torch.profiler's table of the top `row_limit`
+    ops by the device's own time, or "" for 0)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -155,10 +162,13 @@ def device_seconds(device: torch.device, fn) -> float:
         if cuda:
             torch.cuda.synchronize()
     del out
-    if cuda:
-        return sum(event.self_device_time_total for event in prof.events()
-                   if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)) / 1e6
-    return sum(event.self_cpu_time_total for event in prof.events()) / 1e6
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [event for event in prof.events()
+              if event.device_type == kind and not getattr(event, "is_user_annotation", False)]
+    seconds = sum(event.self_device_time_total if cuda else event.self_cpu_time_total for event in events) / 1e6
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60) if row_limit else ""
+    return seconds, len(events), table
 
 
 def per_token(args, device, clock) -> dict:
@@ -254,9 +264,6 @@ def launch_shapes(args, device, clock) -> dict:
 
 def profile(args, device, clock) -> dict:
     """Where TROLL's forward + backward and topk_divergence spend their device time: torch.profiler's top ops."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     from bench_topk import make_inputs
     from verl_dppo.math.topk import topk_divergence
     from verl_dppo.math.troll import troll_token_loss, troll_token_terms
@@ -271,16 +278,10 @@ def profile(args, device, clock) -> dict:
     def topk():
         return topk_divergence(logits, ids[:, :20].contiguous(), lps[:, :20].contiguous(), sampled, sampled_lp)
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     result = {}
     for name, fn in (("troll_forward_backward", troll), ("topk_divergence", topk)):
         fn()
-        with torch_profile(activities=activities) as prof:
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
+        table = profiled(device, fn, row_limit=18)[2]
         result[name] = table
         print(f"profile of {name}:\n{table}", flush=True)
     return result
@@ -315,9 +316,6 @@ def fused(args, device, clock) -> dict:
     """The fused paths' forward + backward (entropy asked for, as the recipes' calculate_entropy does) against verl's
     own, on the kernels (the default on a GPU) and on the torch path; torch.profiler's top device ops of each of our
     fused steps on the kernels, for where the time beyond verl's goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     from bench_fused_topk import make_inputs
     from verl_dppo.math.kernels import backend_for
 
@@ -325,7 +323,6 @@ def fused(args, device, clock) -> dict:
                                dtype="bfloat16" if device.type == "cuda" else "float32")
     x = make_inputs(shape, device)
     rows, profiles = {}, {}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, method, choice in FUSED_ROWS:
         step, stats = _fused_step(method, x)
         try:
@@ -333,12 +330,7 @@ def fused(args, device, clock) -> dict:
                 rows[name] = {**measure(device, step, args.repeats), **stats,
                               "backend": backend_for(x["hidden"].float())}
                 if method in ("fused_topk", "fused_troll") and choice == "auto":
-                    with torch_profile(activities=activities) as prof:
-                        step()
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-                    profiles[name] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60)
+                    profiles[name] = profiled(device, step, row_limit=14)[2]
                     print(f"profile of {name}:\n{profiles[name]}", flush=True)
         except Exception as error:
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
@@ -373,13 +365,9 @@ issue 53.5, the plugin's now) and takes its loss through TROLL's own pass."""
 
 def unfused(args, device, clock) -> dict:
     """Issue 53.5: why the unfused `troll` step measured 0.53-0.70x `dppo_binary_tv`'s in verl's worker. Per step:
-    wall and device time, the device's kernels counted and torch.profiler's top ops (one more call); and the log
+    wall and device time, the device's events counted and torch.profiler's top ops (one more call); and the log
     pi(a_t) and entropy that verl's functions and the plugin's pass compute on the same logits, each against float64
-    (the troll step's log pi and entropy are verl's: the same calls as the first step's)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+    (the `_verl` steps' log pi and entropy are verl's functions', the `_plugin` steps' the plugin's pass)."""
     from bench_fused_topk import make_inputs
 
     cuda = device.type == "cuda"
@@ -387,24 +375,13 @@ def unfused(args, device, clock) -> dict:
                                dtype="bfloat16" if cuda else "float32")
     x = make_inputs(shape, device)
     rows, profiles = {}, {}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name in UNFUSED_STEPS:
         step, stats = _fused_step(name, x)
         try:  # one profiled call gives the device time, the events and the table (verl's row loop: 1e5 events)
-            rows[name] = {**measure(device, step, args.repeats, busy=False), **stats}
-            with torch_profile(activities=activities) as prof:
-                step()
-                if cuda:
-                    torch.cuda.synchronize()
-            kind = DeviceType.CUDA if cuda else DeviceType.CPU
-            events = [event for event in prof.events() if event.device_type == kind]
-            own = [event.self_device_time_total if cuda else event.self_cpu_time_total for event in events
-                   if not getattr(event, "is_user_annotation", False)]
-            rows[name]["device_seconds"] = sum(own) / 1e6
-            rows[name]["device_share"] = rows[name]["device_seconds"] / rows[name]["seconds"]
-            rows[name]["device_events"] = len(events)
-            sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            profiles[name] = prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60)
+            row = {**measure(device, step, args.repeats, busy=False), **stats}
+            row["device_seconds"], row["device_events"], profiles[name] = profiled(device, step, row_limit=12)
+            row["device_share"] = row["device_seconds"] / row["seconds"]
+            rows[name] = row
             print(f"profile of {name}:\n{profiles[name]}", flush=True)
         except Exception as error:
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
