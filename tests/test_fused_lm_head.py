@@ -262,18 +262,19 @@ def test_verls_no_grad_pass_takes_the_plugins_pass_by_the_workers_loss(models, m
     ({"calculate_entropy": False}, 1),
     ({"use_remove_padding": False}, 2),  # verl's padded branch: the entropy of [bsz, seqlen, V], log pi of the rows
 ])
-def test_the_unfused_plugin_pass_follows_verls_settings(models, options, passes, monkeypatch):
-    """dppo_binary_tv without fused kernels under verl's other settings: the same outputs, loss and gradients as
-    verl's own path, from the plugin's passes."""
+@pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_topk_tv"])
+def test_the_unfused_plugin_pass_follows_verls_settings(models, options, passes, mode, monkeypatch):
+    """dppo_binary_tv (and dppo_topk_tv, its logits hook beside the pass) without fused kernels under verl's other
+    settings: the same outputs, loss and gradients as verl's own path, from the plugin's passes."""
     from verl_dppo.math import logits_logprob
 
     plain, _ = models
     unfused = _counted(monkeypatch, logits_logprob, "logits_logprobs")
     with monkeypatch.context() as verl_path:
         _verl_unfused(verl_path)
-        reference = step(plain, "dppo_binary_tv", fused=False, **options)
+        reference = step(plain, mode, fused=False, **options)
     assert unfused == []
-    got = step(plain, "dppo_binary_tv", fused=False, **options)
+    got = step(plain, mode, fused=False, **options)
     assert ("entropy" in got[1]) == ("entropy" in reference[1])
     _agree(got, reference)
     assert len(unfused) == passes
