@@ -423,7 +423,8 @@ def add_ratios(rows: list[dict]) -> None:
 def verl_logprob_path():
     """The plugin's binary modes on verl's own log-prob path, as before issue 54.1 (the comparison's other side):
     neither the plugin's unfused pass (verl's logprobs_from_logits and entropy_from_logits run) nor its fused head
-    (verl's FusedLinearForPPO runs); the Top-K and TROLL modes' steps as always."""
+    (verl's FusedLinearForPPO runs); the Top-K and TROLL modes' fused steps as always (unfused, their log pi and
+    entropy take verl's path too, as before issue 53.5)."""
     from verl_dppo.patches import fused_lm_head
     from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
 

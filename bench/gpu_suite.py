@@ -569,7 +569,8 @@ def markdown(result: dict) -> str:
     part = result.get("worker")
     if part and part.get("modes"):
         lines += [f"## verl's real worker: {part.get('tokens', 0):,} tokens a step, responses <= "
-                  f"{part.get('response_length')}", "", "| mode | fused | log-prob path | step s | x binary (same fused) | peak GiB | "
+                  f"{part.get('response_length')}", "",
+                  "| mode | fused | log-prob path | step s | x binary (same fused) | peak GiB | "
                   "first step's mean TV(mu, pi) on a_t |", "|---|---|---|---|---|---|---|"]
         for row in part["modes"]:
             lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
