@@ -28,7 +28,7 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    (kernels on CUDA) and torch.profiler's top ops, all from one profiled call; and log pi(a_t) and the entropy by
    verl's functions and by the plugin's pass on the same bf16 logits, each against float64. On an H200 (2026-11-30)
    this part took 227 s with verl's row loop in two rows (the profiler's 1e5 events: one profiled call per row now,
-   where that run made two, so about two minutes).
+   where that run made two: by that run's times, an estimate of 2-3 minutes).
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
