@@ -107,9 +107,9 @@ def kernels(choice: str):
             os.environ[KERNELS_ENV] = before
 
 
-def measure(device: torch.device, fn, repeats: int, busy: bool = True) -> dict:
+def measure(device: torch.device, fn, repeats: int, with_device_time: bool = True) -> dict:
     """fn() after a warm-up: the median seconds and the largest extra peak memory (CUDA's allocator; NaN on CPU);
-    with `busy`, the device's own time in one more call (`device_seconds`)."""
+    with `with_device_time`, the device's own time in one more call (`device_seconds`)."""
     fn()
     times, peaks = [], []
     for _ in range(repeats):
@@ -132,11 +132,11 @@ def measure(device: torch.device, fn, repeats: int, busy: bool = True) -> dict:
             peaks.append(math.nan)
         del out
     seconds = statistics.median(times)
-    if not busy:
+    if not with_device_time:
         return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20}
-    busy = device_seconds(device, fn)
-    return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20, "device_seconds": busy,
-            "device_share": busy / seconds}
+    device_time = device_seconds(device, fn)
+    return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20, "device_seconds": device_time,
+            "device_share": device_time / seconds}
 
 
 def device_seconds(device: torch.device, fn) -> float:
@@ -378,7 +378,7 @@ def unfused(args, device, clock) -> dict:
     for name in UNFUSED_STEPS:
         step, stats = _fused_step(name, x)
         try:  # one profiled call gives the device time, the events and the table (verl's row loop: 1e5 events)
-            row = {**measure(device, step, args.repeats, busy=False), **stats}
+            row = {**measure(device, step, args.repeats, with_device_time=False), **stats}
             row["device_seconds"], row["device_events"], profiles[name] = profiled(device, step, row_limit=12)
             row["device_share"] = row["device_seconds"] / row["seconds"]
             rows[name] = row
@@ -407,9 +407,12 @@ def _logprob_agreement(x: dict, rows: int) -> dict:
     labels = x["sampled"][:rows]
     with torch.no_grad():
         logits = x["hidden"][:rows] @ x["weight"].t()
-        exact = torch.log_softmax(logits.double(), dim=-1)
-        values = {"float64": (exact.gather(1, labels[:, None]).squeeze(1), -(exact.exp() * exact).sum(-1))}
-        del exact
+        exact = []  # float64 a chunk of rows at a time: [rows, V] in float64 is 2.5 GB at Qwen3's vocabulary
+        for chunk, chunk_labels in zip(logits.split(256), labels.split(256)):
+            lp = torch.log_softmax(chunk.double(), dim=-1)
+            exact.append((lp.gather(1, chunk_labels[:, None]).squeeze(1), -(lp.exp() * lp).sum(-1)))
+            del lp
+        values = {"float64": tuple(torch.cat(parts) for parts in zip(*exact))}
         values["verl"] = (logprobs_from_logits(logits, labels), entropy_from_logits(logits))
         values["plugin"] = logits_logprobs(logits, labels, entropy=True)
     result = {"rows": rows, "logits_dtype": str(logits.dtype).replace("torch.", ""),

@@ -1,6 +1,7 @@
 """The rollout servers' Top-K patches inside verl 0.9.1's real server code: `vLLMHttpServer.generate` and
-`SGLangHttpServer.generate` run unmodified, each in a subprocess against a stand-in engine (tests/probes/),
-patched by the plugin's import hook."""
+`SGLangHttpServer.generate` run unmodified, in a subprocess per server against a stand-in engine (tests/probes/),
+patched by the plugin's import hook: each server's cases in one process (`--cases`: verl imported once, not once per
+case), a fresh server and engine per case."""
 
 import json
 import os
@@ -11,19 +12,35 @@ import pytest
 
 PROBES = os.path.join(os.path.dirname(__file__), "probes")
 
+VLLM_CASES = {"topk": ["3"], "topk-stop": ["3", "####"], "bypass": ["0"], "no-logprobs": ["0", "", "0"]}
+"""Name -> the probe's arguments: K [STOP [LOGPROBS]] (tests/probes/vllm_server.py)."""
+ORIGINAL = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+SGLANG_CASES = {"topk": ["3"], "no-topk": ["0"], "decode": ["3", "decode"], "prefill": ["3", "prefill"],
+                "original-at-0.7": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "0.7"}},
+                "original-at-1": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "1.0"}}}
+"""Name -> K [ROLE], with the case's own environment where it has one (tests/probes/sglang_server.py)."""
 
-def probe(script: str, *args: str, env: dict | None = None, fails: bool = False):
-    result = subprocess.run([sys.executable, os.path.join(PROBES, script), *args], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **(env or {})})
-    if fails:
-        assert result.returncode != 0, result.stdout[-2000:]
-        return result.stderr
+
+def probe(script: str, cases: dict) -> dict:
+    """Every case of one probe in one process: name -> what the server returned, or {"error": ...} where it raised."""
+    result = subprocess.run([sys.executable, os.path.join(PROBES, script), "--cases", json.dumps(list(cases.values()))],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return dict(zip(cases, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
 
 
-def test_vllm_server_requests_k_and_returns_the_top_k_of_every_token():
-    out = probe("vllm_server.py", "3")
+@pytest.fixture(scope="module")
+def vllm() -> dict:
+    return probe("vllm_server.py", VLLM_CASES)
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict:
+    return probe("sglang_server.py", SGLANG_CASES)
+
+
+def test_vllm_server_requests_k_and_returns_the_top_k_of_every_token(vllm):
+    out = vllm["topk"]
     assert out["patched"] and out["engine_logprobs"] == 3  # verl forces logprobs=0; the patch asks for K
     assert out["token_ids"] == [9, 20, 11]
     assert out["log_probs"] == [-1.5, -3.0, -0.5]  # verl's own sampled-token log-probs are unchanged
@@ -32,28 +49,28 @@ def test_vllm_server_requests_k_and_returns_the_top_k_of_every_token():
     assert out["topk_logprobs"] == [[-0.5, -1.5, -2.5]] * 3
 
 
-def test_vllm_topk_requests_skip_detokenising():
+def test_vllm_topk_requests_skip_detokenising(vllm):
     """verl reads token ids only: a Top-K request asks vLLM not to decode its K + 1 ids per position (bench/
     bench_vllm_detokenize.py measures it); with stop strings, which need the text, vLLM's default stays."""
-    assert probe("vllm_server.py", "3")["detokenize"] is False
-    with_stop = probe("vllm_server.py", "3", "####")
+    assert vllm["topk"]["detokenize"] is False
+    with_stop = vllm["topk-stop"]
     assert with_stop["detokenize"] is None and with_stop["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
 
 
-def test_vllm_server_without_top_k_keeps_verls_request_in_the_flat_layout():
+def test_vllm_server_without_top_k_keeps_verls_request_in_the_flat_layout(vllm):
     """Issue 53.6: verl's own request in bypass mode (`logprobs=0`, every binary mode) asks vLLM for its flat layout
     too (bench/bench_rollout_logprobs.py: it costs the rollout less), and verl's unmodified reading of it
     (`logprobs[token_ids[i]].logprob`) returns the sampled tokens' log-probs the dict layout gives. Nothing else of
     the request changes: no K, vLLM's detokenising kept."""
-    out = probe("vllm_server.py", "0")
+    out = vllm["bypass"]
     assert out["engine_logprobs"] == 0 and out["topk_ids"] is None and out["detokenize"] is None
     assert out["flat_logprobs"] is True and out["layout"] == "FlatLogprobs"
     assert out["log_probs"] == [-1.5, -3.0, -0.5]
-    assert probe("vllm_server.py", "3")["layout"] == "FlatLogprobs"  # the Top-K request, as before
+    assert vllm["topk"]["layout"] == "FlatLogprobs"  # the Top-K request, as before
 
 
-def test_vllm_server_without_log_probs_is_untouched():
-    out = probe("vllm_server.py", "0", "", "0")  # calculate_log_probs=False: verl sends logprobs=None
+def test_vllm_server_without_log_probs_is_untouched(vllm):
+    out = vllm["no-logprobs"]  # calculate_log_probs=False: verl sends logprobs=None
     assert out["engine_logprobs"] is None and out["flat_logprobs"] is None and out["log_probs"] is None
     assert out["detokenize"] is None and out["topk_ids"] is None
 
@@ -100,36 +117,36 @@ def test_which_vllm_requests_get_the_flat_layout():
     assert "flat_logprobs" not in older.SamplingParams(max_tokens=4, logprobs=0).kwargs  # a vLLM without the field
 
 
-def test_sglang_server_requests_k_and_returns_the_top_k_of_every_token():
-    out = probe("sglang_server.py", "3")
+def test_sglang_server_requests_k_and_returns_the_top_k_of_every_token(sglang):
+    out = sglang["topk"]
     assert out["patched"] and out["top_logprobs_num"] == 3
     assert out["token_ids"] == [9, 20, 11] and out["log_probs"] == [-1.5, -3.0, -0.5]
     assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
     assert out["topk_logprobs"] == [[-0.5, -1.5, -2.5]] * 3
 
 
-def test_sglang_server_is_untouched_without_top_k():
-    out = probe("sglang_server.py", "0")
+def test_sglang_server_is_untouched_without_top_k(sglang):
+    out = sglang["no-topk"]
     assert out["top_logprobs_num"] is None and out["topk_ids"] is None
 
 
-def test_sglang_decode_leg_of_pd_disaggregation_returns_rows():
+def test_sglang_decode_leg_of_pd_disaggregation_returns_rows(sglang):
     """Prefill/decode disaggregation: verl calls the decode server with a bootstrap room too (async_sglang_server.py
     :572,582); its reply is the one the agent loop gets, so it must carry the rows. The prefill leg asks for none."""
-    out = probe("sglang_server.py", "3", "decode")
+    out = sglang["decode"]
     assert out["top_logprobs_num"] == 3
     assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
-    prefill = probe("sglang_server.py", "3", "prefill")
+    prefill = sglang["prefill"]
     assert prefill["top_logprobs_num"] is None and prefill["topk_ids"] is None
 
 
-def test_sglang_original_logprob_at_another_temperature_is_refused():
+def test_sglang_original_logprob_at_another_temperature_is_refused(sglang):
     """SGLANG_RETURN_ORIGINAL_LOGPROB: log-probs before temperature, not mu's when the rollout samples at T != 1."""
-    stderr = probe("sglang_server.py", "3", env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "PROBE_TEMPERATURE": "0.7"},
-                   fails=True)
-    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" in stderr and "temperature 0.7" in stderr
+    error = sglang["original-at-0.7"]["error"]
+    assert error.startswith("RolloutTopKError: ") and "SGLANG_RETURN_ORIGINAL_LOGPROB" in error, error
+    assert "temperature 0.7" in error
     # at temperature 1 the two are the same distribution: allowed
-    out = probe("sglang_server.py", "3", env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "PROBE_TEMPERATURE": "1.0"})
+    out = sglang["original-at-1"]
     assert out["topk_ids"] == [[5, 9, 2], [3, 4, 8], [11, 12, 13]]
 
 

@@ -5,11 +5,11 @@ The tokenizer manager answers like SGLang's non-streaming `generate_request`: me
 `output_token_logprobs` [(logprob, id, text)] and, when `top_logprobs_num` was asked, `output_top_logprobs`
 (per token, the top entries most likely first). Usage: python sglang_server.py K [ROLE]  (K = 0: no Top-K; ROLE:
 the server's prefill/decode disaggregation role, "prefill" or "decode", called as verl calls that leg: with a
-bootstrap room).
+bootstrap room; the sampling temperature from PROBE_TEMPERATURE, 1.0 unset), or python sglang_server.py --cases JSON:
+a list of such argument lists, each with an optional environment of its own (stubs.run_cases), in this one process.
 """
 
 import asyncio
-import json
 import os
 import sys
 import types
@@ -56,7 +56,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.rollout.sglang_rollout import async_sglang_server as server_module  # noqa: E402
 
 
-def main(k: int, role: str = "") -> None:
+def main(k: int, role: str = "") -> dict:
     server = object.__new__(server_module.SGLangHttpServer)
     server.config = OmegaConf.create({
         "max_model_len": 64, "response_length": 8, "prompt_length": 8, "enable_rollout_routing_replay": False,
@@ -71,15 +71,15 @@ def main(k: int, role: str = "") -> None:
     result = asyncio.run(server.generate([1, 2, 3], {"logprobs": True, "temperature": temperature}, "req-0", **legs))
     extra = result.extra_fields
     request = server.tokenizer_manager.request
-    print(json.dumps({
+    return {
         "patched": bool(getattr(server_module.SGLangHttpServer.generate, "__verl_dppo_patched__", False)),
         "top_logprobs_num": getattr(request, "top_logprobs_num", None),
         "token_ids": list(result.token_ids),
         "log_probs": result.log_probs,
         "topk_ids": extra["dppo_topk_ids"].tolist() if "dppo_topk_ids" in extra else None,
         "topk_logprobs": extra["dppo_topk_logprobs"].tolist() if "dppo_topk_logprobs" in extra else None,
-    }))
+    }
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), *sys.argv[2:])
+    stubs.run_cases(lambda k, *rest: main(int(k), *rest), sys.argv[1:])

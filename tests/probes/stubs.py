@@ -45,3 +45,32 @@ def install(*packages: str) -> None:
     sys.meta_path.insert(0, _StubFinder(packages))
     real_version = _metadata.version
     _metadata.version = lambda name: FAKE_VERSIONS[name] if name in packages else real_version(name)
+
+
+def run_cases(case, argv) -> None:
+    """A probe's command line: `ARGS...`, one case, its result printed as JSON (an exception fails the process); or
+    `--cases JSON`, a list of cases, each a list of arguments or {"args": [...], "env": {...}} (set for that case
+    alone), run one after another in this process (verl imported once), their results printed as one JSON list; a
+    case that raises gives {"error": "<type>: <message>"}."""
+    import json
+    import os
+
+    if argv[:1] != ["--cases"]:
+        print(json.dumps(case(*argv)))
+        return
+    results = []
+    for spec in json.loads(argv[1]):
+        args, env = (spec["args"], spec.get("env", {})) if isinstance(spec, dict) else (spec, {})
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            results.append(case(*args))
+        except Exception as error:  # noqa: BLE001  (reported to the test, which asserts on it)
+            results.append({"error": f"{type(error).__name__}: {error}"})
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    print(json.dumps(results))

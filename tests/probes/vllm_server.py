@@ -6,11 +6,12 @@ vLLM does not install on a CPU machine: every `vllm.*` module is a stub whose at
 dicts {token_id: Logprob} with the sampled token first and the top-`logprobs` entries by rank, or, when the request
 asks for `flat_logprobs`, a `FlatLogprobs` as vLLM 0.27.1 builds it).
 Usage: python vllm_server.py K [STOP [LOGPROBS]]  (K = 0: plugin not asked for Top-K; STOP: a stop string, "" for
-none; LOGPROBS = 0: the request asks for no log-probs, as verl's agent loop without `calculate_log_probs`).
+none; LOGPROBS = 0: the request asks for no log-probs, as verl's agent loop without `calculate_log_probs`), or
+python vllm_server.py --cases JSON: a list of such argument lists, each a fresh server and engine in this one process
+(one import of verl instead of one per case), printed as one JSON list (stubs.run_cases).
 """
 
 import asyncio
-import json
 import os
 import sys
 import types
@@ -101,7 +102,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.rollout.vllm_rollout import vllm_async_server as server_module  # noqa: E402
 
 
-def main(k: int, stop: str = "", logprobs: str = "1") -> None:
+def main(k: int, stop: str = "", logprobs: str = "1") -> dict:
     server = object.__new__(server_module.vLLMHttpServer)
     custom = {"dppo_topk": k} if k else {}
     server.config = OmegaConf.create({
@@ -116,7 +117,7 @@ def main(k: int, stop: str = "", logprobs: str = "1") -> None:
     params = {"logprobs": logprobs != "0", "temperature": 1.0, **({"stop": [stop]} if stop else {})}
     result = asyncio.run(server.generate([1, 2, 3], params, "req-0"))
     extra = result.extra_fields
-    print(json.dumps({
+    return {
         "patched": bool(getattr(server_module.vLLMHttpServer.generate, "__verl_dppo_patched__", False)),
         "engine_logprobs": server.engine.seen_logprobs,
         "detokenize": server.engine.seen_detokenize,
@@ -126,8 +127,8 @@ def main(k: int, stop: str = "", logprobs: str = "1") -> None:
         "log_probs": result.log_probs,
         "topk_ids": extra["dppo_topk_ids"].tolist() if "dppo_topk_ids" in extra else None,
         "topk_logprobs": extra["dppo_topk_logprobs"].tolist() if "dppo_topk_logprobs" in extra else None,
-    }))
+    }
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), *sys.argv[2:])
+    stubs.run_cases(lambda k, *rest: main(int(k), *rest), sys.argv[1:])
