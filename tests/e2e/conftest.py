@@ -31,7 +31,22 @@ def launches(request, tmp_path_factory) -> Launches:
     done = Launches(loop.run_pool(root, [chain for module in tiers for chain in module.lane_chains(root)],
                                   prepare=warm_model))
     done.tiers = {module.__name__ for module in tiers}
+    request.config._dppo_pool = done
     return done
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The pool's launches, longest first, with their seconds and exit codes (pytest's durations show the pool as one
+    fixture's set-up): where the e2e phase's time went, in the CI's log."""
+    done = getattr(config, "_dppo_pool", None)
+    if not done:
+        return
+    runs = sorted(done.values(), key=lambda run: -run.seconds)
+    launches = f"{len(runs)} launch" + ("es" if len(runs) != 1 else "")
+    terminalreporter.write_line(f"e2e pool: {launches}, {sum(run.seconds for run in runs):,.0f} s in all (lanes side "
+                                "by side):")
+    listed = [f"{run.name} {run.seconds:.0f} s" + (f" (rc {run.rc})" if run.rc else "") for run in runs]
+    terminalreporter.write_line("  " + ", ".join(listed))
 
 
 class Launches(dict):
