@@ -21,21 +21,35 @@ SGLANG_CASES = {"topk": ["3"], "no-topk": ["0"], "decode": ["3", "decode"], "pre
 """Name -> K [ROLE], with the case's own environment where it has one (tests/probes/sglang_server.py)."""
 
 
-def probe(script: str, cases: dict) -> dict:
-    """Every case of one probe in one process: name -> what the server returned, or {"error": ...} where it raised."""
+class Cases(dict):
+    """Name -> what the server returned; a case that raised fails where a test reads it, unless read by `error`."""
+
+    def __getitem__(self, name: str) -> dict:
+        out = super().__getitem__(name)
+        assert "error" not in out, f"case {name} raised: {out['error']}"
+        return out
+
+    def error(self, name: str) -> str:
+        out = super().__getitem__(name)
+        assert "error" in out, f"case {name} did not raise: {out}"
+        return out["error"]
+
+
+def probe(script: str, cases: dict) -> Cases:
+    """Every case of one probe in one process (stubs.run_cases)."""
     result = subprocess.run([sys.executable, os.path.join(PROBES, script), "--cases", json.dumps(list(cases.values()))],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return dict(zip(cases, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
+    return Cases(zip(cases, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
 
 
 @pytest.fixture(scope="module")
-def vllm() -> dict:
+def vllm() -> Cases:
     return probe("vllm_server.py", VLLM_CASES)
 
 
 @pytest.fixture(scope="module")
-def sglang() -> dict:
+def sglang() -> Cases:
     return probe("sglang_server.py", SGLANG_CASES)
 
 
@@ -142,7 +156,7 @@ def test_sglang_decode_leg_of_pd_disaggregation_returns_rows(sglang):
 
 def test_sglang_original_logprob_at_another_temperature_is_refused(sglang):
     """SGLANG_RETURN_ORIGINAL_LOGPROB: log-probs before temperature, not mu's when the rollout samples at T != 1."""
-    error = sglang["original-at-0.7"]["error"]
+    error = sglang.error("original-at-0.7")
     assert error.startswith("RolloutTopKError: ") and "SGLANG_RETURN_ORIGINAL_LOGPROB" in error, error
     assert "temperature 0.7" in error
     # at temperature 1 the two are the same distribution: allowed
