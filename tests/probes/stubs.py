@@ -54,6 +54,7 @@ def run_cases(case, argv) -> None:
     case that raises gives {"error": "<type>: <message>"}."""
     import json
     import os
+    from unittest import mock
 
     if argv[:1] != ["--cases"]:
         print(json.dumps(case(*argv)))
@@ -61,16 +62,9 @@ def run_cases(case, argv) -> None:
     results = []
     for spec in json.loads(argv[1]):
         args, env = (spec["args"], spec.get("env", {})) if isinstance(spec, dict) else (spec, {})
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
-            results.append(case(*args))
-        except Exception as error:  # noqa: BLE001  (reported to the test, which asserts on it)
-            results.append({"error": f"{type(error).__name__}: {error}"})
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        with mock.patch.dict(os.environ, env):
+            try:
+                results.append(case(*args))
+            except Exception as error:  # noqa: BLE001  (reported to the test, which asserts on it)
+                results.append({"error": f"{type(error).__name__}: {error}"})
     print(json.dumps(results))
