@@ -47,6 +47,9 @@ setup(
     entry_points={
         # The plugin (every process of a run) and the CPU rehearsal (what runs verl on CPUs), each its own entry.
         "verl.plugins": ["dppo = verl_dppo.plugin.entry", "dppo_cpu = verl_dppo.rehearsal.entry"],
+        # vLLM loads this group in each of its processes (the engine core and workers verl's server spawns): the CPU
+        # rehearsal's patch of vLLM's shared-memory queues, a pass-through off the CPU platform.
+        "vllm.general_plugins": ["dppo_cpu = verl_dppo.rehearsal.patches.vllm_shm_broadcast:register"],
         "console_scripts": ["verl-dppo = verl_dppo.cli:main"],
     },
 )

@@ -24,10 +24,9 @@ import torch
 
 from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
 
-__all__ = ["CPUPlatform", "PLATFORM_NAME", "install", "is_selected", "register", "select_cpu_platform"]
+from verl_dppo.rehearsal.selection import PLATFORM_NAME, is_selected
 
-PLATFORM_NAME = "cpu"
-"""The value of VERL_PLATFORM that selects this platform."""
+__all__ = ["CPUPlatform", "PLATFORM_NAME", "install", "is_selected", "register", "select_cpu_platform"]
 
 
 class _CPUDeviceModule:
@@ -207,11 +206,6 @@ def _quiet_override_notice() -> None:
 class _OverrideNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == "Platform override from VERL_PLATFORM: %s" and record.args == (PLATFORM_NAME,))
-
-
-def is_selected() -> bool:
-    """Whether this process runs verl on the CPU platform (VERL_PLATFORM=cpu)."""
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
 
 
 def select_cpu_platform() -> None:
