@@ -257,7 +257,9 @@ def test_a_wheel_from_the_checkout_loads_the_plugin_with_its_patches(tmp_path):
     assert "verl_dppo/rehearsal/patches/vllm_cpu_moe.py" in names
     assert "verl_dppo/rehearsal/isa_site/sitecustomize.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "dppo_cpu = verl_dppo.rehearsal.entry" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    entry_text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "dppo_cpu = verl_dppo.rehearsal.entry" in entry_text
+    assert "[vllm.general_plugins]\ndppo_cpu = verl_dppo.rehearsal.patches.vllm_shm_broadcast:register" in entry_text
     assert "verl_dppo/recipes/setup/moe_base.yaml" in names
     for path in (REPO / "recipes").rglob("*.yaml"):  # every recipe file, the trainer modes included
         assert f"verl_dppo/recipes/{path.relative_to(REPO / 'recipes').as_posix()}" in names, path

