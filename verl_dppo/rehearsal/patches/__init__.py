@@ -11,5 +11,5 @@ pass-through off the CPU platform:
 | `cpu_resources`   | verl.single_controller.ray.base                  | `ResourcePoolManager._check_resource_available`, `RayWorkerGroup._get_master_addr_port` (a MASTER_PORT outside the ephemeral range) |
 | `vllm_cpu`        | ray.runtime_context, vllm, vllm's layers.utils   | the accelerator ids Ray reports, vLLM-CPU's GEMM dispatch, its torchvision warning |
 | `vllm_cpu_moe`    | vllm's fused_moe (CPU), gpu_model_runner         | verl's weight sync into vLLM-CPU's MoE kernel, R3's routed experts out of it |
-| `vllm_shm_broadcast` | vllm's distributed.device_communicators.shm_broadcast | `SpinCondition`: a queue reader without the busy wait (vLLM's own plugin group, `vllm.general_plugins`: loaded in the engine core and workers vLLM spawns) |
+| `vllm_shm_broadcast` | vllm's distributed.device_communicators.shm_broadcast | `SpinCondition`: a queue reader spins 50 ms, not 1 s (vLLM's own plugin group, `vllm.general_plugins`: loaded in the engine core and workers vLLM spawns) |
 """

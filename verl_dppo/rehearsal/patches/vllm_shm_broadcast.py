@@ -2,16 +2,19 @@
 
 | patch                     | upstream                                                  | what it does on CPU                  |
 |---------------------------|-----------------------------------------------------------|--------------------------------------|
-| `patch_spin_condition`    | vllm distributed/device_communicators/shm_broadcast.py:130-144 (`SpinCondition.__init__`: `busy_loop_s: float = 1`, passed by no caller) and :203-205 (`wait`: `sched_yield()` for `busy_loop_s` after each read before it polls the zmq socket) | a reader's `busy_loop_s` is 0: it waits on the writer's zmq notification at once |
+| `patch_spin_condition`    | vllm distributed/device_communicators/shm_broadcast.py:130-144 (`SpinCondition.__init__`: `busy_loop_s: float = 1`, passed by no caller) and :203-205 (`wait`: `sched_yield()` for `busy_loop_s` after each read before it polls the zmq socket) | a reader's `busy_loop_s` is `BUSY_LOOP_S` (50 ms): after that it waits on the writer's zmq notification |
 
 verl's vLLM server runs vLLM with `distributed_executor_backend="mp"`: the engine core process sends each step to
 its worker process, and waits for the reply, through these queues. A reader spins for a second after each read, and
 a decode step on a CPU takes about that long, so the engine core never goes idle while its worker computes: on
-SmolLM2 (bf16, 16 x 64 tokens with 20 log-probs, one OpenMP thread, the AVX2 machine) the worker used 61.8 s of CPU
-in 61.5 s and the engine core 43.7 s of a core beside it, taken from the trainer or another run on a machine with
-few cores; with this patch the engine core used 0.2 s, the wall the same (`python bench/vllm_spin.py` measures it
-again: docs/vllm-cpu.md). On a GPU the spin saves microseconds a step and the CPU it burns is not the accelerator's:
-off the CPU platform nothing is patched.
+SmolLM2 (bf16, 16 x 64 tokens with 20 log-probs, one OpenMP thread, the AVX2 machine) the worker used 58.8 s of CPU
+in 58.8 s and the engine core 41.3 s of a core beside it, taken from the trainer or another run on a machine with
+few cores (`python bench/vllm_spin.py` measures it: docs/benchmarks.md). Not 0: vLLM's notifications can be lost
+(shm_broadcast.py:64-67, "lost-notify recovery latency to ~5s"), and without any busy loop they were, in bursts of
+messages: the separate_async vLLM launch's weight pushes took 5.2 s in 3 of 5 steps (0.2 s as shipped); with 50 ms
+none did, and a step a worker computes for longer (a CPU decode step, about a second on SmolLM2) is waited for asleep.
+On a GPU the spin saves microseconds a step and the CPU it burns is not the accelerator's: off the CPU platform
+nothing is patched.
 
 vLLM spawns its engine core and workers from a Ray actor (`_maybe_force_spawn`), so a patch made in the server's
 process does not reach them; vLLM loads every `vllm.general_plugins` entry point in each of its processes (the
@@ -30,6 +33,8 @@ from verl_dppo.rehearsal.selection import is_selected
 __all__ = ["patch_spin_condition", "register"]
 
 MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+BUSY_LOOP_S = 0.05
+"""How long a queue reader spins after a read before it waits on the writer's notification (vLLM's: 1 s)."""
 
 
 def register() -> None:
@@ -40,8 +45,8 @@ def register() -> None:
 
 
 def patch_spin_condition(shm_broadcast: Any) -> None:
-    """`SpinCondition.__init__`: a reader's `busy_loop_s` set to 0 after vLLM's own initialisation (a writer's is 0
-    already). A vLLM without the class (its queues wait another way) is left alone."""
+    """`SpinCondition.__init__`: a reader's `busy_loop_s` set to BUSY_LOOP_S after vLLM's own initialisation (a
+    writer's is 0 already). A vLLM without the class (its queues wait another way) is left alone."""
     spin_condition = getattr(shm_broadcast, "SpinCondition", None)
     if spin_condition is None:
         return
@@ -50,7 +55,7 @@ def patch_spin_condition(shm_broadcast: Any) -> None:
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             if getattr(self, "is_reader", False):
-                self.busy_loop_s = 0.0
+                self.busy_loop_s = BUSY_LOOP_S
 
         return __init__
 
