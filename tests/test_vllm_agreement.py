@@ -98,15 +98,12 @@ VLLM_CHILD = textwrap.dedent("""
         import time
         time.sleep(0.5)
 
-    def engine_core_seconds():  # the CPU time of this process's child named by vLLM (comm is cut to 15 characters)
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                stat = open(f"/proc/{pid}/stat").read()
-            except OSError:
-                continue
-            rest = stat[stat.rfind(")") + 2:].split()
-            if "EngineCor" in stat[stat.find("(") + 1:stat.rfind(")")] and int(rest[1]) == os.getpid():
-                return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    def engine_core_seconds():  # the CPU time of the child process vLLM names its engine core
+        import psutil
+        for child in psutil.Process().children():
+            if "EngineCor" in child.name():  # the kernel's name is cut to 15 characters
+                times = child.cpu_times()
+                return times.user + times.system
         raise RuntimeError("no engine core process under this one")
 
     spin = {"worker_readers_busy_loop_s": llm.collective_rpc(readers_busy_loop_s)}
