@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` (the main job, CPU) and `make test`.
 # Both create or reuse the virtual environment at .venv in the checkout.
 # The interpreter .venv is made with: the fastest Python 3.11 on PATH (tools/fastest-python says why), or yours.
-PYTHON ?= $(shell python3 tools/fastest-python)
+PYTHON ?= $(or $(shell python3 tools/fastest-python),python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-dppo-installed

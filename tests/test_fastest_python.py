@@ -17,16 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "fastest-python"
 
 
-def fake_python(directory: Path, name: str, *, version_ok: bool, loop_seconds: float) -> Path:
+def fake_python(directory: Path, name: str, *, version_ok: bool, loop_seconds: float | None) -> Path:
     """A `name` in `directory` that, asked the tool's probe, says it is itself (or exits 1, as a Python of another
-    version does) and, asked to run the loop, says it took `loop_seconds`."""
+    version does) and, asked to run the loop, says it took `loop_seconds` (or fails, when None)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
     path.write_text(
         "#!/bin/sh\n"
         'case "$2" in\n'
         f'  *ensurepip*) {"echo " + str(path) if version_ok else "exit 1"} ;;\n'
-        f"  *) echo {loop_seconds} ;;\n"
+        f"  *) {'exit 1' if loop_seconds is None else f'echo {loop_seconds}'} ;;\n"
         "esac\n"
     )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -60,3 +60,9 @@ def test_with_no_python_311_on_path_make_falls_back_to_python3(tmp_path):
     fake_python(tmp_path / "other", "python3.11", version_ok=False, loop_seconds=0.0)
     assert choose([tmp_path / "other"]).stdout.strip() == "python3"
     assert choose([tmp_path / "nothing-here"]).stdout.strip() == "python3"
+
+
+def test_a_candidate_that_fails_the_loop_is_not_chosen_and_stops_nothing(tmp_path):
+    fake_python(tmp_path / "broken", "python3.11", version_ok=True, loop_seconds=None)
+    result = choose([tmp_path / "broken", Path(sys.executable).parent])
+    assert os.path.realpath(result.stdout.strip()) == os.path.realpath(sys.executable)
