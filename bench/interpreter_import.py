@@ -12,6 +12,8 @@ baseline is the first interpreter given, or the one .venv was made with.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -21,7 +23,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# -S: none of the interpreter's own site-packages (pyenv's and Debian's hold other versions of some packages)
 IMPORT = "import site, sys; site.addsitedir(sys.argv[1]); import verl"
 
 
@@ -31,15 +32,19 @@ def venv_interpreter() -> str:
 
 def candidates() -> list[str]:
     """The Python 3.11 interpreters tools/fastest-python would time, .venv's own first."""
-    lines = subprocess.run([sys.executable, str(REPO / "tools" / "fastest-python")], capture_output=True, text=True,
-                           check=True).stderr.splitlines()
-    found = [line.split()[1] for line in lines if line.startswith("fastest-python: ")]
+    # the tool's own list, without its timed loops (the file has no .py suffix: load it by path)
+    loader = importlib.machinery.SourceFileLoader("fastest_python", str(REPO / "tools" / "fastest-python"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    tool = importlib.util.module_from_spec(spec)
+    loader.exec_module(tool)
+    found = tool.candidates()
     own = venv_interpreter()
     return [own] + [python for python in found if python != own]
 
 
 def one_import(python: str, site_packages: str) -> tuple[float, float]:
     start = time.perf_counter()
+    # -S: none of the interpreter's own site-packages (pyenv's and Debian's hold other versions of some packages)
     child = subprocess.Popen([python, "-S", "-c", IMPORT, site_packages], stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
