@@ -10,7 +10,7 @@ not seen). Processes are named by Ray's actor title (`ray::TaskRunnerV1`) or the
 workers' lines to the launch's log) and a second table gives, for each process of the run, the seconds of its
 imports in all and of the costliest packages in them, each where the process first imported it.
 
-    .venv/bin/python bench/launch_cpu.py [--run sync-dppo_topk_kl] [--tier tests/e2e/test_full_loop.py] [-k topk_kl]
+    .venv/bin/python bench/launch_cpu.py [--run sync-dppo_topk_kl] [--tier tests/e2e/test_full_loop.py] [-k EXPR]
                                          [--imports]
 """
 
@@ -47,14 +47,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", default="sync-dppo_topk_kl", help="the pool's launch (DPPO_FULL_LOOP_ONLY)")
     parser.add_argument("--tier", default="tests/e2e/test_full_loop.py")
-    parser.add_argument("-k", default="topk_kl", help="pytest's -k: the tests that read the launch")
+    parser.add_argument("-k", help="pytest's -k (default: the tier's every test; those reading runs other than "
+                        "--run skip, as with DPPO_FULL_LOOP_ONLY)")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--imports", action="store_true", help="also the seconds each process spends importing")
     args = parser.parse_args()
     env = dict(os.environ, DPPO_FULL_LOOP_ONLY=args.run, **({"PYTHONPROFILEIMPORTTIME": "1"} if args.imports else {}))
     basetemp = Path(tempfile.mkdtemp(prefix="launch-cpu-"))
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "e2e", args.tier, "-k", args.k, "-p", "no:cacheprovider",
-               f"--basetemp={basetemp}"]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "e2e", args.tier, *(("-k", args.k) if args.k else ()),
+               "-p", "no:cacheprovider", f"--basetemp={basetemp}"]
     log = tempfile.TemporaryFile("w+")  # not a pipe: a failing launch's output would fill it and stop pytest
     start = time.perf_counter()
     pytest = psutil.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
