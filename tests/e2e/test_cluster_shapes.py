@@ -13,7 +13,7 @@ The runs, in the e2e tiers' pool of lanes (tests/e2e/conftest.py):
 The other shapes run in test_full_loop, each in a launch that checks more (one launch is 2-4 minutes on a slow
 2-core machine): LoRA on the `hf` rollout (`sync-grpo_clip`: base sync, then adapter syncs merged by the server, the
 rollout sampling from the policy the actor scores at every step), and a kill and resume at two ranks of a Qwen3-MoE
-with R3 (`resume-killed`, `resume-restarted`: its step 3 equal to an uninterrupted run's, the experts pushed per
+with R3 (`resume-killed`, `resume-restarted`: its step 3 equal to the killed run's, the experts pushed per
 expert into transformers' fused tensors). LoRA on vLLM runs in the vLLM tier (test_vllm_loop's troll run). Ulysses
 sequence parallelism is refused on the CPU (verl 0.9.1 exchanges the slices around flash-attention only; with sdpa
 each rank attends within its slice, which this tier's first SP=2 runs showed: tests/test_cli_errors.py checks the

@@ -74,7 +74,7 @@ R3_HF = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
 """R3 on verl's FSDP engine, the routes recorded by the plugin's hf rollout (issue 52)."""
 RESUME_SHAPE = (*TWO_RANKS, *MOE, *R3_HF)
-"""The resumed run and its uninterrupted reference (and so the weight-sync check of RESUME_METHOD): a cluster run's
+"""The killed run and its restart (and so the weight-sync check of RESUME_METHOD, on the restart): a cluster run's
 shape (issue 34), two ranks, a Qwen3-MoE of 4 experts (random init) whose routes the hf rollout records and the
 trainer replays (R3, issue 52)."""
 LORA_MODE = "grpo_clip"
@@ -87,6 +87,9 @@ STEPS = 2
 VALIDATION_FILE = "${dppo.tiny_data.dir}/validation.parquet"
 """cpu_tiny's problems with other prompts (validation_file): the resume runs validate on them."""
 RESUME_METHOD = "dppo_binary_tv"
+RESUMED = "resume-restarted"
+"""RESUME_METHOD's sync-trainer run: the restart of the killed run, which logs every step of a whole run (1-2 kept
+from the killed run, 3-4 its own) and is checked as a mode's own run is (a run of its own would add 2-3 minutes)."""
 DEFAULT_METHODS = ("dppo_binary_tv", "troll")
 """Run with cpu_tiny's own settings, on cpu_tiny's warm-started model (the pool builds it once, as the lanes start)."""
 TRAINED_ELSEWHERE = {"dppo_binary_kl": ("test_cluster_shapes", "shape-2r-bf16-binary_kl"),
@@ -95,7 +98,7 @@ TRAINED_ELSEWHERE = {"dppo_binary_kl": ("test_cluster_shapes", "shape-2r-bf16-bi
 launch: 2-4 minutes on a slow 2-core machine); test_every_loss_mode_trains_through_main_ppo checks that run."""
 TRAINED_BY_DEFAULT_RUN = ("troll",)
 """Modes whose sync-trainer checks read their `default-` run (no `sync-` run of their own; TROLL's fused run is
-another). dppo_binary_tv keeps its own: the resume's reference and the weight-sync check need its settings."""
+another); RESUME_METHOD's read the restart (RESUMED)."""
 PARALLEL = int(os.environ.get("DPPO_FULL_LOOP_PARALLEL", "2"))
 """Lanes of runs side by side, each on a local Ray cluster of its own, its runs one after another: verl's
 TransferQueue names its controller actor globally (namespace "transfer_queue"), so two main_ppo jobs at once on one
@@ -163,8 +166,11 @@ class Run:
     steps: int = STEPS
     overrides: tuple[str, ...] = ()
     kill_after_step: Optional[int] = None
-    """SIGKILL the run's training worker (verl's WorkerDict actor: the FSDP actor) once this step is checkpointed and
-    logged, as a node lost mid-run would; the driver must then fail on its own."""
+    """SIGKILL the run's training worker (verl's WorkerDict actor: the FSDP actor) once this step is logged and
+    checkpointed (or `kill_checkpoint` is), as a node lost mid-run would; the driver must then fail on its own."""
+    kill_checkpoint: Optional[int] = None
+    """The checkpoint the kill waits for, if not kill_after_step's own: a step before it, so that the killed run has
+    logged steps past its last checkpoint, which the restart logs again."""
     kill_launcher_when: Optional[Callable] = None
     """kill_launcher_when(run, process), polled while the launch runs: once True, SIGKILL the launched process itself
     (`verl-dppo run`), as a user's closed terminal or OOM kill would (`killed_pid` its pid)."""
@@ -293,13 +299,15 @@ def read_records(run: Run) -> list[dict]:
     return records
 
 
-def past_step(run: Run, step: int) -> bool:
-    """The checkpoint of `step` is complete and the step's line is in the JSONL log (verl logs after saving)."""
+def past_step(run: Run, step: int, checkpoint: Optional[int] = None) -> bool:
+    """The checkpoint of `checkpoint` (default: `step`) is complete and the step's line is in the JSONL log (verl logs
+    after saving)."""
     try:
         saved = int((run.folder / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
     except (OSError, ValueError):
         return False
-    return saved >= step and any(r.get("step") == step for r in read_records(run))
+    return saved >= (step if checkpoint is None else checkpoint) and any(r.get("step") == step
+                                                                          for r in read_records(run))
 
 
 def worker_pid(log_path: Path) -> int:
@@ -321,7 +329,8 @@ def execute(run: Run, address: str) -> Run:
         process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
         deadline = start + (run.timeout_s or RUN_TIMEOUT_S)
         while process.poll() is None and time.perf_counter() < deadline:
-            if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step):
+            if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step,
+                                                                            run.kill_checkpoint):
                 run.killed_pid = worker_pid(log_path)
                 os.kill(run.killed_pid, signal.SIGKILL)  # the worker dies right after step kill_after_step
                 deadline = min(deadline, time.perf_counter() + WORKER_DEATH_TIMEOUT_S)
@@ -342,10 +351,9 @@ def execute(run: Run, address: str) -> Run:
 def chains() -> list[list[Run]]:
     """The runs, as chains run one after another (a resume after its killed run); chains run side by side."""
     def shape(mode: str) -> tuple[str, ...]:
-        return {ROWS_MODE: ROWS, FUSED_MODE: FUSED, RESUME_METHOD: RESUME_SHAPE, LORA_MODE: LORA}.get(mode, ())
+        return {ROWS_MODE: ROWS, FUSED_MODE: FUSED, LORA_MODE: LORA}.get(mode, ())
 
-    modes = [[Run(f"sync-{mode}", driver.method_for_mode(mode),
-                  steps=3 if driver.method_for_mode(mode) == RESUME_METHOD else STEPS, via_cli=mode == LORA_MODE,
+    modes = [[Run(f"sync-{mode}", driver.method_for_mode(mode), via_cli=mode == LORA_MODE,
                   overrides=(*(() if mode == ROWS_MODE else ("actor_rollout_ref.actor.ppo_mini_batch_size=4",)),
                              *shape(mode)))]
              for mode in MODES if mode_run(mode) == f"sync-{mode}" and mode not in TRAINED_ELSEWHERE]
@@ -354,14 +362,15 @@ def chains() -> list[list[Run]]:
     # With the recipes' val_before_train (cpu_tiny's is off): the restart logs a validation at the checkpoint's step.
     # Its prompts are not the training prompts (validation_file), as a user's validation set would be; the hf
     # rollout seeds each sample from its identity in the run (validation samples have their own), so the restart's
-    # validation at step 2 leaves what step 3 samples as the uninterrupted run sampled it.
+    # validation at step 2 leaves what step 3 samples as the killed run, uninterrupted until then, sampled it.
     resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}",
                *RESUME_SHAPE)
     # cpu_tiny as it ships (issue 27.2): the trust region acts within its 4 steps.
     defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True)] for method in DEFAULT_METHODS]
-    resume = [[Run("resume-killed", RESUME_METHOD, steps=3, kill_after_step=2, overrides=resumed),
-               Run("resume-restarted", RESUME_METHOD, steps=3, folder_of="resume-killed", via_cli=True,
-                   overrides=resumed)]]
+    # Killed once step 3 is logged, a step past its step-2 checkpoint (as a crash mostly falls between checkpoints):
+    # its step 3 is the uninterrupted run's, which the restart's must equal, and the line the restart logs again.
+    resume = [[Run("resume-killed", RESUME_METHOD, steps=4, kill_after_step=3, kill_checkpoint=2, overrides=resumed),
+               Run(RESUMED, RESUME_METHOD, steps=4, folder_of="resume-killed", via_cli=True, overrides=resumed)]]
     return resume + defaults + modes
 
 
@@ -491,8 +500,11 @@ def replayed_every_route(run: Run, steps: int, router_differs: bool, unrouted_ma
 
 
 def mode_run(mode: str) -> str:
-    """The run that trains `mode` with the sync trainer: its own, or the `default-` run of a mode that has one (the
-    same main_ppo, launched through `verl-dppo run` with cpu_tiny's own settings: a second run would add a minute)."""
+    """The run that trains `mode` with the sync trainer: its own, the `default-` run of a mode that has one (the
+    same main_ppo, launched through `verl-dppo run` with cpu_tiny's own settings: a second run would add a minute), or
+    for RESUME_METHOD the restart of the killed run (RESUMED)."""
+    if mode == RESUME_METHOD:
+        return RESUMED
     return f"default-{mode}" if mode in TRAINED_BY_DEFAULT_RUN else f"sync-{mode}"
 
 
@@ -504,8 +516,9 @@ def trained_through_main_ppo(run: Run, mode: str) -> None:
         bad = {k: v for k, v in record["data"].items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, _fail(run, f"step {record['step']}: non-finite {bad}")
     prefix = "actor/troll/" if mode == "troll" else "actor/dppo/"
-    for record in run.records:
-        assert any(k.startswith(prefix) for k in record["data"]), _fail(run, f"no {prefix}* at step {record['step']}")
+    for record in run.records:  # a validation's record (val_before_train) holds its val-* metrics alone
+        assert validation_only(record) or any(k.startswith(prefix) for k in record["data"]), _fail(
+            run, f"no {prefix}* at step {record['step']}")
     assert f"verl-dppo {mode} in effect" in run.log, _fail(run, "the worker's 'in effect' line is missing")
     # The run's TQ_NUM_THREADS=1 (cpu_tiny): TransferQueue's per-call warning on a machine of fewer than 8 cores.
     assert "should not exceed total physical CPU cores" not in run.log, _fail(run, "TransferQueue's thread warnings")
@@ -518,6 +531,9 @@ def test_every_loss_mode_trains_through_main_ppo(runs, mode):
     TRAINED_ELSEWHERE, on the other tier's run (skipped only where that tier is not in this session's pool)."""
     module, name = TRAINED_ELSEWHERE.get(mode, (None, mode_run(mode)))
     if name not in runs:
+        only = only_runs()
+        if only is not None and name not in only:
+            pytest.skip(f"{name} is not in DPPO_FULL_LOOP_ONLY")
         assert module is not None and module not in runs.tiers, f"no run {name} in the pool"
         pytest.skip(f"{mode} trains in {module}'s {name}, a tier this session does not run")
     trained_through_main_ppo(runs[name], mode)
@@ -527,8 +543,10 @@ def test_every_loss_mode_trains_through_main_ppo(runs, mode):
 def test_weight_sync_is_exact(runs, mode):
     """One mini-batch per step (cpu_tiny: ppo_mini_batch_size = train_batch_size), fp32 on both sides: the policy the
     actor scores is the one the hf rollout sampled from, so mu and pi agree up to float rounding at every step. A
-    weight push that skipped a tensor, or a stale copy, would show a mismatch of the order of the update (1e-3+)."""
-    run = runs[f"sync-{mode}"]
+    weight push that skipped a tensor, or a stale copy, would show a mismatch of the order of the update (1e-3+).
+    dppo_binary_tv's run is the resumed one (RESUMED): steps 1-2 before the kill, 3-4 on the weights the restart
+    loaded and pushed."""
+    run = runs[mode_run(mode)]
     finished(run, run.steps)
     mismatch = run.values("actor/dppo/mismatch_tv_mean")
     assert len(mismatch) >= 2 and max(mismatch) <= SYNC_BOUND, _fail(run, f"mismatch_tv_mean per step {mismatch}")
@@ -579,13 +597,14 @@ def test_fused_troll_trains_through_main_ppo(runs):
 
 
 def test_resume_after_sigkill_continues_at_step_3(runs):
-    """A run whose training worker (verl's WorkerDict actor) is SIGKILLed right after the step-2 checkpoint fails
-    loudly on its own: main_ppo exits non-zero within WORKER_DEATH_TIMEOUT_S, Ray's actor-death error in its log.
-    Started again (trainer.resume_mode=auto), it continues at step 3; its step-3 metrics equal the uninterrupted
-    run's. Tolerance 1e-4 relative: the checkpoint restores the fp32 weights, optimizer and data order exactly and the
-    hf rollout seeds each request from (seed, weight version, prompt), so the same tokens are sampled; what remains is
-    float summation order (batch composition and padding in the rollout's forward), 1e-6 or below. The JSONL log
-    still holds steps 1-2.
+    """A run whose training worker (verl's WorkerDict actor) is SIGKILLed once it has logged step 3, a step past its
+    step-2 checkpoint, fails loudly on its own: main_ppo exits non-zero within WORKER_DEATH_TIMEOUT_S, Ray's
+    actor-death error in its log. Started again (trainer.resume_mode=auto), it continues at step 3; its step-3 metrics
+    equal the killed run's, which had run uninterrupted until then. Tolerance 1e-4 relative: the checkpoint restores
+    the fp32 weights, optimizer and data order exactly and the hf rollout seeds each request from (seed, weight
+    version, prompt), so the same tokens are sampled; what remains is float summation order (batch composition and
+    padding in the rollout's forward), 1e-6 or below. The JSONL log holds steps 1-2 of the killed run and 3-4 of the
+    restart, once each: the killed run's step 3, logged after the checkpoint, is dropped (patches/file_logger.py).
 
     The runs' shape (RESUME_SHAPE): two ranks, one rank's worker killed; a Qwen3-MoE of 4 experts, its experts
     exported one by one (verl's unfuse_moe_params) and put back in transformers' fused tensors by the hf rollout,
@@ -594,7 +613,7 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     on both ranks took the experts the hf rollout recorded on every row with a route (`r3_replayed_frac` 1: without
     the replay there is no such metric), the router alone would have chosen otherwise on at most a few (the routes
     reached their rows), and the rows without a route (padding, each sequence's last token) are counted apart."""
-    killed, restarted, reference = runs["resume-killed"], runs["resume-restarted"], runs[f"sync-{RESUME_METHOD}"]
+    killed, restarted = runs["resume-killed"], runs[RESUMED]
     model = killed.folder.parent / "dppo_root" / "models" / "cpu_tiny-moe-random"
     config = json.loads((model / "config.json").read_text())
     assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
@@ -603,17 +622,18 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
                                                    f"{WORKER_DEATH_TIMEOUT_S} s)")
     assert killed.rc not in (0, None), _fail(killed, "main_ppo exited 0 after its worker died")
     assert "ActorDiedError" in killed.log or "RayActorError" in killed.log, _fail(killed, "no actor-death error")
-    assert max(r["step"] for r in killed.records) == 2, _fail(killed, "steps logged by the killed run")
-    finished(reference, 3)
-    # The JSONL file of the killed run and the restart: training steps 1, 2 (before), 3 (after), each once (issue
-    # 24.2: the restart's validation at step 2 had dropped step 2's training record); validations at steps 0 and 2.
-    finished(restarted, 3)
+    logged = [r["step"] for r in killed.records if not validation_only(r)]
+    assert logged == [1, 2, 3], _fail(killed, f"training steps logged by the killed run {logged}")
+    # The JSONL file of the killed run and the restart: training steps 1, 2 (before), 3, 4 (after), each once (the
+    # killed run's step 3 dropped; issue 24.2: the restart's validation at step 2 had dropped step 2's training
+    # record); validations at steps 0 and 2.
+    finished(restarted, 4)
     assert [r["step"] for r in restarted.records if validation_only(r)] == [0, 2], _fail(restarted, "validations")
     assert f"verl-dppo: launching cpu_tiny + {RESUME_METHOD}" in restarted.log, _fail(restarted, "not through the CLI")
     assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
         restarted, "did not resume from the step-2 checkpoint")
     assert not any("Training from scratch" in line for line in restarted.log.splitlines()), _fail(restarted, "scratch")
-    ours, theirs = restarted.metrics(3), reference.metrics(3)
+    ours, theirs = restarted.metrics(3), killed.metrics(3)
     compared = 0
     for key, value in theirs.items():
         if key.startswith(NOT_COMPARED) or not isinstance(value, (int, float)):
@@ -623,11 +643,11 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
         compared += 1
     assert compared > 20
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
-    assert len(mismatch) == 3 and all(0 < m < SYNC_BOUND for m in mismatch), _fail(
+    assert len(mismatch) == 4 and all(0 < m < SYNC_BOUND for m in mismatch), _fail(
         restarted, f"mismatch_tv_mean {mismatch}")
     assert min(restarted.values("actor/grad_norm")) > 0, _fail(restarted, "no update: the check above can't fail")
     assert max(restarted.values("actor/pg_clipfrac")) == 0.0, _fail(restarted, "masked on the sampling policy")
-    for run, steps in ((killed, 2), (restarted, 3)):  # the restart's log keeps the steps before the kill
+    for run, steps in ((killed, 3), (restarted, 4)):  # the restart's log keeps the steps before the checkpoint
         replayed_every_route(run, steps, router_differs=False, unrouted_max=0.5)  # fp32: the router agrees
 
 
@@ -674,13 +694,13 @@ def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(run
     how many steps were done and where the log, checkpoints, config and run record are, and how to draw the log."""
     import yaml
 
-    restarted = runs["resume-restarted"]
-    finished(restarted, 3)
+    restarted = runs[RESUMED]
+    finished(restarted, 4)
     lines = [line for line in restarted.log.splitlines() if line.strip()]
     # the run's log is named by setup, method, trainer mode and shape (RESUME_SHAPE's MoE of 4 experts: -moe4)
     log = restarted.folder / "logs" / "verl-dppo" / f"cpu_tiny-{RESUME_METHOD}-sync-moe4.jsonl"
     last = lines[-1]
-    assert last.startswith(f"verl-dppo: done, 3 of 3 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
+    assert last.startswith(f"verl-dppo: done, 4 of 4 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
                            f"{restarted.folder / 'checkpoints'}"), last
     assert f"draw it: verl-dppo plot {log} -o" in last and "run record" in last
     for noise in ("engine is not available", "Platform override from VERL_PLATFORM", "Failed to set NUMA affinity",
@@ -688,5 +708,5 @@ def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(run
         assert noise not in restarted.log, noise
     config_file = log.with_suffix(".config.yaml")
     assert f"verl's resolved config is in {config_file}" in restarted.log
-    assert yaml.safe_load(config_file.read_text())["trainer"]["total_training_steps"] == 3
+    assert yaml.safe_load(config_file.read_text())["trainer"]["total_training_steps"] == 4
     assert len(lines) < 150, len(lines)
