@@ -530,13 +530,9 @@ def test_every_loss_mode_trains_through_main_ppo(runs, mode):
     """Each registered loss mode, sync trainer: `trained_through_main_ppo`, on the mode's run here or, for those of
     TRAINED_ELSEWHERE, on the other tier's run (skipped only where that tier is not in this session's pool)."""
     module, name = TRAINED_ELSEWHERE.get(mode, (None, mode_run(mode)))
-    if name not in runs:
-        only = only_runs()
-        if only is not None and name not in only:
-            pytest.skip(f"{name} is not in DPPO_FULL_LOOP_ONLY")
-        assert module is not None and module not in runs.tiers, f"no run {name} in the pool"
+    if name not in runs and module is not None and module not in runs.tiers:
         pytest.skip(f"{mode} trains in {module}'s {name}, a tier this session does not run")
-    trained_through_main_ppo(runs[name], mode)
+    trained_through_main_ppo(runs[name], mode)  # a run missing otherwise: skipped or failed by Launches.__missing__
 
 
 @pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_topk_tv"])
