@@ -12,14 +12,14 @@ engine arming a replay controller in `prepare_model_inputs`, as `VeOmniEngineWit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from verl_dppo.patches._import_hook import patch_once, when_imported
 from verl_dppo.plugin.router_replay import RouterReplayError, arm, replaying_forward
 
-__all__ = ["install", "replay_rows", "r3_enabled"]
+__all__ = ["install", "replay_rows", "replay_marks", "response_lengths", "r3_enabled"]
 
 _ROUTER_MODULES = {"transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeTopKRouter",
                    "transformers.models.qwen2_moe.modeling_qwen2_moe": "Qwen2MoeTopKRouter",
@@ -34,24 +34,53 @@ def r3_enabled(engine: Any) -> bool:
     return str(mode) == "R3"  # a dataclass, or the plain dict verl 0.9.1's worker leaves there for an added key
 
 
-def replay_rows(routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank: int) -> torch.Tensor:
+def response_lengths(response_mask: Any) -> torch.Tensor:
+    """Each sequence's number of response tokens, from verl's `response_mask` (nested as verl packs it, or padded)."""
+    if getattr(response_mask, "is_nested", False):
+        values, offsets = response_mask.values(), response_mask.offsets()
+        sums = torch.cumsum(torch.cat([values.new_zeros(1), values.long()]), 0)
+        return sums[offsets[1:]] - sums[offsets[:-1]]
+    return response_mask.long().sum(dim=-1)
+
+
+def replay_marks(lengths: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """[packed rows] bool: the rows that carry a rollout route, as verl's own R3 marks them (`build_r3_replay_mask`,
+    its Megatron engine): every token of a sequence but its last, whose route the rollout never recorded (it samples
+    that token, never feeds it); no token of a sequence without a response token (verl's padding samples)."""
+    lengths, responses = lengths.long().cpu(), responses.long().cpu()
+    if lengths.shape != responses.shape:
+        raise RouterReplayError(f"router replay: the micro-batch has {lengths.numel()} sequences, its response_mask "
+                                f"{responses.numel()}")
+    replayed = torch.where(responses > 0, lengths - 1, torch.zeros_like(lengths))
+    counts = torch.stack([replayed, lengths - replayed], dim=1).flatten()
+    return torch.repeat_interleave(torch.tensor([True, False]).repeat(lengths.numel()), counts)
+
+
+def replay_rows(routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank: int,
+                responses: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rollout's routes of a micro-batch ([sequences, tokens, layers, top-k], nested as verl packs `input_ids`)
     laid out as the model's MoE layers see the tokens: packed (`packed` rows), padded by verl's static pad, then
-    padded to a multiple of the Ulysses group and this rank's slice taken (verl's rule for `input_ids`). Padding rows
-    are zeros: no route (the router routes them itself)."""
-    rows = routes.values() if getattr(routes, "is_nested", False) else routes.reshape(-1, *routes.shape[-2:])
+    padded to a multiple of the Ulysses group and this rank's slice taken (verl's rule for `input_ids`); and which of
+    those rows carry a route (`replay_marks`, from each sequence's response length `responses`; None: every row of a
+    sequence but its last). Padding rows are zeros and carry none (the router routes them itself)."""
+    nested = getattr(routes, "is_nested", False)
+    rows = routes.values() if nested else routes.reshape(-1, *routes.shape[-2:])
     if rows.shape[0] != packed:
         raise RouterReplayError(f"router replay: the micro-batch packs {packed} tokens, its routed_experts "
                                 f"{rows.shape[0]}")
+    lengths = routes.offsets().diff() if nested else torch.full((routes.shape[0],), routes.shape[1])
+    marked = replay_marks(lengths, torch.ones_like(lengths) if responses is None else responses)
     pad = static_pad
     if sp_size > 1:
         pad += (-(packed + static_pad)) % sp_size
     if pad:
         rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+        marked = torch.cat([marked, marked.new_zeros(pad)])
     if sp_size > 1:
         share = rows.shape[0] // sp_size
         rows = rows[sp_rank * share:(sp_rank + 1) * share]
-    return rows
+        marked = marked[sp_rank * share:(sp_rank + 1) * share]
+    return rows, marked
 
 
 def patch_fsdp_engine(module: Any) -> None:
@@ -76,12 +105,15 @@ def patch_fsdp_engine(module: Any) -> None:
                 from verl.utils.ulysses import get_ulysses_sequence_parallel_rank
 
                 sp_rank = get_ulysses_sequence_parallel_rank()
-            rows = replay_rows(routes, packed, self._get_packed_pad_size(packed), sp_size, sp_rank)
+            response_mask = micro_batch.get("response_mask", None)
+            responses = response_lengths(response_mask) if response_mask is not None else None
+            rows, marked = replay_rows(routes, packed, self._get_packed_pad_size(packed), sp_size, sp_rank, responses)
             local = model_inputs["input_ids"].shape[-1]
             if rows.shape[0] != local:
                 raise RouterReplayError(f"router replay: this rank routes {local} rows, the routes were laid out for "
                                         f"{rows.shape[0]}")
-            arm(self.module, rows.to(model_inputs["input_ids"].device))
+            device = model_inputs["input_ids"].device
+            arm(self.module, rows.to(device), marked.to(device))
             return model_inputs, output_args
 
         return prepare_model_inputs

@@ -9,9 +9,10 @@ verl 0.9.1 replays the rollout's routes in its Megatron engine (`RouterReplay`, 
 the rows its replay mask marks are the rollout's, the others the router's own top-k) and reports nothing about it.
 Each time a router replays forward (not backward's recomputation, which replays the same experts again), the patch
 counts the rows with a route, those whose experts handed to the MoE layer are the route's, and those where the
-router's own top-k (verl's `default_compute_topk` on the same scores) would have chosen another set: the loss
-reports them as `actor/dppo/r3_replayed_frac`, `actor/dppo/r3_router_differs_frac` and `actor/dppo/r3_unrouted_frac`,
-as on the FSDP engine. Counted from the replay's own tensors after it ran, so the CPU shim's layout of the rows
+router's own top-k (verl's `default_compute_topk` on the same scores) would have chosen another set, and how well the
+routes fit the router's ranking of the same scores: the loss reports them as `actor/dppo/r3_replayed_frac`,
+`actor/dppo/r3_router_differs_frac`, `actor/dppo/r3_route_fit` and `actor/dppo/r3_unrouted_frac`, as on the FSDP
+engine. Counted from the replay's own tensors after it ran, so the CPU shim's layout of the rows
 (verl_dppo.rehearsal.megatron_r3) is what is counted. Under pipeline parallelism the loss's rank counts the routers
 of its own stage.
 
@@ -58,7 +59,8 @@ def patch_router_replay(module: Any) -> None:
                 mask = self.target_replay_mask
                 has_route = (torch.ones(scores.shape[0], dtype=torch.bool, device=own.device) if mask is None
                              else mask.reshape(-1).to(own.device).bool())
-                count_rows(targets.to(own.device).long(), has_route, result[1].long(), own.long())
+                count_rows(targets.to(own.device).long(), has_route, result[1].long(), own.long(),
+                           scores=scores.detach())
             return result
 
         return get_replay_topk

@@ -498,11 +498,8 @@ def test_every_sample_of_the_legacy_agent_loop_has_its_own_identity_however_the_
     assert len(set(v1)) == 4
 
 
-def test_the_routes_returned_are_the_experts_each_fed_token_was_routed_to(tmp_path, model_dir):
-    """Issue 52: with enable_rollout_routing_replay the hf rollout returns `routed_experts` as vLLM does ([prompt +
-    response - 1, layers, top-k] int16: every token it fed through the model), batched with left padding and a KV
-    cache; each row equals the experts the model's own routers choose for that token in one uncached, unpadded
-    forward of the whole sequence. Without the setting, none; a dense model with it is one clear error."""
+def _moe_dir(path):
+    """A random-init Qwen3-MoE (4 experts, top-2; layer 1 dense) saved at `path`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -511,28 +508,75 @@ def test_the_routes_returned_are_the_experts_each_fed_token_was_routed_to(tmp_pa
                             pad_token_id=0, bos_token_id=None, decoder_sparse_step=1, mlp_only_layers=[1],
                             initializer_range=0.3)
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
-    server = make_server(tmp_path, topk=None, enable_rollout_routing_replay=True)
-    outputs = asyncio.run(_generate_all(server, PROMPTS, {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}))
-    model = server.engine.model
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _check_routes(model, fed: list[int], routes) -> None:
+    """`routes` are, row for row, the experts the model's own routers choose for the tokens `fed`, in one uncached,
+    unpadded forward of the whole sequence; the dense layer's rows are zeros."""
     routers = [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
     assert [i for i, _ in routers] == [0, 2]  # layer 1 is dense (mlp_only_layers): its rows stay zero
+    assert routes.dtype == np.int16 and routes.shape == (len(fed), 3, 2), (routes.shape, len(fed))
+    chosen = {}
+    hooks = [router.register_forward_hook(lambda _m, _i, o, i=i: chosen.__setitem__(i, o[2])) for i, router in routers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([fed]))
+    for hook in hooks:
+        hook.remove()
+    for i, _ in routers:
+        assert np.array_equal(np.sort(routes[:, i], -1), np.sort(chosen[i].numpy(), -1)), i
+    assert not routes[:, 1].any()
+
+
+def test_the_routes_returned_are_the_experts_each_fed_token_was_routed_to(tmp_path, model_dir):
+    """Issue 52: with enable_rollout_routing_replay the hf rollout returns `routed_experts` as vLLM does ([prompt +
+    response - 1, layers, top-k] int16: every token it fed through the model), batched with left padding and a KV
+    cache; each row equals the experts the model's own routers choose for that token in one uncached, unpadded
+    forward of the whole sequence. Without the setting, none; a dense model with it is one clear error."""
+    server = make_server(_moe_dir(tmp_path), topk=None, enable_rollout_routing_replay=True)
+    outputs = asyncio.run(_generate_all(server, PROMPTS, {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}))
     for prompt, out in zip(PROMPTS, outputs):
-        fed = list(prompt) + list(out.token_ids[:-1])
-        routes = out.routed_experts
-        assert routes.dtype == np.int16 and routes.shape == (len(fed), 3, 2), routes.shape
-        chosen = {}
-        hooks = [router.register_forward_hook(lambda _m, _i, o, i=i: chosen.__setitem__(i, o[2]))
-                 for i, router in routers]
-        with torch.no_grad():
-            model(input_ids=torch.tensor([fed]))
-        for hook in hooks:
-            hook.remove()
-        for i, _ in routers:
-            assert np.array_equal(np.sort(routes[:, i], -1), np.sort(chosen[i].numpy(), -1)), (prompt, i)
-        assert not routes[:, 1].any()
+        _check_routes(server.engine.model, list(prompt) + list(out.token_ids[:-1]), out.routed_experts)
     plain = make_server(tmp_path, topk=None)
     (out,) = asyncio.run(_generate_all(plain, PROMPTS[:1], {"temperature": 1.0, "max_tokens": 3}))
     assert out.routed_experts is None
     with pytest.raises(HFRolloutError, match="a dense model routes nothing"):
         make_server(model_dir, topk=None, enable_rollout_routing_replay=True)
+
+
+def test_routes_after_an_abort_and_resume_merge_as_vllms_do(tmp_path, monkeypatch):
+    """Issue 72.3: an aborted request returns prompt + T - 1 route rows, as vLLM does (not the row of the token the
+    cut step fed), so verl's own partial-rollout merge (`FullyAsyncLLMServerClient.generate`: the first call's
+    rows, then each resumed call's last T rows) lines up every row with its token: the merged routes are those of
+    one forward of the whole sequence."""
+    from omegaconf import OmegaConf
+
+    from verl.workers.rollout import llm_server
+
+    server = make_server(_moe_dir(tmp_path), topk=None, enable_rollout_routing_replay=True)
+    calls = []
+
+    async def to_this_server(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        calls.append(len(prompt_ids))
+        return await server.generate(prompt_ids, sampling_params, request_id)
+
+    monkeypatch.setattr(llm_server.LLMServerClient, "generate", to_this_server)
+    client = object.__new__(llm_server.FullyAsyncLLMServerClient)
+    client.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 40}}})
+    prompt = list(PROMPTS[0])
+
+    async def scenario():
+        params = dict(temperature=1.0, max_tokens=40, ignore_eos=True)
+        running = asyncio.create_task(client.generate("r", prompt_ids=prompt, sampling_params=params))
+        while not server.engine._running or len(server.engine._running[0].tokens) < 3:
+            await asyncio.sleep(0.001)
+        await server.abort_all_requests()
+        await asyncio.sleep(0.05)
+        await server.resume_generation()
+        return await running
+
+    out = asyncio.run(scenario())
+    assert len(calls) == 2 and calls[1] > len(prompt), calls  # cut after some tokens, then resumed
+    assert len(out.token_ids) == 40
+    _check_routes(server.engine.model, prompt + list(out.token_ids[:-1]), out.routed_experts)

@@ -7,23 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_dppo.patches.fsdp_router_replay import replay_rows
+from verl_dppo.patches.fsdp_router_replay import replay_marks, replay_rows, response_lengths
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin import router_replay
+from verl_dppo.plugin.log_once import _SEEN
 from verl_dppo.plugin.router_replay import RouterReplayError, arm, ratio_parts, replaying_forward, routers_of
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
 
 
-def tiny_moe(family: str = "qwen3_moe", dtype=torch.float32):
+def tiny_moe(family: str = "qwen3_moe", dtype=torch.float32, experts: int = EXPERTS, top_k: int = TOP_K):
     from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=64)
+                  num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=64)
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=24,
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=24,
                                                    decoder_sparse_step=1, head_dim=8, norm_topk_prob=True))
     elif family == "qwen2_moe":
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=24,
@@ -41,7 +42,7 @@ def _keep(store: dict, index: int, out) -> None:
 
 
 def own_routes(model, input_ids) -> torch.Tensor:
-    """[rows, layers, top-k]: the experts each layer's router chooses itself."""
+    """[rows, layers, top-k]: the experts each layer's router chooses itself (every row of the batch, packed)."""
     seen = {}
     handles = [router.register_forward_hook(lambda module, args, out, i=i: _keep(seen, i, out))
                for i, router in routers_of(model)]
@@ -53,12 +54,12 @@ def own_routes(model, input_ids) -> torch.Tensor:
     return torch.stack([seen[i] for i in range(LAYERS)], dim=1)
 
 
-def used_experts(model, input_ids, routes) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the experts each layer's MoE block computed with, the logits), with `routes` armed."""
+def used_experts(model, input_ids, routes, marked=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the experts each layer's MoE block computed with, the logits), with `routes` (and `marked`) armed."""
     used = {}
     handles = [router.register_forward_hook(lambda module, args, out, i=i: _keep(used, i, out))
                for i, router in routers_of(model)]
-    arm(model, routes)
+    arm(model, routes, marked)
     logits = model(input_ids=input_ids).logits
     for handle in handles:
         handle.remove()
@@ -76,8 +77,10 @@ def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
         # the router's own routes replayed: the forward is the model's own, to the bit
         _, same = used_experts(model, ids, own)
         assert torch.equal(same, plain)
+        half_gap = TOP_K * (EXPERTS - TOP_K) / 2  # a row's route fit denominator
         assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (24 * LAYERS, 24 * LAYERS),
                                  "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS),
+                                 "actor/dppo/r3_route_fit": (24 * LAYERS * half_gap, 24 * LAYERS * half_gap),
                                  "actor/dppo/r3_unrouted_frac": (0, 24 * LAYERS)}
         # other routes: the update computes through them, and the router's own choice differs on every row
         other = (own + 1) % EXPERTS
@@ -102,14 +105,17 @@ def test_the_weights_are_the_routers_own_probabilities_at_the_replayed_experts_n
 
 
 def test_rows_without_a_route_are_routed_by_the_router_and_counted():
-    """The packed layout's padding and the response's last token come as all-zero rows: routed natively."""
+    """Rows the mask leaves out, and marked rows that hold no valid route (a top-2 row of zeros: the trailing rows of a
+    multi-turn sample): routed natively, counted apart."""
     model = tiny_moe()
     ids = torch.randint(0, 64, (1, 12))
     own = own_routes(model, ids)
     routes = (own + 1) % EXPERTS
-    routes[8:] = 0  # no route: both experts 0
+    routes[10:] = 0  # no route: both experts 0
+    marked = torch.arange(12) < 10
+    marked[8:10] = False  # not marked (their routes are valid but must not be replayed)
     with torch.no_grad():
-        used, _ = used_experts(model, ids, routes)
+        used, _ = used_experts(model, ids, routes, marked)
     # (past layer 0 the unrouted rows' inputs differ: they attend to rows that took other experts)
     assert torch.equal(used[:8], routes[:8]) and torch.equal(used[8:, 0], own[8:, 0])
     assert (used[8:, :, 0] != used[8:, :, 1]).all()  # the router's own top-k, not the zeros
@@ -121,7 +127,105 @@ def test_rows_without_a_route_are_routed_by_the_router_and_counted():
     with torch.no_grad():
         model(input_ids=ids)
     with pytest.raises(RouterReplayError, match="replayed none"):
-        ratio_parts()  # R3 armed and acting on no row: an error, not a quiet 0
+        ratio_parts()  # rows meant to carry a route and none did: an error, not a quiet 0
+
+
+def _packed(model, samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch of `samples` as verl's no-padding layout packs it: (input_ids [1, rows], routed_experts and
+    response_mask nested per sequence)."""
+    ids = torch.cat([s["input_ids"] for s in samples])[None]
+    routes = torch.nested.nested_tensor([s["routed_experts"] for s in samples], layout=torch.jagged)
+    responses = torch.nested.nested_tensor([s["response_mask"] for s in samples], layout=torch.jagged)
+    return ids, routes, responses
+
+
+def test_verls_padding_samples_are_counted_not_refused(caplog):
+    """verl's v1 trainer pads a batch to a multiple of lcm(DP, mini-batch x n) with synthetic samples built by its own
+    `construct_minimal_padding_template` (routes all zeros, no response token). With them in a micro-batch, or alone
+    (micro_batch_size_per_gpu=1), the step goes on: their rows are routed by the routers and counted, as verl's own R3
+    leaves them native (`build_r3_replay_mask`); each real sequence replays all its rows but the last."""
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+
+    model = tiny_moe()
+    prompt, response = torch.randint(2, 64, (5,)), torch.randint(2, 64, (4,))
+    real_ids = torch.cat([prompt, response])
+    own = own_routes(model, real_ids[None])
+    routes = (own + 1) % EXPERTS
+    routes[-1] = 0  # the response's last token: never fed back, no route (verl's agent loop fills zeros)
+    real = {"input_ids": real_ids, "prompts": prompt, "responses": response, "routed_experts": routes.to(torch.int16),
+            "response_mask": torch.ones(4, dtype=torch.int64), "attention_mask": torch.ones(9, dtype=torch.int64)}
+    padding, tag = construct_minimal_padding_template(real, {"is_padding": False}, eos_token_id=1)
+    assert tag["is_padding"] and not padding["routed_experts"].any() and not padding["response_mask"].any()
+    pad_len = padding["input_ids"].shape[0]
+
+    ids, nested, responses = _packed(model, [real, padding])
+    rows, marked = replay_rows(nested, ids.shape[1], 0, 1, 0, response_lengths(responses))
+    assert marked.tolist() == [True] * 8 + [False] + [False] * pad_len
+    with torch.no_grad():
+        used, _ = used_experts(model, ids, rows, marked)
+    assert torch.equal(used[:8], routes[:8].long())
+    parts = ratio_parts()
+    assert parts["actor/dppo/r3_replayed_frac"] == (8 * LAYERS, 8 * LAYERS)
+    assert parts["actor/dppo/r3_unrouted_frac"] == ((1 + pad_len) * LAYERS, (9 + pad_len) * LAYERS)
+
+    ids, nested, responses = _packed(model, [padding])  # a micro-batch of one padding sample
+    rows, marked = replay_rows(nested, ids.shape[1], 3, 1, 0, response_lengths(responses))  # and verl's static pad
+    with torch.no_grad():
+        used_experts(model, torch.cat([ids, ids.new_zeros(1, 3)], dim=1), rows, marked)
+    _SEEN.discard(("r3", "nothing to replay"))
+    with caplog.at_level("WARNING", logger="verl_dppo"):
+        parts = ratio_parts()
+    assert parts["actor/dppo/r3_replayed_frac"] == (0, 0)
+    assert parts["actor/dppo/r3_unrouted_frac"] == ((pad_len + 3) * LAYERS, (pad_len + 3) * LAYERS)
+    assert "verl's padding samples alone" in caplog.text
+
+
+def test_a_top1_models_rows_without_a_route_are_not_expert_0():
+    """On a top-1 model an all-zero row is a valid route (expert 0): the mask, not the zeros, says which rows carry
+    one. The last token of each sequence and the padding sample's rows are routed by the router itself."""
+    model = tiny_moe(experts=8, top_k=1)
+    ids = torch.randint(0, 64, (1, 10))
+    own = own_routes(model, ids)
+    assert (own[:, :, 0] != 0).any(dim=0).all()  # the router itself picks other experts than 0 on some rows
+    routes = own.clone()
+    routes[-1] = 0
+    lengths, responses = torch.tensor([6, 4]), torch.tensor([3, 0])  # a sample, then a padding sample
+    marked = replay_marks(lengths, responses)
+    assert marked.tolist() == [True] * 5 + [False] * 5
+    routes[5:] = 0
+    with torch.no_grad():
+        used, _ = used_experts(model, ids, routes, marked)
+    assert torch.equal(used[:5], own[:5]) and torch.equal(used[5:, 0], own[5:, 0])
+    parts = ratio_parts()
+    assert parts["actor/dppo/r3_replayed_frac"] == (5 * LAYERS, 5 * LAYERS)
+    assert parts["actor/dppo/r3_unrouted_frac"] == (5 * LAYERS, 10 * LAYERS)
+
+
+def test_a_replay_shifted_by_a_token_or_a_layer_does_not_read_as_correct(caplog):
+    """The audit's cases: routes one token late and routes of another layer are replayed exactly as armed (replayed
+    reads 1 either way), but `r3_route_fit` (the routes against the router's own ranking, chance taken out) reads
+    about 0 and is warned about; the correct routes read 1, and routes computed in bf16 against a float32 router (a
+    precision mismatch) stay near 1."""
+    model = tiny_moe(experts=16, top_k=2)
+    ids = torch.randint(0, 64, (1, 48))
+    own = own_routes(model, ids)
+    with torch.no_grad():
+        bf16 = own_routes(tiny_moe(experts=16, top_k=2, dtype=torch.bfloat16), ids)
+    late = torch.cat([own[:1], own[:-1]])  # each row gets the route of the token before it
+    other_layer = own.roll(1, dims=1)
+    fits = {}
+    for name, routes in (("right", own), ("bf16", bf16), ("late", late), ("other layer", other_layer)):
+        caplog.clear()
+        _SEEN.discard(("r3", "route fit"))
+        with torch.no_grad(), caplog.at_level("WARNING", logger="verl_dppo"):
+            used_experts(model, ids, routes)
+            parts = ratio_parts()
+        assert parts["actor/dppo/r3_replayed_frac"][0] == parts["actor/dppo/r3_replayed_frac"][1], name
+        fits[name] = parts["actor/dppo/r3_route_fit"][0] / parts["actor/dppo/r3_route_fit"][1]
+        assert ("do not look like these tokens'" in caplog.text) == (fits[name] < router_replay.FIT_FLOOR), name
+    print("r3_route_fit:", {name: round(fit, 3) for name, fit in fits.items()})
+    assert fits["right"] == 1.0 and fits["bf16"] > 0.9, fits
+    assert fits["late"] < 0.3 and fits["other layer"] < 0.3, fits
 
 
 def test_gradient_checkpointing_recomputes_through_the_replayed_experts_in_bf16():
@@ -147,10 +251,15 @@ def test_routes_are_laid_out_as_verl_packs_pads_and_slices_the_tokens():
     """verl's no-padding layout (nested sequences packed), its static pad, Ulysses' pad to the group and slice."""
     routes = torch.nested.nested_tensor([torch.full((3, LAYERS, TOP_K), 1), torch.full((2, LAYERS, TOP_K), 2)],
                                         layout=torch.jagged)
-    assert replay_rows(routes, 5, 0, 1, 0)[:, 0, 0].tolist() == [1, 1, 1, 2, 2]
-    assert replay_rows(routes, 5, 3, 1, 0)[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 0, 0, 0]
-    assert replay_rows(routes, 5, 0, 2, 0)[:, 0, 0].tolist() == [1, 1, 1]
-    assert replay_rows(routes, 5, 0, 2, 1)[:, 0, 0].tolist() == [2, 2, 0]
+    def laid(*args):
+        rows, marked = replay_rows(routes, *args)
+        return rows[:, 0, 0].tolist(), marked.tolist()
+
+    assert laid(5, 0, 1, 0) == ([1, 1, 1, 2, 2], [True, True, False, True, False])  # each sequence's last: no route
+    assert laid(5, 3, 1, 0) == ([1, 1, 1, 2, 2, 0, 0, 0], [True, True, False, True, False, False, False, False])
+    assert laid(5, 0, 2, 0) == ([1, 1, 1], [True, True, False])
+    assert laid(5, 0, 2, 1) == ([2, 2, 0], [True, False, False])
+    assert laid(5, 0, 1, 0, torch.tensor([2, 0]))[1] == [True, True, False, False, False]  # no response: none
     with pytest.raises(RouterReplayError, match="packs 6 tokens"):
         replay_rows(routes, 6, 0, 1, 0)
 
@@ -162,6 +271,13 @@ def test_r3_where_it_cannot_act_is_refused_in_one_line():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(RouterReplayError, match="a dense model routes nothing"):
         arm(dense, torch.zeros(4, 2, TOP_K, dtype=torch.long))
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    unknown = OlmoeForCausalLM(OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                           num_experts_per_tok=2))
+    with pytest.raises(RouterReplayError, match=r"\(OlmoeForCausalLM, 4 experts\) routes with OlmoeTopKRouter, which R3"):
+        arm(unknown, torch.zeros(4, 2, TOP_K, dtype=torch.long))  # an MoE: not told it is dense
     model = tiny_moe()
     with pytest.raises(RouterReplayError, match="cover 2 layers"):
         arm(model, torch.zeros(4, 2, TOP_K, dtype=torch.long))
@@ -172,6 +288,15 @@ def test_r3_where_it_cannot_act_is_refused_in_one_line():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     arm(model, None)
     assert router_replay.ratio_parts() == {}
+
+
+def fit_reference(routes: torch.Tensor, scores: torch.Tensor) -> tuple[float, float]:
+    """r3_route_fit's parts by its definition, in float64, by sorting: per row, k(E-1)/2 minus the sum of the
+    route's ranks (0 = the router's best expert), over k(E-k)/2."""
+    rows, (experts, k) = routes.shape[0], (scores.shape[1], routes.shape[1])
+    rank_of = scores.double().argsort(dim=1, descending=True).argsort(dim=1)
+    ranks = rank_of.gather(1, routes.long()).sum(dim=1).double()
+    return float((k * (experts - 1) / 2 - ranks).sum()), rows * k * (experts - k) / 2
 
 
 def test_megatron_replay_is_counted_forward_only_from_the_replays_own_rows():
@@ -205,6 +330,7 @@ def test_megatron_replay_is_counted_forward_only_from_the_replays_own_rows():
     replay.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_BACKWARD)
     replay.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
     assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (5, 5), "actor/dppo/r3_router_differs_frac": (3, 5),
+                             "actor/dppo/r3_route_fit": fit_reference(targets[:5], scores[:5]),
                              "actor/dppo/r3_unrouted_frac": (1, 6)}
 
     class NoOp(verl_replay.RouterReplay):  # a replay that does nothing: the router's own experts handed on

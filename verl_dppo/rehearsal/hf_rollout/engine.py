@@ -328,11 +328,11 @@ class HFGenerationEngine:
             for i, request in enumerate(live):
                 if request.done:
                     continue
+                if request.aborted:  # aborted while this step ran: its token is not returned, nor the route of
+                    self._finish(request)  # the token it fed (vLLM's rows: prompt + T - 1; verl's resume re-feeds it)
+                    continue
                 if routes is not None:  # the routes of the tokens this step fed: the prompt, then the last token
                     request.routes.append(routes[i, width - len(request.prompt_ids):] if step == 0 else routes[i])
-                if request.aborted:  # aborted while this step ran: its token is not returned
-                    self._finish(request)
-                    continue
                 token = tokens_l[i]
                 request.tokens.append(token)
                 request.logprobs.append(logprobs_l[i])
