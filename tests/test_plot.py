@@ -363,6 +363,25 @@ def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_step
     plt.close(figure)
 
 
+def test_the_r3_metrics_are_drawn_by_default_where_a_log_has_them(tmp_path, monkeypatch):
+    """Issue 72.5: a run with rollout router replay gets its R3 panels without --metrics, beside every panel a DPPO
+    run draws without R3; a run without them gets none."""
+    import matplotlib.pyplot as plt
+
+    plain = write_family_log(tmp_path / "cpu_tiny-dppo_binary_tv-sync.jsonl", "dppo_binary_tv")
+    figure = drawn_figure(monkeypatch, [str(plain), "-o", str(tmp_path / "plain.png")])
+    without = set(panels(figure))
+    plt.close(figure)
+    assert not any("/r3_" in title for title in without)
+    lines = [json.loads(line) for line in plain.read_text().splitlines()]
+    for line in lines:
+        line["data"].update({name: 0.5 for name in plot.R3_METRICS})
+    plain.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    figure = drawn_figure(monkeypatch, [str(plain), "-o", str(tmp_path / "r3.png")])
+    assert set(panels(figure)) == without | set(plot.R3_METRICS)
+    plt.close(figure)
+
+
 def test_demo_and_plot_colour_a_method_alike():
     from verl_dppo.studies.colors import METHOD_COLORS, colors_for
 

@@ -276,7 +276,7 @@ def test_r3_where_it_cannot_act_is_refused_in_one_line():
     unknown = OlmoeForCausalLM(OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                            num_experts_per_tok=2))
-    with pytest.raises(RouterReplayError, match=r"\(OlmoeForCausalLM, 4 experts\) routes with OlmoeTopKRouter, which R3"):
+    with pytest.raises(RouterReplayError, match=r"\(OlmoeForCausalLM, 4 experts\) routes with OlmoeTopKRouter, whi"):
         arm(unknown, torch.zeros(4, 2, TOP_K, dtype=torch.long))  # an MoE: not told it is dense
     model = tiny_moe()
     with pytest.raises(RouterReplayError, match="cover 2 layers"):
@@ -345,3 +345,30 @@ def test_megatron_replay_is_counted_forward_only_from_the_replays_own_rows():
     noop.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_FORWARD)
     noop.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
     assert ratio_parts()["actor/dppo/r3_replayed_frac"] == (2, 5)
+
+
+def test_r3_on_a_model_whose_config_json_shows_no_router_it_replays_is_refused_before_the_launch(tmp_path):
+    """Issue 72.5: a readable config.json of a dense model, or of an MoE whose router R3 on FSDP does not replay, is
+    one line from the run's config checks (`run --dry-run`, `check`, the worker), before any model load or rollout;
+    an MoE it replays, and a path it cannot read here (a hub id), pass on."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from verl_dppo.plugin.run_config import fsdp_router_replay_problem
+
+    def problem(model_config):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        if model_config is not None:
+            (folder / "config.json").write_text(json.dumps(model_config))
+        return fsdp_router_replay_problem(OmegaConf.create({"actor_rollout_ref": {
+            "actor": {"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}},
+            "rollout": {"enable_rollout_routing_replay": True},
+            "model": {"path": str(folder), "use_remove_padding": True}}}))
+
+    assert "names no routed experts: a dense model" in problem({"model_type": "qwen3", "hidden_size": 8})
+    assert "is an MoE of type olmoe, whose router" in problem({"model_type": "olmoe", "num_experts": 64})
+    assert problem({"model_type": "qwen3_moe", "num_experts": 128}) is None
+    assert problem({"model_type": "mixtral", "num_local_experts": 8}) is None
+    assert problem(None) is None

@@ -146,6 +146,34 @@ def fsdp_router_replay_problem(config: Any) -> str | None:
     if not config.actor_rollout_ref.model.get("use_remove_padding", True):
         return (f"{key}=R3 lays the routes out as the FSDP engine packs tokens: set "
                 "actor_rollout_ref.model.use_remove_padding=True.")
+    return _r3_model_problem(config, key)
+
+
+R3_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
+"""The Hugging Face model types whose routers R3 on the FSDP engine replays (router_replay.ROUTER_CLASSES)."""
+
+
+def _r3_model_problem(config: Any, key: str) -> str | None:
+    """R3 on a model whose local config.json shows no router R3 replays: said before the launch, not at the first
+    micro-batch after the model load and the first rollout. Nothing where the config is not readable here."""
+    import json
+    from pathlib import Path
+
+    from verl_dppo.plugin.router_replay import config_experts
+
+    try:
+        path = Path(str(config.actor_rollout_ref.model.get("path", ""))).expanduser()
+        model = json.loads((path / "config.json").read_text())
+    except Exception:  # a hub id, an unresolved interpolation, a folder not built yet: the worker checks
+        return None
+    kind = str(model.get("model_type", "?"))
+    if not config_experts(model):
+        return (f"{key}=R3, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
+                "(drop the R3 settings).")
+    if kind not in R3_MODEL_TYPES:
+        return (f"{key}=R3, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine does not "
+                f"replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers it, or no "
+                "R3.")
     return None
 
 

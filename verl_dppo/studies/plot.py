@@ -28,7 +28,12 @@ FAMILY_METRICS = {
 """Panels of a loss family, drawn for its runs only: the blocked fraction `actor/pg_clipfrac` (the ratio clip's, DPPO's
 mask) for the clipped and unclipped baselines and DPPO, the mask's own for DPPO, the projection's for TROLL (a TROLL
 run logs the mask's metrics too, at 0), each with the mass of the rollout's top-K rows where the run logs it."""
-DEFAULT_METRICS = (*COMMON_METRICS, *dict.fromkeys(m for family in FAMILY_METRICS.values() for m in family),
+R3_METRICS = ("actor/dppo/r3_router_differs_frac", "actor/dppo/r3_route_fit", "actor/dppo/r3_unrouted_frac",
+              "actor/dppo/r3_replayed_frac")
+"""Rollout router replay's panels, for any run whose log has them (docs/megatron.md says what their values mean):
+drawn beside the common ones and not counted against MAX_DEFAULT_PANELS."""
+DEFAULT_METRICS = (*COMMON_METRICS, *R3_METRICS,
+                   *dict.fromkeys(m for family in FAMILY_METRICS.values() for m in family),
                    "training/rollout_probs_diff_mean")
 """Drawn when --metrics is not given (those present in at least one run of their family; patterns use shell-style
 wildcards)."""
@@ -129,9 +134,10 @@ def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> t
     if not chosen:
         raise PlotError("none of the default metrics is in these runs; choose some with --metrics"
                         + _available_hint(available))
-    if not requested and len(chosen) > MAX_DEFAULT_PANELS:
-        warnings.append(f"showing the first {MAX_DEFAULT_PANELS} of {len(chosen)} default metrics; use --metrics")
-        chosen = chosen[:MAX_DEFAULT_PANELS]
+    limit = MAX_DEFAULT_PANELS + sum(name in R3_METRICS for name in chosen)
+    if not requested and len(chosen) > limit:
+        warnings.append(f"showing the first {limit} of {len(chosen)} default metrics; use --metrics")
+        chosen = chosen[:limit]
     for name in chosen:
         absent = [run.label for run in (runs if requested else drawn_runs(runs, name)) if name not in run.series]
         if absent:
