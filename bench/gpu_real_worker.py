@@ -6,6 +6,7 @@ Top-K modes the step time and peak memory as ratios to `dppo_binary_tv` measured
     python bench/gpu_real_worker.py                         # one CUDA GPU (nccl, strategy=fsdp, bf16)
     python bench/gpu_real_worker.py --device cpu --tiny     # the CPU smoke path (tests/e2e runs it)
     python bench/gpu_real_worker.py --trainer-mode separate_async   # verl's DetachActorWorker on stale rollouts
+    python bench/gpu_real_worker.py --moe                   # a Qwen3-30B-A3B-shaped MoE without and with R3
 
 What runs is the CPU end-to-end suite's driver (tests/e2e/driver.py) with the device and the sizes as parameters:
 each mode's config is composed from the recipes (`sanity_1p5b` x the mode's method, as `verl-dppo run` composes
@@ -237,6 +238,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"also run {BASELINE} on verl's own log-prob path (as before issue 54.1: verl's "
                         "logprobs_from_logits and entropy_from_logits unfused, its FusedLinearForPPO fused), for each "
                         "--fused setting, beside the plugin's one-read pass; the plugin's row gets time_vs_verl_path")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, top-8, hidden 2,048; with "
+                        "--tiny 8 experts, top-2) whose routes the rollout copy returns as vLLM does; each mode twice, "
+                        "without and with R3 on verl's FSDP engine (the plugin's replay): the R3 rows get "
+                        "time_vs_without_r3, memory_vs_without_r3 and the replay's metrics")
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
     parser.add_argument("--json", default=None, help="also write the results here (rewritten after each mode, with "
                         "\"complete\": false until the last, so a run stopped by a time limit keeps what it measured)")
@@ -257,7 +263,10 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     progress("imported torch, verl's driver")
 
     driver.init_distributed(args.device)
-    size = driver.TINY_MODEL if args.tiny else driver.GPU_MODEL
+    if args.moe:
+        size = driver.TINY_MOE if args.tiny else driver.GPU_MOE
+    else:
+        size = driver.TINY_MODEL if args.tiny else driver.GPU_MODEL
     if args.layers:
         size = replace(size, num_layers=args.layers)
     if args.tiny:
@@ -269,7 +278,7 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     shape = replace(shape, **{k: v for k, v in {
         "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt, "prompt_length": args.prompt_length,
         "response_length": args.response_length, "token_budget": args.token_budget}.items() if v is not None})
-    modes = [m for m in args.modes.split(",") if m] or driver.plugin_loss_modes()
+    modes = [m for m in args.modes.split(",") if m] or ([BASELINE] if args.moe else driver.plugin_loss_modes())
     modes = [BASELINE] + [m for m in modes if m != BASELINE]
     unknown = set(modes) - set(driver.plugin_loss_modes())
     if unknown:
@@ -294,6 +303,10 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             configs[mode, fused, "plugin"] = config
             if args.verl_paths and mode == BASELINE:
                 configs[mode, fused, "verl"] = config
+            if args.moe:  # the same mode with R3: the rollout's routes in the batch, replayed by the trainer's routers
+                configs[mode, fused, "r3"] = driver.compose_config(
+                    mode, model_dir, shape, device=args.device,
+                    **{**extra, "overrides": (*overrides, *driver.R3_OVERRIDES)})
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
     counted = count_plugin_passes()
     setup_seconds = time.perf_counter() - progress.start
@@ -320,14 +333,16 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     result = {
         "device": device_name, "torch": torch.__version__, "trainer_mode": args.trainer_mode, "parameters": n_params,
-        "vocab_size": size.vocab_size, "layers": size.num_layers, "sequences": shape.batch_size, "tokens": tokens,
+        "vocab_size": size.vocab_size, "layers": size.num_layers, "experts": size.num_experts,
+        "experts_per_token": size.experts_per_token, "sequences": shape.batch_size, "tokens": tokens,
         "prompt_length": shape.prompt_length, "response_length": shape.response_length,
         "token_budget": shape.token_budget, "topk": topk, "setup_seconds": setup_seconds,
         "rollout_seconds": rollout_seconds, "rollout_sampling": sampling, "warmup": args.warmup,
         "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
     }
     for (mode, fused, path), config in configs.items():
-        label = f"{mode}{' (fused)' if fused else ''}{' (verl path)' if path == 'verl' else ''}"
+        label = (f"{mode}{' (fused)' if fused else ''}{' (verl path)' if path == 'verl' else ''}"
+                 f"{' (R3)' if path == 'r3' else ''}")
         # What earlier modes' workers left allocated (measured on an H100: about 1 GiB more per earlier mode), before
         # this mode's worker is built: the mode's own peak is the allocator's peak minus this.
         leftover = float(torch.cuda.memory_allocated()) if args.device == "cuda" else 0.0
@@ -381,6 +396,10 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
             "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
             "push_seconds": statistics.median(pushes) if pushes else math.nan,
             "build_seconds": build_seconds,
+            # the replay in the first step (from version 0's weights, as the rollout's; later steps train on the
+            # same rollout with moved routers)
+            **({f"r3_{name}": warm.get(f"actor/dppo/r3_{name}", math.nan) for name in R3_METRICS}
+               if path == "r3" else {}),
         })
         del worker, trainer
         gc.collect()
@@ -398,6 +417,9 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     return result
 
 
+R3_METRICS = ("replayed_frac", "route_fit", "router_differs_frac", "unrouted_frac")
+"""The replay's metrics an R3 row records from its first step (docs/megatron.md says what they mean)."""
+
 FUSED_OVERRIDES = ("actor_rollout_ref.model.use_fused_kernels=True",
                    "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch")
 """--fused: verl's fused forward (no [T, V] logits) with its torch backend, the plugin's fused Top-K and TROLL."""
@@ -411,6 +433,14 @@ def add_ratios(rows: list[dict]) -> None:
         row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
         peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
+        if row.get("logprob_path") == "r3":
+            without = next((r for r in rows if r["mode"] == row["mode"] and r.get("fused") == row.get("fused")
+                            and r.get("logprob_path") == "plugin"), None)
+            if without is not None:
+                row["time_vs_without_r3"] = row["step_seconds"] / without["step_seconds"]
+                base = without["peak_memory_gib"]
+                row["memory_vs_without_r3"] = (row["peak_memory_gib"] / base if base and math.isfinite(base)
+                                               else math.nan)
         verl = next((r for r in rows if r["mode"] == row["mode"] and r.get("fused") == row.get("fused")
                      and r.get("logprob_path") == "verl"), None)
         if verl is not None and row.get("logprob_path") == "plugin":
@@ -459,7 +489,9 @@ def count_plugin_passes() -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\nverl's real worker, {result['device']}: Qwen3 random init, {result['parameters'] / 1e6:.1f}M parameters, "
+    model = (f"Qwen3-MoE ({result['experts']} experts, top-{result['experts_per_token']})" if result.get("experts")
+             else "Qwen3")
+    print(f"\nverl's real worker, {result['device']}: {model} random init, {result['parameters'] / 1e6:.1f}M parameters, "
           f"vocabulary {result['vocab_size']:,}, {result['layers']} layers; {result['sequences']} sequences, "
           f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
           f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up; "
@@ -476,13 +508,19 @@ def print_table(result: dict) -> None:
           f"{'time vs ' + BASELINE:>24} {'memory vs ' + BASELINE:>26}")
     for row in result["modes"]:
         ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
-                  if row["mode"] != BASELINE or row.get("logprob_path") == "verl" else f"{'':>24} {'':>26}")
+                  if row["mode"] != BASELINE or row.get("logprob_path") in ("verl", "r3") else f"{'':>24} {'':>26}")
         lag = "" if math.isnan(row["lag_mean"]) else f"{row['lag_mean']:g}"
         name = (row["mode"] + (" +fused" if row.get("fused") else "")
-                + (" @verl" if row.get("logprob_path") == "verl" else ""))
+                + (" @verl" if row.get("logprob_path") == "verl" else "")
+                + (" +R3" if row.get("logprob_path") == "r3" else ""))
         print(f"{name:<22} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
               f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}")
     for row in result["modes"]:
+        if "time_vs_without_r3" in row:
+            print(f"{row['mode']}{' +fused' if row.get('fused') else ''} with R3: {row['time_vs_without_r3']:.3f}x "
+                  f"the step without, {row['memory_vs_without_r3']:.3f}x its peak memory; replayed "
+                  f"{row['r3_replayed_frac']:.4f}, route fit {row['r3_route_fit']:.4f}, router differs "
+                  f"{row['r3_router_differs_frac']:.4f}, no route {row['r3_unrouted_frac']:.4f}")
         if "time_vs_verl_path" in row:
             print(f"{row['mode']}{' +fused' if row.get('fused') else ''}: the plugin's log-prob pass "
                   f"{row['time_vs_verl_path']:.3f}x the step on verl's path, {row['memory_vs_verl_path']:.3f}x its "

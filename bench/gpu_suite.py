@@ -35,6 +35,12 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
 4. worker: verl's real worker (bench/gpu_real_worker.py, a child process) for dppo_binary_tv, dppo_topk_tv and troll,
    unfused and with use_fused_kernels=True, at --worker-response-length tokens per response; dppo_binary_tv also on
    verl's own log-prob path, unfused and fused (--verl-paths: the plugin's pass against verl's, issue 54's goals).
+5. r3_worker: verl's real worker on a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, top-8, hidden 2,048,
+   --r3-layers of its 48 layers, its real vocabulary), routes returned by the bf16 rollout copy as vLLM returns
+   them, dppo_binary_tv without and with R3 on the FSDP engine: step time and peak memory as ratios (goal: the step
+   with R3 at most 1.05x), and the replay's metrics in the first step (replayed 1 on CUDA, the route fit). Not run
+   on a GPU yet (no GPU lent since it was written, 2026-12-02): give it a call of its own (`--parts r3_worker`,
+   timeout_s 400) the first time.
 
 With the `device` tool: verl, its pure-Python needs and this package travel as wheels in .whl (gpu_real_worker.py's
 docstring says how to build them). Rebuild this package's wheel from the tree before each call
@@ -72,7 +78,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-PARTS = ("per_token", "launch_shapes", "profile", "fused", "unfused", "troll_devices", "worker")
+PARTS = ("per_token", "launch_shapes", "profile", "fused", "unfused", "troll_devices", "worker", "r3_worker")
 
 
 class Clock:
@@ -495,6 +501,23 @@ def worker(args, device, clock) -> dict:
     return result
 
 
+def r3_worker(args, device, clock) -> dict:
+    """R3 on verl's FSDP engine (issue 72.6): a Qwen3-MoE of Qwen3-30B-A3B's layer shape through verl's real worker,
+    dppo_binary_tv without and with the rollout's routes replayed (gpu_real_worker.py --moe, a child process)."""
+    out = Path(args.out) / "gpu_real_worker_r3.json"
+    command = [sys.executable, str(HERE / "gpu_real_worker.py"), "--moe", "--modes", "dppo_binary_tv",
+               "--json", str(out)]
+    if device.type == "cpu":
+        command += ["--device", "cpu", "--tiny"]
+    else:
+        command += ["--response-length", str(args.worker_response_length), "--layers", str(args.r3_layers)]
+    clock(f"r3_worker: {' '.join(command[1:])}")
+    done = subprocess.run(command, text=True, timeout=args.worker_timeout)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["exit_code"] = done.returncode
+    return result
+
+
 def markdown(result: dict) -> str:
     lines = [f"# GPU check: {result['device']} (torch {result['torch']}, triton {result['triton']}), "
              f"{result['date']}", ""]
@@ -579,6 +602,18 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
                          f"{row['step_seconds']:.3f} | {row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} | "
                          f"{row.get('first_step_mismatch_tv_mean', math.nan):.3g} |")
+    part = result.get("r3_worker")
+    if part and part.get("modes"):
+        lines += ["", f"## R3 on verl's FSDP engine: a Qwen3-MoE of {part.get('experts')} experts, top-"
+                  f"{part.get('experts_per_token')}, {part.get('layers')} layers, {part.get('tokens', 0):,} tokens a "
+                  "step", "", "| replay | step s | x without R3 (goal <= 1.05) | peak GiB | x without | replayed | "
+                  "route fit | router differs |", "|---|---|---|---|---|---|---|---|"]
+        for row in part["modes"]:
+            r3 = row.get("logprob_path") == "r3"
+            lines.append(f"| {'R3' if r3 else 'none'} | {row['step_seconds']:.3f} | "
+                         f"{row.get('time_vs_without_r3', 1.0):.3f} | {row['peak_memory_gib']:.2f} | "
+                         f"{row.get('memory_vs_without_r3', 1.0):.3f} | {row.get('r3_replayed_frac', math.nan):.4f} | "
+                         f"{row.get('r3_route_fit', math.nan):.4f} | {row.get('r3_router_differs_frac', math.nan):.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -595,6 +630,7 @@ def main(argv=None) -> int:
     parser.add_argument("--agreement-rows", type=int, default=256)
     parser.add_argument("--worker-response-length", type=int, default=512)
     parser.add_argument("--worker-timeout", type=int, default=300)
+    parser.add_argument("--r3-layers", type=int, default=4, help="r3_worker: the MoE's decoder layers (of 48)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.n, args.vocab, args.fused_tokens, args.agreement_rows, args.repeats = 64, 2_048, 256, 16, 1

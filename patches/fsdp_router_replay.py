@@ -19,19 +19,25 @@ import torch
 from verl_dppo.patches._import_hook import patch_once, when_imported
 from verl_dppo.plugin.router_replay import RouterReplayError, arm, replaying_forward
 
-__all__ = ["install", "replay_rows", "replay_marks", "response_lengths", "r3_enabled"]
+__all__ = ["install", "replay_rows", "replay_marks", "response_lengths", "r3_enabled", "replay_mode"]
 
 _ROUTER_MODULES = {"transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeTopKRouter",
                    "transformers.models.qwen2_moe.modeling_qwen2_moe": "Qwen2MoeTopKRouter",
                    "transformers.models.mixtral.modeling_mixtral": "MixtralTopKRouter"}
 
 
-def r3_enabled(engine: Any) -> bool:
-    """Whether this engine's own config asks R3 (`fsdp_config.router_replay.mode=R3`: the actor's; the reference
-    model's config has its own, off unless set)."""
+def replay_mode(engine: Any) -> str:
+    """This engine's own `fsdp_config.router_replay.mode` (the actor's; the reference model's config has its own, off
+    unless set): "R3", "measure" (the rollout's routes compared, not replayed: the without-R3 arm, its routing
+    mismatch measured) or "disabled"."""
     replay = getattr(getattr(engine, "engine_config", None), "router_replay", None)
     mode = replay.get("mode", "disabled") if isinstance(replay, dict) else getattr(replay, "mode", "disabled")
-    return str(mode) == "R3"  # a dataclass, or the plain dict verl 0.9.1's worker leaves there for an added key
+    return str(mode)  # a dataclass, or the plain dict verl 0.9.1's worker leaves there for an added key
+
+
+def r3_enabled(engine: Any) -> bool:
+    """Whether this engine's config asks R3 or its measurement alone (the routes go to its routers either way)."""
+    return replay_mode(engine) in ("R3", "measure")
 
 
 def response_lengths(response_mask: Any) -> torch.Tensor:
@@ -113,7 +119,7 @@ def patch_fsdp_engine(module: Any) -> None:
                 raise RouterReplayError(f"router replay: this rank routes {local} rows, the routes were laid out for "
                                         f"{rows.shape[0]}")
             device = model_inputs["input_ids"].device
-            arm(self.module, rows.to(device), marked.to(device))
+            arm(self.module, rows.to(device), marked.to(device), replay=replay_mode(self) == "R3")
             return model_inputs, output_args
 
         return prepare_model_inputs

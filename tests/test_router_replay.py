@@ -87,6 +87,14 @@ def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
         used, logits = used_experts(model, ids, other)
         assert torch.equal(used, other) and not torch.allclose(logits, plain)
         assert ratio_parts()["actor/dppo/r3_router_differs_frac"] == (24 * LAYERS, 24 * LAYERS)
+        # router_replay.mode=measure (the without-R3 arm): the routers route on their own, the mismatch is counted
+        half = other.clone()
+        half[:12] = own[:12]
+        arm(model, half, replay=False)
+        assert torch.equal(model(input_ids=ids).logits, plain)
+        parts = ratio_parts()
+        assert parts["actor/dppo/r3_router_differs_frac"] == (12 * LAYERS, 24 * LAYERS)
+        assert parts["actor/dppo/r3_replayed_frac"] == (12 * LAYERS, 24 * LAYERS)  # the rollout's experts anyway
 
 
 def test_the_weights_are_the_routers_own_probabilities_at_the_replayed_experts_normalised():

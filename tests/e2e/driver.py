@@ -40,6 +40,9 @@ __all__ = [
     "RunShape",
     "TINY_MODEL",
     "GPU_MODEL",
+    "TINY_MOE",
+    "GPU_MOE",
+    "R3_OVERRIDES",
     "plugin_loss_modes",
     "method_for_mode",
     "save_model",
@@ -73,6 +76,11 @@ class ModelSize:
     initializer_range: float = 0.02
     """Std of the random weights. Larger values give peaked next-token distributions, as a trained LM has."""
     max_position_embeddings: int = 4096
+    num_experts: int = 0
+    """> 0: a Qwen3-MoE (every layer sparse, as Qwen3-30B-A3B) with this many experts and `experts_per_token` of
+    them per token, each of `moe_intermediate_size`."""
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
 
 TINY_MODEL = ModelSize(
@@ -80,6 +88,21 @@ TINY_MODEL = ModelSize(
     initializer_range=0.3, max_position_embeddings=256,
 )
 """About 0.1M parameters: small enough for many worker builds on 2 CPU cores, peaked enough to mask tokens."""
+
+TINY_MOE = ModelSize(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+    initializer_range=0.3, max_position_embeddings=256, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+)
+"""TINY_MODEL's widths as a Qwen3-MoE of 8 experts, top-2 (the CPU smoke path of R3 through verl's worker)."""
+
+GPU_MOE = ModelSize(
+    vocab_size=151_936, hidden_size=2048, num_layers=4, num_heads=32, num_kv_heads=4, head_dim=128,
+    intermediate_size=6144, tie_word_embeddings=False, initializer_range=0.02, max_position_embeddings=8192,
+    num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+)
+"""Qwen3-30B-A3B's layer shape (hidden 2,048, 128 experts of 768, top-8, 32 heads of 128, 4 KV heads) and real
+vocabulary with 4 of its 48 layers: about 3.1B parameters, 2.4B of them experts (R3 on verl's FSDP engine, issue
+72.6): about 50 GB of fp32 weights, gradients and Adam state on one GPU, beside the bf16 rollout copy's 6 GB."""
 
 GPU_MODEL = ModelSize(
     vocab_size=151_936, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -182,7 +205,7 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
     PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1"
     ).save_pretrained(directory)
-    config = Qwen3Config(
+    settings = dict(
         vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
         intermediate_size=size.intermediate_size,
@@ -197,10 +220,24 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
         eos_token_id=1,
         bos_token_id=None,
     )
+    if size.num_experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(**settings, num_experts=size.num_experts, num_experts_per_tok=size.experts_per_token,
+                                moe_intermediate_size=size.moe_intermediate_size, decoder_sparse_step=1,
+                                norm_topk_prob=True)
+        build = Qwen3MoeForCausalLM
+    else:
+        config, build = Qwen3Config(**settings), Qwen3ForCausalLM
     with torch.random.fork_rng():  # leave the caller's random state alone
         torch.manual_seed(seed)
-        Qwen3ForCausalLM(config).save_pretrained(directory)
+        build(config).save_pretrained(directory)
     return directory
+
+
+R3_OVERRIDES = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+"""R3 on verl's FSDP engine (the plugin's replay): the rollout's routes (`Rollout.routed_experts`) replayed."""
 
 
 _composed: dict[str, Any] = {}
@@ -377,6 +414,9 @@ class Rollout:
     topk_log_probs: list[torch.Tensor]
     group: list[int]
     """GRPO group (prompt index) of each sample."""
+    routed_experts: Optional[list[torch.Tensor]] = None
+    """An MoE's routes per sample, as verl's agent loop stores vLLM's: [prompt + response, layers, top-k] int16, the
+    experts of every token the engine fed (all but the response's last, whose row is zeros)."""
 
     def checksum(self) -> str:
         """Of the sampled data (prompts, responses, mu(a)); the top-K rows depend on the K asked for."""
@@ -441,14 +481,44 @@ class RolloutCopy:
         )
         responses, log_probs, ids, values = self._generate(prompts, shape.response_length, generator, topk)
         cut = [int(n) for n in lengths]
+        responses = [r[:n] for r, n in zip(responses, cut)]
         return Rollout(
             prompts=prompts,
-            responses=[r[:n] for r, n in zip(responses, cut)],
+            responses=responses,
             rollout_log_probs=[lp[:n] for lp, n in zip(log_probs, cut)],
             topk_ids=[i[:n] for i, n in zip(ids, cut)],
             topk_log_probs=[v[:n] for v, n in zip(values, cut)],
             group=groups,
+            routed_experts=self.routes(prompts, responses),
         )
+
+    @torch.no_grad()
+    def routes(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+        """For an MoE copy, each sample's routes as an engine returns them and verl's agent loop pads them: the
+        experts the copy's routers choose for every token fed (the prompt, then each response token but the last),
+        in one uncached forward of the sequence, and a zero row for the last token. None for a dense copy."""
+        from verl_dppo.plugin.router_replay import routers_of
+
+        routers = routers_of(self.model)
+        if not routers:
+            return None
+        layers, top_k = int(self.model.config.num_hidden_layers), int(self.model.config.num_experts_per_tok)
+        found = []
+        for prompt, response in zip(prompts, responses):
+            fed = torch.cat([prompt, response[:-1]]).to(self.device)[None]
+            chosen: dict[int, torch.Tensor] = {}
+            hooks = [router.register_forward_hook(lambda _m, _i, out, i=i: chosen.__setitem__(i, out[2]))
+                     for i, router in routers]
+            try:
+                self.model(input_ids=fed)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            rows = torch.zeros(fed.shape[1] + 1, layers, top_k, dtype=torch.int16)
+            for index, experts in chosen.items():
+                rows[:-1, index] = experts.reshape(fed.shape[1], top_k).to(torch.int16).cpu()
+            found.append(rows)
+        return found
 
     def _generate(self, prompts, length, generator, topk):
         """Token-by-token sampling with a KV cache, left-padded prompts; the sampling uses `generator` only."""
@@ -526,6 +596,11 @@ class Trainer:
         """K when the rollout reports mu's top-K (the plugin's agent loop then adds the rows to each sample)."""
 
     @property
+    def replays(self) -> bool:
+        """Whether the rollout returns its routes (`enable_rollout_routing_replay`): the batch then carries them."""
+        return bool(self.config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False))
+
+    @property
     def bypass_mode(self) -> bool:
         return bool(self.config.algorithm.rollout_correction.bypass_mode)
 
@@ -536,6 +611,8 @@ class Trainer:
             "rm_scores")}
         if self.topk is not None:
             rows["rollout_topk_ids"], rows["rollout_topk_logprobs"] = [], []
+        if rollout.routed_experts is not None and self.replays:
+            rows["routed_experts"] = list(rollout.routed_experts)
         for i, (prompt, response) in enumerate(zip(rollout.prompts, rollout.responses)):
             mask = torch.ones(response.numel(), dtype=torch.int64)
             scores = torch.zeros(response.numel(), dtype=torch.float32)

@@ -486,14 +486,15 @@ def replayed_every_route(run: Run, steps: int, router_differs: bool, unrouted_ma
     a route (`r3_replayed_frac` 1: without the replay there is no such metric), the router alone would have chosen
     otherwise on under a fifth of them (the routes reached their rows: rows out of line differ on most) and, with
     `router_differs`, on some at least (so a replay that did nothing would read below 1); the routes fit the tokens
-    (`r3_route_fit` at least 0.9: a replay one token or one layer off reads about 0, issue 72.2); rows without a
+    (`r3_route_fit` at least 0.8: a replay one token or one layer off reads about 0.14, issue 72.2; the later
+    mini-batches' routers have moved, 0.95-0.99 in the warmed-up MoE's runs); rows without a
     route counted apart, above 0 (each sequence's last token) and under `unrouted_max`."""
     replayed = run.values("actor/dppo/r3_replayed_frac")
     differs = run.values("actor/dppo/r3_router_differs_frac")
     fit = run.values("actor/dppo/r3_route_fit")
     unrouted = run.values("actor/dppo/r3_unrouted_frac")
     assert len(replayed) == steps and all(r == 1.0 for r in replayed), _fail(run, f"replayed {replayed}")
-    assert len(fit) == steps and all(0.9 <= f <= 1.0 + 1e-9 for f in fit), _fail(run, f"route fit {fit}")
+    assert len(fit) == steps and all(0.8 <= f <= 1.0 + 1e-9 for f in fit), _fail(run, f"route fit {fit}")
     assert all(0 <= d < 0.2 for d in differs) and (max(differs) > 0 or not router_differs), _fail(
         run, f"router differs {differs}")
     assert all(0 < u < unrouted_max for u in unrouted), _fail(run, f"rows without a route {unrouted}")

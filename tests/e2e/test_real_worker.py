@@ -91,7 +91,7 @@ def runs(tmp_path_factory) -> Runs:
                     directory / "all.log")
     smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                     "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                    "--verl-paths", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
+                    "--verl-paths", "--moe", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
     smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                           "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
                           "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
@@ -407,12 +407,24 @@ def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
     """bench/gpu_real_worker.py shares this driver; its CPU path (tiny model, Ray replaced by the stand-in the GPU
-    machine needs) prints a row per mode and the Top-K ratios to dppo_binary_tv; with --verl-paths, dppo_binary_tv
+    machine needs; an MoE, each mode also with R3) prints a row per mode and the Top-K ratios to dppo_binary_tv; with --verl-paths, dppo_binary_tv
     also on verl's own log-prob path (issue 54's comparison): the plugin's pass runs in its own row only, and both
     rows train alike (the same loss and gradient norm, to float32 rounding)."""
     result = runs["gpu_script"]
     rows = {(row["mode"], row["logprob_path"]): row for row in result["json"]["modes"]}
-    assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin")}
+    assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin"),
+                         ("dppo_binary_tv", "r3"), ("dppo_topk_tv", "r3")}
+    # --moe (issue 72.6's GPU part, on its CPU path): a Qwen3-MoE whose routes the rollout copy returns as vLLM
+    # does, each mode again with R3 on verl's FSDP engine: in the first step the update used the rollout's experts on
+    # every row with a route, the routes fit the tokens (the bf16 copy's routers against the fp32 trainer's, 0.96 at
+    # its first mini-batch's weights and lr 1e-2 after), the ratios are written
+    assert result["json"]["experts"] == driver.TINY_MOE.num_experts
+    for mode in ("dppo_binary_tv", "dppo_topk_tv"):
+        r3 = rows[mode, "r3"]
+        assert r3["r3_replayed_frac"] == 1.0 and r3["r3_route_fit"] >= 0.8 and 0 < r3["r3_unrouted_frac"] < 0.2, r3
+        assert r3["time_vs_without_r3"] > 0 and math.isfinite(r3["loss"])
+        assert "r3_replayed_frac" not in rows[mode, "plugin"]
+    assert "dppo_binary_tv with R3:" in result["stdout"] and "+R3" in result["stdout"]
     for row in rows.values():
         assert row["step_seconds"] > 0 and math.isfinite(row["loss"]) and 0.0 <= row["masked_frac"] <= 1.0
     assert rows["dppo_topk_tv", "plugin"]["time_vs_binary_tv"] > 0

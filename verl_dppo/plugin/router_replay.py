@@ -114,10 +114,13 @@ def no_router_problem(module: torch.nn.Module) -> str:
             "model routes nothing (drop router_replay.mode=R3 and enable_rollout_routing_replay)")
 
 
-def arm(module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optional[torch.Tensor] = None) -> int:
+def arm(module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optional[torch.Tensor] = None,
+        replay: bool = True) -> int:
     """Give each router of `module` its rows of `routes` ([rows, layers, top-k], the rows the model's MoE layers will
     route in this micro-batch) and which of them carry a route (`marked`, [rows] bool; None: every row), or take them
-    away (None). Returns the number of routers armed. Resets the counts."""
+    away (None). With `replay` False (router_replay.mode=measure) the routers route on their own and only compare:
+    the same metrics, `r3_replayed_frac` then the share whose own experts were the rollout's anyway. Returns the
+    number of routers armed. Resets the counts."""
     routers = routers_of(module)
     begin_counting(routes is not None)
     if routes is None:
@@ -139,7 +142,7 @@ def arm(module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optiona
         if routes.shape[2] != router.top_k:
             raise RouterReplayError(f"router replay: the rollout routed each token to {routes.shape[2]} experts, the "
                                     f"trained model's layer {index} to {router.top_k}")
-        router._dppo_replay = (routes[:, index, :].long(), marked.bool(), _GENERATION[0])
+        router._dppo_replay = (routes[:, index, :].long(), marked.bool(), _GENERATION[0], replay)
     return len(routers)
 
 
@@ -193,7 +196,7 @@ def replaying_forward(original: Any) -> Any:
         armed = getattr(self, "_dppo_replay", None)
         if armed is None:
             return original(self, hidden_states)
-        targets, marked, generation = armed
+        targets, marked, generation, replay = armed
         hidden = hidden_states.reshape(-1, self.hidden_dim)
         if hidden.shape[0] != targets.shape[0]:
             raise RouterReplayError(f"router replay: the layer routes {hidden.shape[0]} rows, the rollout's routes "
@@ -206,7 +209,7 @@ def replaying_forward(original: Any) -> Any:
         valid = marked & ((ordered >= 0) & (ordered < self.num_experts)).all(dim=-1)
         if self.top_k > 1:
             valid &= (ordered[:, 1:] != ordered[:, :-1]).all(dim=-1)
-        experts = torch.where(valid[:, None], targets, own)
+        experts = torch.where(valid[:, None], targets, own) if replay else own
         weights = probs.gather(1, experts)
         if getattr(self, "norm_topk_prob", True):
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -232,7 +235,7 @@ def ratio_parts() -> dict[str, tuple[float, float]]:
     if not _ARMED[0]:
         return {}
     counts = take_counts()
-    if counts["marked"] > 0 and counts["replayed"] == 0:
+    if counts["marked"] > 0 and counts["with_route"] == 0:
         raise RouterReplayError(
             f"router_replay.mode=R3: the routers routed {counts['routed']} rows of this micro-batch and replayed none "
             f"({counts['marked']} should carry a route, {counts['with_route']} did: the rollout's routes are empty or "

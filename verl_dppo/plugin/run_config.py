@@ -19,6 +19,7 @@ from typing import Any
 from verl_dppo.plugin.log_once import warn_once
 
 __all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config", "is_plugin_mode",
+           "fsdp_router_replay_warning",
            "recompute_pass_warning"]
 
 
@@ -119,13 +120,28 @@ FLASH_ATTENTIONS = ("flash_attention_2", "flash_attention_3")
 transformers' `_flash_attention_forward` only (verl/models/transformers/monkey_patch.py:544-552)."""
 
 
+def fsdp_router_replay_warning(config: Any) -> str | None:
+    """The rollout's routes returned on the FSDP engine with no replay or measurement to read them (verl's own MoE
+    load-balance metrics still do): a run that probably meant R3. None otherwise."""
+    actor = config.actor_rollout_ref.actor
+    if str(actor.get("strategy", "fsdp")) not in ("fsdp", "fsdp2"):
+        return None
+    mode = str(((actor.get("fsdp_config", None) or {}).get("router_replay", None) or {}).get("mode", "disabled"))
+    if mode != "disabled" or not config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
+        return None
+    return ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True returns the rollout's routes, but nothing "
+            "replays them: set +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 (rollout router replay on "
+            "the FSDP engine; measure: the mismatch counted, nothing replayed) or leave the setting out.")
+
+
 def fsdp_router_replay_problem(config: Any) -> str | None:
     """Router replay asked of verl's FSDP engine where it cannot act; None where it can, or where none is asked.
     The plugin replays R3 there (verl_dppo.plugin.router_replay): the rollout must return its routes (vLLM's
     `enable_return_routed_experts`, which verl asks for with `enable_rollout_routing_replay`; the plugin's hf rollout
     records its own model's routers the same way) and the engine must pack
-    the tokens (use_remove_padding). R2 (routes recorded in a recompute pass) has no FSDP implementation, in verl or
-    here; routes returned without R3 would go unread."""
+    the tokens (use_remove_padding). `measure` (the plugin's: the routes compared with the trainer's routers, not
+    replayed) needs the same. R2 (routes recorded in a recompute pass) has no FSDP implementation, in verl or here;
+    routes returned without R3 or measure would go unread."""
     actor = config.actor_rollout_ref.actor
     if str(actor.get("strategy", "fsdp")) not in ("fsdp", "fsdp2"):
         return None
@@ -134,26 +150,25 @@ def fsdp_router_replay_problem(config: Any) -> str | None:
     returned = bool(rollout.get("enable_rollout_routing_replay", False))
     key = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
     if mode == "disabled":
-        return None if not returned else (
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True returns the rollout's routes, but nothing "
-            f"replays them: set {key}=R3 (rollout router replay on the FSDP engine) or leave the setting out.")
-    if mode != "R3":
-        return (f"{key}={mode}: the FSDP engine replays R3 only (R2 records routes in a recompute pass, which verl "
-                "0.9.1 implements on its Megatron engine): set R3, or model_engine=megatron for R2.")
+        return None
+    if mode not in ("R3", "measure"):
+        return (f"{key}={mode}: the FSDP engine replays R3 only, or measures the routing mismatch without replaying "
+                "(measure; R2 records routes in a recompute pass, which verl 0.9.1 implements on its Megatron "
+                "engine): set R3 or measure, or model_engine=megatron for R2.")
     if not returned:
-        return (f"{key}=R3 replays the rollout's routes, which the rollout returns only with "
+        return (f"{key}={mode} reads the rollout's routes, which the rollout returns only with "
                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=True: set it.")
     if not config.actor_rollout_ref.model.get("use_remove_padding", True):
-        return (f"{key}=R3 lays the routes out as the FSDP engine packs tokens: set "
+        return (f"{key}={mode} lays the routes out as the FSDP engine packs tokens: set "
                 "actor_rollout_ref.model.use_remove_padding=True.")
-    return _r3_model_problem(config, key)
+    return _r3_model_problem(config, key, mode)
 
 
 R3_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
 """The Hugging Face model types whose routers R3 on the FSDP engine replays (router_replay.ROUTER_CLASSES)."""
 
 
-def _r3_model_problem(config: Any, key: str) -> str | None:
+def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
     """R3 on a model whose local config.json shows no router R3 replays: said before the launch, not at the first
     micro-batch after the model load and the first rollout. Nothing where the config is not readable here."""
     import json
@@ -168,10 +183,10 @@ def _r3_model_problem(config: Any, key: str) -> str | None:
         return None
     kind = str(model.get("model_type", "?"))
     if not config_experts(model):
-        return (f"{key}=R3, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
+        return (f"{key}={mode}, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
                 "(drop the R3 settings).")
     if kind not in R3_MODEL_TYPES:
-        return (f"{key}=R3, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine does not "
+        return (f"{key}={mode}, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine does not "
                 f"replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers it, or no "
                 "R3.")
     return None
@@ -238,13 +253,14 @@ def check_run_config(config: Any) -> list[str]:
         )
     _check_ulysses_attention(config)
     _check_lora_section(config)
+    problem = fsdp_router_replay_problem(config)  # the FSDP engine's replay acts whatever the loss mode
+    if problem is not None:
+        raise RunConfigError(f"{arr.actor.policy_loss.get('loss_mode', 'vanilla')}: {problem}")
+    warnings += [warning for warning in [fsdp_router_replay_warning(config)] if warning]
     mode = _dppo_mode(config)
     if mode is None:
         _log_once(warnings)
         return warnings
-    problem = fsdp_router_replay_problem(config)
-    if problem is not None:
-        raise RunConfigError(f"{mode}: {problem}")
     anchor = arr.actor.policy_loss.get("anchor", "rollout")
     if anchor == "recompute" and bypass:
         raise RunConfigError(

@@ -173,9 +173,10 @@ def check_overrides(overrides: list) -> None:
 
 
 def run_arguments(setup: str, method: str, seed: int, steps: int, out: Path, overrides: list,
-                  config_dir: list) -> list[str]:
-    """The `verl-dppo run` arguments of one run; kept beside its log, a log is reused only under the same ones."""
-    name = run_name(setup, method, seed)
+                  config_dir: list, name: Optional[str] = None) -> list[str]:
+    """The `verl-dppo run` arguments of one run (named `name`, by default `run_name`); kept beside its log, a log is
+    reused only under the same ones."""
+    name = name or run_name(setup, method, seed)
     return ["run", setup, "--method", method, *(f"--config-dir={folder}" for folder in config_dir),
             f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
             "trainer.val_before_train=false", "trainer.resume_mode=disable", f"data.seed={seed}",

@@ -63,7 +63,7 @@ def check_engine(config: Any) -> None:
         return
     if engine == "dp":
         replay = (config.actor_rollout_ref.actor.get("fsdp_config") or {}).get("router_replay", None) or {}
-        if str(replay.get("mode", "disabled")) == "R3" and _uses(config)[2] <= 0:
+        if str(replay.get("mode", "disabled")) in ("R3", "measure") and _uses(config)[2] <= 0:
             raise CpuRunError("the run cannot start: R3 replays a MoE model's routes, and cpu_tiny's model is dense: "
                               "add dppo.tiny_model.num_experts=4")
         return
