@@ -483,6 +483,39 @@ def test_a_dry_runs_yaml_alone_is_checked_as_main_ppo_runs_it_and_agrees(tmp_pat
     verdict = _verdict(["python3", "-m", "verl.trainer.main_ppo", f"--config-path={tmp_path}", "--config-name=run"])
     assert verdict.problems == [] and verdict.config.model_engine == engine, verdict.problems
     assert verdict.not_here, "the 30B model and the data are not on this machine"
+    assert verdict.arm == ("MoE arm: R3: the rollout's routes replayed on the "
+                           + {"dp": "FSDP engine (the plugin's replay)", "megatron": "Megatron engine (verl's replay)"}
+                           [engine]), verdict.arm
+
+
+def test_the_summary_names_the_moe_arm_and_a_replay_on_a_dense_model_is_a_problem(tmp_path):
+    """Issue 73.3: the paper's with/without-R3 pair reads apart in `check`'s summary: R3 on either engine, the
+    plugin's measured arm, or none on a model whose config.json (readable here) names experts (the without-R3
+    arm); nothing said of a dense model without a replay; R3 on a model whose config.json names no experts is a
+    problem on Megatron too (on FSDP the plugin's run checks say it)."""
+    import json
+
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for folder, config in ((moe, {"model_type": "qwen3_moe", "num_experts": 128}),
+                           (dense, {"model_type": "qwen3", "hidden_size": 8})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    returned = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+    cases = (([f"actor_rollout_ref.model.path={moe}"], "MoE arm: without R3 (the paper's without-R3 arm: the FSDP "
+              "trainer's 128-expert routers"),
+             ([f"actor_rollout_ref.model.path={moe}", "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=measure",
+               returned], "MoE arm: without R3, its routing mismatch measured"),
+             ([f"actor_rollout_ref.model.path={dense}"], None))
+    for extra, arm in cases:
+        verdict = _verdict([*command, *extra])
+        assert verdict.problems == [], (extra, verdict.problems)
+        assert verdict.arm is None if arm is None else verdict.arm.startswith(arm), (extra, verdict.arm)
+    megatron = _megatron_example(tmp_path)
+    verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
+                        f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                        returned])
+    assert any("names no routed experts: a dense model routes nothing" in p for p in verdict.problems), verdict.problems
 
 
 def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):

@@ -130,6 +130,8 @@ class Verdict:
     """verl's config with the command's overrides (those that passed), None where it does not compose."""
     rule: Optional[str] = None
     """The update rule in effect (`update_rule`), where the command has no problem."""
+    arm: Optional[str] = None
+    """The MoE arm the command launches (`check_findings.moe_arm`), where the model routes or a replay is set."""
     unchecked: Optional[str] = None
     """Why the rest of the command could not be checked here (a config package on its search path, or its absolute
     --config-path, is not on this machine)."""
@@ -144,7 +146,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     the update rule the command trains where it has none."""
     from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
-    from verl_dppo.launch.check_findings import command_findings, hub_offline, unreadable_models
+    from verl_dppo.launch.check_findings import command_findings, hub_offline, moe_arm, unreadable_models
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
 
@@ -188,6 +190,8 @@ def check_command(argv: Sequence[str]) -> Verdict:
     verdict.not_here += _missing_files(config)
     more_problems, more_warnings = command_findings(config)
     verdict.problems += more_problems
+    verdict.arm, arm_problem = moe_arm(config)
+    verdict.problems += [arm_problem] if arm_problem else []
     try:
         inherited, verdict.warnings = threshold_findings(config)
         verdict.problems += [inherited] if inherited else []
@@ -270,6 +274,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"verl-dppo: not here: {missing}", file=sys.stderr)
     if verdict.rule:
         print(f"verl-dppo: check: {verdict.rule}", file=sys.stderr)
+    if verdict.arm:
+        print(f"verl-dppo: check: {verdict.arm}", file=sys.stderr)
     print(f"verl-dppo: check: {_verdict_line(verdict)}", file=sys.stderr)
     if not args.rehearse or verdict.config is None:
         return verdict.exit_code
