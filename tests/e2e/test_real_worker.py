@@ -91,7 +91,8 @@ def runs(tmp_path_factory) -> Runs:
                     directory / "all.log")
     smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                     "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                    "--verl-paths", "--moe", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
+                    "--verl-paths", "--moe", "--json", str(directory / "gpu_script.json")],
+                   directory / "gpu_script.log")
     smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                           "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
                           "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
@@ -407,9 +408,9 @@ def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
     """bench/gpu_real_worker.py shares this driver; its CPU path (tiny model, Ray replaced by the stand-in the GPU
-    machine needs; an MoE, each mode also with R3) prints a row per mode and the Top-K ratios to dppo_binary_tv; with --verl-paths, dppo_binary_tv
-    also on verl's own log-prob path (issue 54's comparison): the plugin's pass runs in its own row only, and both
-    rows train alike (the same loss and gradient norm, to float32 rounding)."""
+    machine needs; an MoE, each mode also with R3) prints a row per mode and the Top-K ratios to dppo_binary_tv;
+    with --verl-paths, dppo_binary_tv also on verl's own log-prob path (issue 54's comparison): the plugin's pass runs
+    in its own row only, and both rows train alike (the same loss and gradient norm, to float32 rounding)."""
     result = runs["gpu_script"]
     rows = {(row["mode"], row["logprob_path"]): row for row in result["json"]["modes"]}
     assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin"),

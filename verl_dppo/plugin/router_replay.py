@@ -158,9 +158,9 @@ def route_fit(routes: torch.Tensor, has_route: torch.Tensor, scores: torch.Tenso
     rows with a route, the denominator of one row). Per row the experts' ranks in `scores` ([rows, experts], any
     score the router ranks by: logits or probabilities) are summed: k experts chosen at random sum to k(E-1)/2 on
     average, the router's own top-k to k(k-1)/2; the fit is the share of that gap the route closes, so 1 for the
-    router's own set, 0 for a route no better than chance, whatever the router's sharpness. A precision mismatch, which swaps near-tied experts
-    of neighbouring rank, costs about 1/(E-k) per swap; a route of another token or layer keeps only the correlation
-    between them."""
+    router's own set, 0 for a route no better than chance, whatever the router's sharpness. A precision mismatch,
+    which swaps near-tied experts of neighbouring rank, costs about 1/(E-k) per swap; a route of another token or
+    layer keeps only the correlation between them."""
     top_k, experts = routes.shape[-1], scores.shape[-1]
     if experts <= top_k:
         return torch.zeros((), device=scores.device), 0.0

@@ -186,9 +186,9 @@ def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
         return (f"{key}={mode}, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
                 "(drop the R3 settings).")
     if kind not in R3_MODEL_TYPES:
-        return (f"{key}={mode}, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine does not "
-                f"replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers it, or no "
-                "R3.")
+        return (f"{key}={mode}, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine "
+                f"does not replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers "
+                "it, or no R3.")
     return None
 
 
