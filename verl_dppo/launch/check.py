@@ -146,7 +146,8 @@ def check_command(argv: Sequence[str]) -> Verdict:
     the update rule the command trains where it has none."""
     from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
-    from verl_dppo.launch.check_findings import command_findings, hub_offline, moe_arm, unreadable_models
+    from verl_dppo.launch.check_findings import command_findings, hub_offline, unreadable_models
+    from verl_dppo.plugin.moe_arm import moe_arm
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
 
