@@ -91,14 +91,17 @@ def runs(tmp_path_factory) -> Runs:
                     directory / "all.log")
     smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                     "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                    "--verl-paths", "--moe", "--json", str(directory / "gpu_script.json")],
-                   directory / "gpu_script.log")
+                    "--verl-paths", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
     smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
                           "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
                           "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
                          directory / "gpu_script_async.log")
+    smoke_moe = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny", "--moe",
+                        "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
+                        "--json", str(directory / "gpu_script_moe.json")], directory / "gpu_script_moe.log")
     result = Runs(directory)
-    for name, (process, log) in (("all", runner), ("gpu_script", smoke), ("gpu_script_async", smoke_async)):
+    for name, (process, log) in (("all", runner), ("gpu_script", smoke), ("gpu_script_async", smoke_async),
+                                 ("gpu_script_moe", smoke_moe)):
         try:
             process.wait(timeout=max(1.0, PROCESS_TIMEOUT_S - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
@@ -115,7 +118,7 @@ def runs(tmp_path_factory) -> Runs:
             own_log = directory / f"{name}.log"
             text = own_log.read_text() if own_log.exists() else runner_log
             result.failures[name] = f"worker_runs.py exit code {runner[0].returncode}\n" + text[-6000:]
-    for name, process in (("gpu_script", smoke), ("gpu_script_async", smoke_async)):
+    for name, process in (("gpu_script", smoke), ("gpu_script_async", smoke_async), ("gpu_script_moe", smoke_moe)):
         smoke_log = (directory / f"{name}.log").read_text()
         if process[0].returncode == 0 and (directory / f"{name}.json").exists():
             result.results[name] = {"stdout": smoke_log, "json": json.loads((directory / f"{name}.json").read_text())}
@@ -408,24 +411,12 @@ def test_topk_modes_and_troll_train_with_fused_kernels(runs, mode):
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
     """bench/gpu_real_worker.py shares this driver; its CPU path (tiny model, Ray replaced by the stand-in the GPU
-    machine needs; an MoE, each mode also with R3) prints a row per mode and the Top-K ratios to dppo_binary_tv;
+    machine needs) prints a row per mode and the Top-K ratios to dppo_binary_tv;
     with --verl-paths, dppo_binary_tv also on verl's own log-prob path (issue 54's comparison): the plugin's pass runs
     in its own row only, and both rows train alike (the same loss and gradient norm, to float32 rounding)."""
     result = runs["gpu_script"]
     rows = {(row["mode"], row["logprob_path"]): row for row in result["json"]["modes"]}
-    assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin"),
-                         ("dppo_binary_tv", "r3"), ("dppo_topk_tv", "r3")}
-    # --moe (issue 72.6's GPU part, on its CPU path): a Qwen3-MoE whose routes the rollout copy returns as vLLM
-    # does, each mode again with R3 on verl's FSDP engine: in the first step the update used the rollout's experts on
-    # every row with a route, the routes fit the tokens (the bf16 copy's routers against the fp32 trainer's, 0.96 at
-    # its first mini-batch's weights and lr 1e-2 after), the ratios are written
-    assert result["json"]["experts"] == driver.TINY_MOE.num_experts
-    for mode in ("dppo_binary_tv", "dppo_topk_tv"):
-        r3 = rows[mode, "r3"]
-        assert r3["r3_replayed_frac"] == 1.0 and r3["r3_route_fit"] >= 0.8 and 0 < r3["r3_unrouted_frac"] < 0.2, r3
-        assert r3["time_vs_without_r3"] > 0 and math.isfinite(r3["loss"])
-        assert "r3_replayed_frac" not in rows[mode, "plugin"]
-    assert "dppo_binary_tv with R3:" in result["stdout"] and "+R3" in result["stdout"]
+    assert set(rows) == {("dppo_binary_tv", "plugin"), ("dppo_binary_tv", "verl"), ("dppo_topk_tv", "plugin")}
     for row in rows.values():
         assert row["step_seconds"] > 0 and math.isfinite(row["loss"]) and 0.0 <= row["masked_frac"] <= 1.0
     assert rows["dppo_topk_tv", "plugin"]["time_vs_binary_tv"] > 0
@@ -435,6 +426,20 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(runs):
     for key in ("loss", "grad_norm", "masked_frac"):
         assert verl[key] == pytest.approx(plugin[key], rel=1e-5, abs=1e-7), key
     assert plugin["time_vs_verl_path"] > 0 and "the step on verl's path" in result["stdout"]
+
+
+def test_gpu_script_runs_an_moe_without_and_with_r3_on_cpu_at_tiny_size(runs):
+    """--moe (issue 72.6's GPU part, on its CPU path): a Qwen3-MoE whose routes the rollout copy returns as vLLM
+    does, dppo_binary_tv again with R3 on verl's FSDP engine: in the first step the update used the rollout's experts
+    on every row with a route, the routes fit the tokens (the bf16 copy's routers against the fp32 trainer's: 0.96,
+    the second mini-batch's router moved by lr 1e-2), and the ratios to the step without R3 are written."""
+    result = runs["gpu_script_moe"]
+    rows = {row["logprob_path"]: row for row in result["json"]["modes"]}
+    assert set(rows) == {"plugin", "r3"} and result["json"]["experts"] == driver.TINY_MOE.num_experts
+    r3 = rows["r3"]
+    assert r3["r3_replayed_frac"] == 1.0 and r3["r3_route_fit"] >= 0.8 and 0 < r3["r3_unrouted_frac"] < 0.2, r3
+    assert r3["time_vs_without_r3"] > 0 and math.isfinite(r3["loss"]) and "r3_replayed_frac" not in rows["plugin"]
+    assert "dppo_binary_tv with R3:" in result["stdout"] and "+R3" in result["stdout"]
 
 
 def test_gpu_script_runs_separate_async_on_cpu_at_tiny_size(runs):

@@ -121,7 +121,7 @@ def _lanes() -> list[list[loop.Run]]:
     # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes), on a batch
     # verl pads (PADDED, issue 72.1).
     # The MoE is warmed up (rewards above 0): the run trains, not only replays (issue 72.4).
-    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=3, via_cli=True,
+    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=3, via_cli=True, warm_model=True,
                   overrides=(*VLLM, "dppo.tiny_model.num_experts=4", *R3_FSDP, *PADDED,
                              "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
     return [[kill, restart], [r3], [separate]]
