@@ -368,7 +368,49 @@ def test_router_replay_r2_with_bypass_and_more_of_verls_complaints_in_one_run(tm
     assert len(verdict.problems) == 2, verdict.problems
     assert "must be divisible by model_parallel_size (3)" in verdict.problems[0]
     assert "router_replay.mode='R2' requires" in verdict.problems[1]
-    assert "leave out bypass_mode=True" in verdict.problems[1] and "router_replay.mode=R3" in verdict.problems[1]
+    assert "leave out bypass_mode=True" in verdict.problems[1], verdict.problems[1]
+    # 73.5: R3's key is the one the command's engine reads (a VeOmni script is not sent to the Megatron engine)
+    assert "(actor_rollout_ref.actor.megatron.router_replay.mode=R3 and" in verdict.problems[1]
+    assert "verl's Megatron engine" in verdict.problems[1], verdict.problems[1]
+    verdict = _verdict([*command[:3], "model_engine=veomni", *command[3:], *FROM_GRPO,
+                        "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])
+    r2 = [problem for problem in verdict.problems if "router_replay.mode='R2' requires" in problem]
+    assert r2 and "(actor_rollout_ref.actor.veomni.router_replay.mode=R3 and" in r2[0], verdict.problems
+    assert "verl's VeOmni engine" in r2[0] and "Megatron" not in r2[0], r2[0]
+
+
+def test_each_hint_names_the_line_that_works(tmp_path, capsys):
+    """73.5, each from the line of the audit that showed it: a top-level group under a section, a plugin key without
+    `+` (R3's, a DPPO option's: not "did you mean dro_beta?"), a number left empty by an unset shell variable, a
+    sweep, SAPO's `tau_pos` under the policy loss, an unregistered mode (not "verl's own"), a whole command in one
+    quoted word, a script's path."""
+    command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
+
+    def problems(*extra):
+        verdict = _verdict([*command, *extra])
+        return verdict.problems, verdict.warnings
+
+    found, _ = problems("actor_rollout_ref.actor.model_engine=megatron")
+    assert len(found) == 1 and found[0].endswith("not a key of actor_rollout_ref.actor: write model_engine=megatron")
+    r3 = "actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"
+    found, warned = problems(r3, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    assert found == [f"{r3}: the plugin's key, which verl's config does not have, so Hydra adds it only with +: "
+                     f"write +{r3}"] and not any("did you mean" in line for line in found + warned), (found, warned)
+    found, _ = problems("actor_rollout_ref.actor.policy_loss.ratio_cap=100")
+    assert len(found) == 1 and "write +actor_rollout_ref.actor.policy_loss.ratio_cap=100" in found[0], found
+    found, _ = problems("trainer.n_gpus_per_node=")
+    assert len(found) == 1 and "leaves trainer.n_gpus_per_node= empty" in found[0], found
+    found, _ = problems("actor_rollout_ref.actor.optim.lr=1e-6,2e-6")
+    assert len(found) == 1 and "--multirun" in found[0] and "ChoiceSweep" not in found[0], found
+    found, _ = problems("actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+                        "+actor_rollout_ref.actor.policy_loss.tau_pos=1.0")
+    assert len(found) == 1 and "verl reads tau_pos at actor_rollout_ref.actor.tau_pos" in found[0], found
+    found, warned = problems("actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tw")
+    assert len(found) == 1 and "not registered" in found[0] and not any("verl's own" in w for w in warned), warned
+    verdict = _verdict([" ".join(command)])
+    assert verdict.problems == [] and verdict.config.actor_rollout_ref.actor.policy_loss.delta_low == 0.15
+    assert_one_line_error(capsys, ["check", "examples/grpo_trainer/run_qwen3_8b.sh"],
+                          "a shell script", "pass that line's words")
 
 
 def test_a_config_package_that_is_not_installed_is_one_not_here_line(tmp_path):

@@ -1,7 +1,7 @@
 """Launching and checking a run: what a cluster user touches through `verl-dppo recipes | run | data | check | doctor`.
 
 - `commands`: the `recipes`, `run` and `data` commands, and the launch on Ray.
-- `compose` (with `recipe_files`, `user_recipes`, `override_checks`): a setup and a method composed on verl's
+- `compose` (with `recipe_files`, `user_recipes`, `findings.overrides`): a setup and a method composed on verl's
   `ppo_trainer.yaml` with the user's overrides, checked as verl and the plugin would.
 - `preflight`: what must hold before a launch (paths, data, the Ray cluster, a CPU run's checks).
 - `check`: `verl-dppo check`, every problem of a command in one run, and its rehearsal on the CPU.

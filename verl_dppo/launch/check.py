@@ -48,7 +48,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.errors import EXIT_USAGE, UsageError
 from verl_dppo.launch.launch_line import Launch, config_folder, missing_search_paths, parse_launch
-from verl_dppo.launch.override_checks import group_choices, override_problems
+from verl_dppo.launch.findings.overrides import empty_values, group_choices, override_problems
 
 __all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
            "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
@@ -131,7 +131,7 @@ class Verdict:
     rule: Optional[str] = None
     """The update rule in effect (`update_rule`), where the command has no problem."""
     arm: Optional[str] = None
-    """The MoE arm the command launches (`check_findings.moe_arm`), where the model routes or a replay is set."""
+    """The MoE arm the command launches (`verl_dppo.plugin.moe_arm`), where the model routes or a replay is set."""
     unchecked: Optional[str] = None
     """Why the rest of the command could not be checked here (a config package on its search path, or its absolute
     --config-path, is not on this machine)."""
@@ -146,7 +146,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     the update rule the command trains where it has none."""
     from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
-    from verl_dppo.launch.check_findings import command_findings, hub_offline, unreadable_models
+    from verl_dppo.launch.findings.command import command_findings, hub_offline, unreadable_models
     from verl_dppo.plugin.moe_arm import moe_arm
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
@@ -181,7 +181,8 @@ def check_command(argv: Sequence[str]) -> Verdict:
     config = verdict.config
     with hub_offline():  # nothing is downloaded, and no request waits on retries
         unreadable, skip_critic = unreadable_models(config)
-        found, packages = recipe_problems(config, plain=True, skip_critic=skip_critic)
+        found, packages = recipe_problems(config, plain=True, skip_critic=skip_critic,
+                                         empty=empty_values(baseline, usable))
     verdict.problems += found
     verdict.not_here += [*unreadable, *packages]
     try:

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_dppo.launch.override_checks import (check_override_types, field_hint, group_choices, key_hint,
-                                           override_problems)
+from verl_dppo.launch.findings.overrides import check_override_types, group_choices, key_hint, override_problems
 from verl_dppo.launch.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.launch.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
@@ -179,11 +178,13 @@ def validate_recipe(config: Any, plain: bool = False) -> None:
         raise RecipeError((problems or not_here)[0])
 
 
-def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False) -> tuple[list[str], list[str]]:
+def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False,
+                    empty: Sequence[str] = ()) -> tuple[list[str], list[str]]:
     """(every problem verl's checks and the plugin's find in a composed config, each one line; what they need that
     is not installed here). Each check runs whatever the others found, so that one run names them all; verl's
     `validate_config`, which stops at its first complaint, is followed by its parts that stand alone
-    (`verl_validation`). `skip_critic`: the critic's model is not readable here (`verl-dppo check` says so)."""
+    (`verl_validation`). `skip_critic`: the critic's model is not readable here (`verl-dppo check` says so);
+    `empty`: see `verl_validation`."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -205,7 +206,7 @@ def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False)
             check(config)
         except RecipeError as error:
             problems.append(str(error))
-    verl_problems, not_here, policy_loss = verl_validation(config, skip_critic=skip_critic)
+    verl_problems, not_here, policy_loss = verl_validation(config, skip_critic=skip_critic, empty=empty)
     problems += verl_problems
     from verl_dppo.plugin.config import DPPOLossConfig
 
@@ -262,11 +263,14 @@ def _check_trainer_mode(config: Any) -> None:
         )
 
 
-def verl_validation(config: Any, skip_critic: bool = False) -> tuple[list[str], list[str], Any]:
+def verl_validation(config: Any, skip_critic: bool = False,
+                    empty: Sequence[str] = ()) -> tuple[list[str], list[str], Any]:
     """(verl's complaints about the config, one line each; the modules its checks need that are not installed here;
     the policy loss's config object, or None where it does not build). verl's `validate_config` stops at its first
     complaint: where it complains, its parts that stand alone (the actor's dataclass and `validate`, router replay,
-    the critic's dataclass and `validate`) run again one by one, so that each complaint is named in one run."""
+    the critic's dataclass and `validate`) run again one by one, so that each complaint is named in one run.
+    `empty`: the numbers the command left empty (`findings.overrides.empty_values`), named beside a TypeError of
+    verl's, whose text names no key."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils import config as verl_config
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -321,9 +325,9 @@ def verl_validation(config: Any, skip_critic: bool = False) -> tuple[list[str], 
                 problems.append(f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): "
                                 f"{text}")
             else:
-                from verl_dppo.launch.check_findings import verl_hint
+                from verl_dppo.launch.findings.command import complaint_hint
 
-                hint = field_hint(text) + verl_hint(text)
+                hint = complaint_hint(text, cause, config, empty)
                 problems.append(f"verl rejects the config ({name}): {text.rstrip('.') if hint else text}{hint}")
     return problems, not_here, results.get("actor_rollout_ref.actor.policy_loss")
 

@@ -85,10 +85,30 @@ def _entry_index(words: Sequence[str]) -> tuple[int, int, Optional[str]]:
     return 0, 0, None
 
 
+def _unquoted(argv: Sequence[str]) -> list[str]:
+    """The words, with a whole command passed as one quoted word (`check "python3 -m verl.trainer.main_ppo a=b"`)
+    split as the shell would have: a word with white space whose first part is not an override (an override's value
+    may hold spaces: `key='a b'` stays one word)."""
+    import shlex
+
+    words = []
+    for word in argv:
+        parts = shlex.split(word) if any(c.isspace() for c in word.strip()) else [word]
+        first = parts[0]
+        command = "=" not in first or (_ENV_WORD.match(first) and first.split("=", 1)[0].isupper())
+        words += parts if len(parts) > 1 and command else [word]
+    return words
+
+
 def parse_launch(argv: Sequence[str]) -> Launch:
     """The launch line's parts (see the module's docstring); UsageError for a word that is no Hydra override, or an
     entry point other than main_ppo."""
-    words = [word for word in argv if word not in _SHELL_WORDS]
+    words = [word for word in _unquoted(argv) if word not in _SHELL_WORDS]
+    script = next((word for word in words if word.endswith((".sh", ".bash")) and "=" not in word), None)
+    if script is not None:
+        raise UsageError(f"{script}: a shell script; `check` reads the main_ppo command line a script runs, not the "
+                         "script: pass that line's words (python3 -m verl.trainer.main_ppo and its overrides, the "
+                         "script's variables filled in) after `verl-dppo check`, or its overrides alone")
     begin, start, entry = _entry_index(words)
     launch = Launch()
     if entry is not None:

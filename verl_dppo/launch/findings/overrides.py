@@ -7,8 +7,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.launch.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "group_choices", "is_group_choice", "override_problems", "type_problem",
-           "unknown_key_problem", "key_hint", "field_hint"]
+__all__ = ["check_override_types", "empty_values", "group_choices", "is_group_choice", "override_problems",
+           "type_problem", "unknown_key_problem", "key_hint", "field_hint"]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -39,9 +39,10 @@ def key_hint(message: str, baseline: Any) -> str:
     return f" Did you mean {' or '.join(close)}?" if close else ""
 
 
-def field_hint(message: str) -> str:
+def field_hint(message: str, config: Any = None) -> str:
     """For a config class refusing a key ("X.__init__() got an unexpected keyword argument 'k'"): the plugin's
-    DPPOLossConfig field it is close to, or the `_target_` switch a plugin key needs under verl's PolicyLossConfig."""
+    DPPOLossConfig field it is close to, the `_target_` switch a plugin key needs under verl's PolicyLossConfig, or
+    where verl's `config` holds a key of that name instead (SAPO's `tau_pos` is the actor's, not the policy loss's)."""
     import dataclasses
     import difflib
     import re
@@ -57,7 +58,14 @@ def field_hint(message: str) -> str:
         return (f". {key} is an option of the plugin's config class: add "
                 "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
     close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
-    return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?" if close else ""
+    if close:
+        return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?"
+    elsewhere = [path for path in (_leaf_paths(config) if config is not None else ())
+                 if path.endswith("." + key) and ".policy_loss." not in path][:2]
+    if elsewhere:
+        return (f". verl reads {key} at {' and '.join(elsewhere)}, not in the policy loss's config: set it there "
+                f"(without +) and drop the policy_loss.{key} override")
+    return f". {cls} has no field {key}: drop the override, or check the key in verl's config"
 
 
 def is_group_choice(key: str) -> bool:
@@ -99,12 +107,16 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
         if parsed.is_add() and not parsed.is_force_add() and _hydra_refuses_add(baseline, key, parsed):
             problem = (f"+{key}={given}: verl's config already has {key}, and Hydra refuses to add it again; write "
                        f"{key}={given} (or ++{key}={given})")
-        if not keys_only:
+        if not keys_only and parsed.is_sweep_override():
+            problem = problem or (f"{key}={given}: several values are a sweep, which Hydra runs only with --multirun "
+                                  "(one job per value); main_ppo trains one run: give one value")
+        elif not keys_only:
             try:
                 value = parsed.value()
-            except Exception:  # noqa: BLE001  (an interpolation or a sweep: composing judges it)
+            except Exception:  # noqa: BLE001  (an interpolation: composing judges it)
                 value = None
-            if given != "":  # `key=` (a shell variable left unset) composes to '', which verl's classes take
+            if given != "":  # `key=` (a shell variable left unset) composes to '', which verl's classes take where
+                # the key is not read (`algorithm.gamma=` under GRPO); where verl computes with it, `empty_values`
                 problem = problem or type_problem(baseline, key, value, given, source)
         if problem:
             problems.append(problem)
@@ -180,14 +192,73 @@ def type_problem(baseline: Any, key: str, new: Any, given: str, source: str = "t
     return f"{key}={given}: expected {expected} like {source} value {old!r}, got {type(new).__name__} {new!r}"
 
 
+def empty_values(baseline: Any, overrides: Sequence[str]) -> list[str]:
+    """The keys the overrides leave empty (`key=`: a shell variable left unset) where `baseline` holds a number or a
+    boolean (its config class's declared type, else its value's). verl takes '' where it never reads the key
+    (`algorithm.gamma=` under GRPO), so this is no problem by itself; where verl computes with one, its error names
+    no key (`trainer.n_gpus_per_node=`: "unsupported operand type(s) for %"), and `verl_validation` names these."""
+    from omegaconf import OmegaConf
+
+    empty = []
+    for override in overrides:
+        key, _, given = override.partition("=")
+        if given or not _:
+            continue
+        key = key.lstrip("+")
+        try:
+            old = OmegaConf.select(baseline, key, throw_on_missing=False)
+        except Exception:  # noqa: BLE001  (an interpolation that does not resolve)
+            continue
+        declared, expected = _declared_type(baseline, key)
+        if (expected if declared else _expected_type(old)) is not None:
+            empty.append(key)
+    return empty
+
+
+TOP_GROUPS = ("model_engine",)
+"""verl's top-level config groups (ppo_trainer.yaml's defaults without a package): `model_engine=megatron` picks the
+actor's, reference's and critic's configs together; it is no key of a section."""
+
+PLUGIN_SECTIONS = ("actor_rollout_ref.actor.fsdp_config.router_replay",)
+"""The sections the plugin adds to verl's config (R3 on the FSDP engine): Hydra takes their keys only with `+`."""
+
+
+def plugin_key_problem(key: str, given: str) -> Optional[str]:
+    """`key=given` for a key the plugin reads and verl's config lacks (its R3 section on FSDP, a DPPOLossConfig
+    option under verl's `policy_loss`), or for one of verl's top-level groups under a section: the problem with the
+    line that works, instead of the nearest keys of verl's (`delta_low` -> "did you mean dro_beta?")."""
+    import dataclasses
+
+    from verl_dppo.plugin.config import DPPOLossConfig
+
+    parent, _, name = key.rpartition(".")
+    if parent and name in TOP_GROUPS:
+        return (f"{key}={given}: {name} is a config group at verl's top level (it picks the actor's, reference's and "
+                f"critic's configs together), not a key of {parent}: write {name}={given}")
+    if any(key.startswith(section + ".") for section in PLUGIN_SECTIONS):
+        return (f"{key}={given}: the plugin's key, which verl's config does not have, so Hydra adds it only with "
+                f"+: write +{key}={given}")
+    if parent == "actor_rollout_ref.actor.policy_loss" and name in {f.name for f in dataclasses.fields(
+            DPPOLossConfig)}:
+        return (f"{key}={given}: {name} is an option of the plugin's DPPOLossConfig, which verl's config does not "
+                f"have: write +{key}={given} with actor_rollout_ref.actor.policy_loss._target_="
+                "verl_dppo.DPPOLossConfig (README, From GRPO)")
+    return None
+
+
 def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
     """`key=given` where verl's config has no such key (Hydra's answer would be "To append to your config use +key"):
-    the problem, with the existing keys it is nearest to (the same parent's first, then anywhere)."""
+    the problem, with the existing keys it is nearest to (the same parent's first, then anywhere); a key of the
+    plugin's, or a top-level group under a section, with the line that works (`plugin_key_problem`)."""
     import difflib
 
     from omegaconf import DictConfig, OmegaConf
 
     parent, _, name = key.rpartition(".")
+    if not _has_key(baseline, key):
+        problem = plugin_key_problem(key, given)
+        if problem:
+            return problem
     try:
         node = OmegaConf.select(baseline, parent, default=None, throw_on_missing=False) if parent else baseline
     except Exception:  # noqa: BLE001  (an interpolation on the way: not this check's to judge)

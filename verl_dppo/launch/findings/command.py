@@ -7,7 +7,7 @@ settings that cancel or quietly change the plugin's update, and the models its c
 - Bypass mode with `rollout_rs`: verl's v1 trainer skips its whole rollout correction in bypass mode, the rejection
   sampling included (the plugin means to drop `rollout_is`: its loss weights by pi/mu itself). A warning.
 - The plugin's thresholds set (`delta_*`, `ratio_cap`) under one of verl's own loss modes, which do not read them.
-- The MoE arm (`moe_arm`): which arm of the paper's with/without-R3 comparison the command launches, named in the
+- The MoE arm (`verl_dppo.plugin.moe_arm`): which arm of the paper's with/without-R3 comparison the command launches, named in the
   summary where the model routes or a router replay is set; R2/R3 on a model whose readable config.json names no
   experts is a problem (on the FSDP engine the plugin's run checks say it).
 - The critic's model: verl's `validate_config` builds the critic's `HFModelConfig`, which reads the model's
@@ -22,7 +22,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 __all__ = ["command_findings", "hub_offline", "unreadable_models", "verl_hint"]
 
@@ -85,13 +85,42 @@ def unreadable_models(config: Any) -> tuple[list[str], bool]:
             "Face cache (check downloads nothing); verl's critic checks read it, so they were not run here"], True
 
 
-def verl_hint(text: str) -> str:
-    """The plugin's fix beside one of verl's complaints that a DPPO switch brings out."""
+def _registered(mode: str) -> bool:
+    """Whether verl's policy-loss registry holds `mode` (an unregistered one is no "verl's own" mode)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    return mode in POLICY_LOSS_REGISTRY
+
+
+def complaint_hint(text: str, error: BaseException, config: Any, empty: Sequence[str] = ()) -> str:
+    """The fix beside one of verl's complaints (`text`, raised as `error`) about the composed `config`: a config
+    class's unknown field (`overrides.field_hint`), one the plugin's switch brings out (`verl_hint`), or, for a
+    TypeError whose text names no key, the numbers the command left `empty` (`overrides.empty_values`)."""
+    from verl_dppo.launch.findings.overrides import field_hint
+
+    hint = field_hint(text, config) + verl_hint(text, config)
+    if empty and isinstance(error, TypeError) and not hint:
+        hint = (f". The command leaves {', '.join(f'{key}=' for key in empty)} empty (a shell variable left unset?), "
+                "where verl may compute with a number: give each a value")
+    return hint
+
+
+def verl_hint(text: str, config: Any = None) -> str:
+    """The plugin's fix beside one of verl's complaints that a DPPO switch brings out; R3's key is the one the
+    command's engine reads (`actor.strategy`: Megatron's and VeOmni's are verl's, FSDP's the plugin's)."""
     if "router_replay.mode='R2' requires algorithm.rollout_correction.bypass_mode=False" in text:
+        from verl_dppo.plugin.moe_arm import ENGINE_REPLAY
+
+        strategy = str(config.actor_rollout_ref.actor.get("strategy", "megatron")) if config is not None \
+            else "megatron"
+        section = ENGINE_REPLAY.get(strategy, "megatron")
+        engine = {"megatron": "verl's Megatron engine", "veomni": "verl's VeOmni engine"}.get(
+            section, "the plugin's replay on the FSDP engine")
+        key = f"{'+' if section == 'fsdp_config' else ''}actor_rollout_ref.actor.{section}.router_replay.mode=R3"
         return (". With DPPO: keep R2 and leave out bypass_mode=True (the anchor stays the rollout's log-probs; "
                 "verl's recompute pass records the routes, at about a quarter of a step), or replay the rollout's "
-                "own routes with R3 (router_replay.mode=R3 and actor_rollout_ref.rollout."
-                "enable_rollout_routing_replay=True, Megatron engine), as the paper's moe_base_r3")
+                f"own routes with R3 ({key} and actor_rollout_ref.rollout.enable_rollout_routing_replay=True, "
+                f"{engine}), as the paper's moe_base_r3")
     return ""
 
 
@@ -124,7 +153,7 @@ def command_findings(config: Any) -> tuple[list[str], list[str]]:
     warnings += [warning for warning in [fsdp_router_replay_warning(config)] if warning]
     policy_loss = get("actor_rollout_ref.actor.policy_loss") or {}
     unused = [key for key in ("delta_low", "delta_high", "ratio_cap") if policy_loss.get(key, None) is not None]
-    if unused and not plugin:
+    if unused and not plugin and _registered(mode):  # an unregistered mode: the registry's problem says so
         warnings.append(
             f"{', '.join(f'policy_loss.{key}' for key in unused)} set, but loss_mode={mode} is verl's own and does not "
             "read them: add actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv (README, From GRPO)")
