@@ -587,3 +587,28 @@ def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
                                 "critic.model.fsdp_config.param_offload; did you mean critic.fsdp.param_offload?"]
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
     assert "loss_scale_factor unset" in verdict.rule, verdict.rule
+
+
+def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_path):
+    """73.6: a VeOmni command (VeOmni's attention notice, printed by verl's logger while the config is read): check's
+    lines come first, the notice only after them with --library-output; the GPUs the command asks and a hub model
+    not cached here are named in one line, with no exit code (check runs before a cluster job)."""
+    import os
+    import subprocess
+
+    from test_cli_errors import BIN
+
+    command = [item for item in verl_grpo_example(tmp_path) if ".fsdp_config." not in item]
+    done = subprocess.run([os.path.join(BIN, "verl-dppo"), "check", "--library-output", *command[:3],
+                           "model_engine=veomni", *command[3:], *FROM_GRPO], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == EXIT_FINE, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    ours = lines[:next(i for i, line in enumerate(lines) if "what other libraries printed meanwhile" in line)]
+    assert ours and all(line.startswith("verl-dppo: ") for line in ours), lines
+    assert "Replacing attn_implementation" in done.stderr.split("what other libraries printed meanwhile")[1]
+    (machine,) = [line for line in ours if "launched from this machine" in line]
+    assert "8 GPU(s) asked (1 node(s) x 8), 0 visible here" in machine, machine
+    assert "the model Qwen/Qwen2-7B-Instruct is not in this machine's Hugging Face cache" in machine, machine
+    assert ours[-1] == ("verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that "
+                        "would stop the launch from here"), ours

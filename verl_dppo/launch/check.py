@@ -24,7 +24,10 @@ outside that range (GSPO's 0.0003) is a problem.
 
 Exit codes: 0 nothing found; 2 the command is wrong, on any machine; 3 the command is right but cannot
 start here (a data file, a local model, a critic's model not in the Hugging Face cache, a config package on the
-search path: missing on this machine); 4 the rehearsal did not train.
+search path: missing on this machine); 4 the rehearsal did not train. What a launch from this machine lacks that a
+cluster has (the GPUs the command asks, a hub model not in the Hugging Face cache) is one line and no exit code:
+`check` runs before a cluster job. Other libraries' output while the command is read (VeOmni's, transformers',
+vLLM's notices) is kept out of view; `--library-output` prints it after check's own lines.
 
     verl-dppo check python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... \\
         actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv
@@ -132,6 +135,8 @@ class Verdict:
     """The update rule in effect (`update_rule`), where the command has no problem."""
     arm: Optional[str] = None
     """The MoE arm the command launches (`verl_dppo.plugin.moe_arm`), where the model routes or a replay is set."""
+    machine: Optional[str] = None
+    """What a launch from this machine lacks that a cluster has (`findings.command.machine_line`): no exit code."""
     unchecked: Optional[str] = None
     """Why the rest of the command could not be checked here (a config package on its search path, or its absolute
     --config-path, is not on this machine)."""
@@ -146,7 +151,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     the update rule the command trains where it has none."""
     from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
-    from verl_dppo.launch.findings.command import command_findings, hub_offline, unreadable_models
+    from verl_dppo.launch.findings.command import command_findings, hub_offline, machine_line, unreadable_models
     from verl_dppo.plugin.moe_arm import moe_arm
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
@@ -201,6 +206,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
         verdict.warnings += more_warnings
         if not verdict.problems:
             verdict.rule = update_rule(config)
+            verdict.machine = machine_line(config)
     except ValueError as error:  # options the loss would refuse at its first call
         verdict.problems.append(f"actor_rollout_ref.actor.policy_loss: {' '.join(str(error).split())}")
     return verdict
@@ -267,18 +273,26 @@ def rehearsal_overrides(config: Any) -> list[str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    verdict = check_command(args.command_line)
+    from verl_dppo.launch.findings.command import others_output
+
+    with others_output() as others:
+        verdict = check_command(args.command_line)
     for warning in verdict.warnings:
         print(f"verl-dppo: warning: {warning}", file=sys.stderr)
     for problem in verdict.problems:
         print(f"verl-dppo: problem: {problem}", file=sys.stderr)
     for missing in verdict.not_here:
         print(f"verl-dppo: not here: {missing}", file=sys.stderr)
+    if verdict.machine:
+        print(f"verl-dppo: check: {verdict.machine}", file=sys.stderr)
     if verdict.rule:
         print(f"verl-dppo: check: {verdict.rule}", file=sys.stderr)
     if verdict.arm:
         print(f"verl-dppo: check: {verdict.arm}", file=sys.stderr)
     print(f"verl-dppo: check: {_verdict_line(verdict)}", file=sys.stderr)
+    if args.library_output and others:
+        print(f"verl-dppo: check: what other libraries printed meanwhile ({len(others)} line(s)):", file=sys.stderr)
+        print("\n".join(others), file=sys.stderr)
     if not args.rehearse or verdict.config is None:
         return verdict.exit_code
     if verdict.problems:
@@ -323,6 +337,9 @@ def add_command(commands: Any) -> None:
                         help="then train the command's update rule (its loss, advantages, rollout sampling) on "
                              "cpu_tiny's model and data on this CPU, through verl's trainer")
     parser.add_argument("--steps", type=int, default=2, help="training steps of the rehearsal (default 2)")
+    parser.add_argument("--library-output", action="store_true",
+                        help="after check's own lines, what other libraries (verl, VeOmni, transformers, vLLM) printed "
+                             "while the command was read; kept out otherwise")
     parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND",
                         help="the main_ppo command line, or its overrides alone")
     parser.set_defaults(handler=cmd_check)

@@ -66,6 +66,28 @@ def _readable_here(path: str) -> bool:
         return False
 
 
+def machine_line(config: Any) -> str | None:
+    """What a launch from this machine lacks that a cluster has (`check` is run before a cluster job, so this is no
+    "not here" finding and changes no exit code): the GPUs asked (`trainer.nnodes` x `n_gpus_per_node`) against
+    those visible here, and an actor's hub model not in this machine's Hugging Face cache (the launch downloads it).
+    None where a launch from here lacks neither."""
+    from verl_dppo.launch.preflight import _visible_gpus
+
+    lacks = []
+    trainer = config.trainer
+    if str(trainer.get("device", "cuda")) == "cuda":
+        nodes, per_node, visible = int(trainer.nnodes), int(trainer.n_gpus_per_node), _visible_gpus()
+        if visible < per_node or nodes > 1:
+            lacks.append(f"{nodes * per_node} GPU(s) asked ({nodes} node(s) x {per_node}), {visible} visible here")
+    model = str(config.actor_rollout_ref.model.get("path", ""))
+    if model and not model.startswith(("/", ".", "~")) and not _readable_here(model):
+        lacks.append(f"the model {model} is not in this machine's Hugging Face cache (the launch downloads it)")
+    if not lacks:
+        return None
+    return (f"launched from this machine: {'; '.join(lacks)}; launch it on the cluster, or rehearse it here "
+            "(--rehearse)")
+
+
 def unreadable_models(config: Any) -> tuple[list[str], bool]:
     """("not here" lines for the models verl's checks would read and cannot here, whether to skip the critic's
     checks). The actor's model is read only at launch (its local folder: `check`'s file checks)."""
@@ -90,6 +112,33 @@ def _registered(mode: str) -> bool:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     return mode in POLICY_LOSS_REGISTRY
+
+
+@contextlib.contextmanager
+def others_output() -> Iterator[list[str]]:
+    """Other libraries' output while `check` reads a command (VeOmni's attention notice, transformers' and vLLM's
+    import warnings: Python's and C's, on file descriptors 1 and 2) kept out of the user's view: the lines are
+    appended to the yielded list when the block ends, for `check --library-output` to print after its own."""
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    lines: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            lines += sink.read().decode(errors="replace").splitlines()
 
 
 def complaint_hint(text: str, error: BaseException, config: Any, empty: Sequence[str] = ()) -> str:
