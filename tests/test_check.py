@@ -140,7 +140,8 @@ def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
     """`--rehearse` trains the command's update rule on cpu_tiny: the policy loss with the thresholds the command
     would inherit (verl's PolicyLossConfig: no DPPOLossConfig value in the way), the actor's KL loss and epochs, the
     rollout's n, GRPO's advantages; cpu_tiny supplies model, data, lengths and hardware."""
-    from verl_dppo.launch.check import compose_main_ppo, rehearsal_overrides, split_command
+    from verl_dppo.launch.check import compose_main_ppo, split_command
+    from verl_dppo.launch.rehearse import rehearsal_overrides
 
     overrides, path, name = split_command([*verl_grpo_example(tmp_path), FROM_GRPO[0]])
     rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
@@ -155,6 +156,51 @@ def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
     rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
     assert "++actor_rollout_ref.actor.policy_loss.delta_low=0.15" in rehearsal
     assert not any(item.endswith("delta_low=null") for item in rehearsal)
+
+
+def test_the_rehearsal_keeps_the_commands_shape_and_names_what_it_leaves_out(tmp_path):
+    """73.4: a Qwen3-MoE + R3 + vLLM + FSDP2 command is rehearsed on cpu_tiny's MoE with the plugin's R3, on vLLM's
+    CPU build where it is installed; a Megatron R3 command on verl's Megatron engine (megatron-core installed here);
+    a VeOmni one's R3 on the plugin's FSDP replay; LoRA, bf16 and the trainer mode kept; the line names what is
+    left out (the model, the GPUs, the parallelism, an engine the CPU lacks)."""
+    from verl_dppo.launch.rehearse import rehearsal_shape
+    from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version
+
+    command = [item.replace("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen3-30B-A3B") for item in verl_grpo_example(tmp_path)]
+    r3 = ["actor_rollout_ref.actor.strategy=fsdp2", "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.model.lora_rank=8",
+          "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16", "trainer.nnodes=4"]
+    shape = rehearsal_shape(_verdict([*command, *FROM_GRPO, *r3]).config)
+    vllm = ["actor_rollout_ref.rollout.name=vllm"] if cpu_build_version() else []
+    assert shape.overrides == [*vllm, "dppo.tiny_model.num_experts=4",
+                               "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+                               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                               "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                               "actor_rollout_ref.model.target_modules=all-linear",
+                               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+                               *([] if vllm else ["actor_rollout_ref.rollout.dtype=bfloat16"])], shape.overrides
+    line = " ".join(shape.lines("dppo_binary_tv", 2))
+    for part in ("a MoE (cpu_tiny's, 4 experts top-2", "router replay R3 (the plugin's, FSDP)", "LoRA rank 8",
+                 "bf16 (the actor", "the KL term and its reference", "FSDP2", "left out: the model Qwen/Qwen3-30B-A3B",
+                 "4 node(s) x 8 GPU(s)", "the rollout's tensor parallelism 2"):
+        assert part in line, (part, line)
+    assert ("vLLM (its CPU build)" in line) == bool(vllm), line
+    megatron = _megatron_example(tmp_path)
+    shape = rehearsal_shape(_verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
+                                      "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                                      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                                      "trainer.v1.trainer_mode=colocate_async"]).config)
+    if vllm:
+        assert shape.overrides == [*vllm, "model_engine=megatron", "dppo.tiny_model.num_experts=4",
+                                   "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                                   "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], shape.overrides
+    assert shape.trainer_mode == "colocate_async" and "the colocate_async trainer" in shape.kept, shape
+    shape = rehearsal_shape(_verdict([*megatron[:3], "model_engine=veomni", *megatron[3:], *FROM_GRPO,
+                                      "actor_rollout_ref.actor.veomni.router_replay.mode=R3",
+                                      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]).config)
+    assert "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3" in shape.overrides, shape.overrides
+    assert "the VeOmni engine (it does not run on the CPU: FSDP2 instead)" in shape.left_out, shape.left_out
+    assert any("for the veomni engine's" in item for item in shape.kept), shape.kept
 
 
 def verl_lora_example(tmp_path) -> list[str]:
@@ -294,6 +340,8 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
     lines = capsys.readouterr().err.splitlines()
     (lead,) = [line for line in lines if "rehearsing" in line]
     assert lead.startswith("verl-dppo: check: rehearsing dppo_binary_tv as your command sets it") and len(lead) < 300
+    (left,) = [line for line in lines if "rehearsal: left out: " in line]
+    assert "the model Qwen/Qwen2.5-3B-Instruct" in left and "1 node(s) x 8 GPU(s)" in left, left
     assert not any("verl-dppo run cpu_tiny" in line for line in lines)
     recorded = launch._command_line(args)  # what `run` writes into the run record
     assert recorded.startswith("verl-dppo run cpu_tiny --method grpo_clip_higher ") and len(recorded) > 1000

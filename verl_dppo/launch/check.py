@@ -35,9 +35,12 @@ vLLM's notices) is kept out of view; `--library-output` prints it after check's 
     verl-dppo check --rehearse python3 -m verl.trainer.main_ppo ...   # then 2 steps of its update rule on cpu_tiny
 
 `--rehearse` then trains the command's update rule (its policy loss and thresholds, the actor's loss settings, the
-rollout's sampling and log-probs, the advantage estimator: `REHEARSED`) for `--steps` steps on cpu_tiny's model and
-data, on this CPU, through `verl-dppo run cpu_tiny` (its log: `cpu_tiny-rehearsal+<loss mode>-sync`; that `run`
-command line, thousands of characters, in its run record). A wrong command is not rehearsed.
+rollout's sampling and log-probs, the advantage estimator) for `--steps` steps on cpu_tiny's model and data, on this
+CPU, through `verl-dppo run cpu_tiny`, in the command's shape where the CPU runs it (`verl_dppo.launch.rehearse`: a
+MoE and its router replay, vLLM's CPU build, the Megatron engine, LoRA, the trainer mode, bf16, the KL loss); one
+line says what was rehearsed and what was left out (the model, data, lengths, batch, GPUs, parallelism, an engine
+or rollout the CPU lacks). Its log: `cpu_tiny-rehearsal+<loss mode>-<trainer mode>[-vllm][-megatron][-moe4]`; the
+`run` command line, thousands of characters, in its run record. A wrong command is not rehearsed.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from verl_dppo.launch.findings.overrides import empty_values, group_choices, ove
 
 __all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
            "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
+
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
     """(overrides, --config-path, --config-name) of a main_ppo command line (`launch_line.parse_launch`: the launcher
@@ -225,53 +229,6 @@ def _missing_files(config: Any) -> list[str]:
     return problems
 
 
-REHEARSED = {
-    "actor_rollout_ref.actor": ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
-                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "ppo_epochs"),
-    "actor_rollout_ref.rollout": ("temperature", "top_p", "top_k", "calculate_log_probs", "n"),
-    "algorithm": ("adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "gamma", "lam"),
-    "algorithm.rollout_correction": ("bypass_mode", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_rs",
-                                     "rollout_rs_threshold"),
-}
-"""What a rehearsal takes from the command: the update rule and its inputs (the loss, the advantages, the rollout's
-sampling and log-probs). cpu_tiny supplies the model, data, lengths, batch and hardware."""
-
-
-def _value(value: Any) -> str:
-    """A value as a Hydra override writes it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    text = str(value)
-    return text if text.replace("_", "").replace(".", "").replace("-", "").isalnum() else repr(text)
-
-
-def rehearsal_overrides(config: Any) -> list[str]:
-    """`verl-dppo run cpu_tiny` overrides that train the command's update rule: its policy loss (verl's own
-    PolicyLossConfig becomes the plugin's subclass with no threshold of its own, so the thresholds fall back to the
-    ratio clip's as in the command), the actor's loss settings, the rollout's sampling, the advantage estimator."""
-    from omegaconf import OmegaConf
-
-    overrides = []
-    policy_loss = OmegaConf.to_container(config.actor_rollout_ref.actor.policy_loss, resolve=True)
-    plain = not str(policy_loss.get("_target_", "")).startswith("verl_dppo.")
-    for key, value in policy_loss.items():
-        if key != "_target_" and not isinstance(value, (dict, list)):
-            overrides.append(f"++actor_rollout_ref.actor.policy_loss.{key}={_value(value)}")
-    if plain:  # the command's thresholds are verl's clip_ratio_* keys: no DPPOLossConfig value in the way
-        overrides += [f"actor_rollout_ref.actor.policy_loss.{key}=null" for key in ("delta_low", "delta_high",
-                                                                                    "ratio_cap")]
-    for node, keys in REHEARSED.items():
-        section = OmegaConf.select(config, node)
-        for key in keys:
-            if section is not None and key in section:
-                overrides.append(f"++{node}.{key}={_value(OmegaConf.select(section, key))}")
-    return overrides
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     from verl_dppo.launch.findings.command import others_output
 
@@ -298,16 +255,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     if verdict.problems:
         print("verl-dppo: check: not rehearsed: the command's problems above come first", file=sys.stderr)
         return verdict.exit_code
-    rehearsal = rehearsal_overrides(verdict.config)
     from verl_dppo.launch.commands import run_command_line
+    from verl_dppo.launch.rehearse import rehearsal_overrides, rehearsal_shape
 
+    shape = rehearsal_shape(verdict.config)
     mode = str(verdict.config.actor_rollout_ref.actor.policy_loss.loss_mode)
-    run = ["run", "cpu_tiny", "--method", "grpo_clip_higher", *rehearsal, f"trainer.total_training_steps={args.steps}",
+    run = ["run", "cpu_tiny", "--method", "grpo_clip_higher",
+           *(["--trainer-mode", shape.trainer_mode] if shape.trainer_mode else []),
+           *rehearsal_overrides(verdict.config), *shape.overrides, f"trainer.total_training_steps={args.steps}",
            f"dppo.run_label=rehearsal+{mode}", "trainer.resume_mode=disable"]
     # The `verl-dppo run` line is thousands of characters: the run record keeps it (its "command").
-    print(f"verl-dppo: check: rehearsing {mode} as your command sets it (its loss and thresholds, the actor's loss "
-          f"settings, the rollout's sampling, the advantages) for {args.steps} step(s) on cpu_tiny's model and data, "
-          "on this CPU; the full `verl-dppo run` command goes to the run record", file=sys.stderr)
+    rehearsed, left_out = shape.lines(mode, args.steps)
+    print(f"verl-dppo: check: {rehearsed}", file=sys.stderr)
+    print(f"verl-dppo: check: {left_out}; the full `verl-dppo run` command goes to the run record", file=sys.stderr)
     code = run_command_line(run)
     if code != 0:
         print(f"verl-dppo: check: the rehearsal of {mode} did not train (exit {code} above)", file=sys.stderr)
@@ -335,7 +295,9 @@ def add_command(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="then train the command's update rule (its loss, advantages, rollout sampling) on "
-                             "cpu_tiny's model and data on this CPU, through verl's trainer")
+                             "cpu_tiny's model and data on this CPU, through verl's trainer, in the command's shape "
+                             "where the CPU runs it (a MoE and its router replay, vLLM, Megatron, LoRA, the trainer "
+                             "mode, bf16); two lines say what is kept and what is left out")
     parser.add_argument("--steps", type=int, default=2, help="training steps of the rehearsal (default 2)")
     parser.add_argument("--library-output", action="store_true",
                         help="after check's own lines, what other libraries (verl, VeOmni, transformers, vLLM) printed "
