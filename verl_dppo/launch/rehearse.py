@@ -147,7 +147,7 @@ def rehearsal_shape(config: Any) -> Shape:
         routed = f"its {experts}" if experts else "its experts"
         kept.append(f"a MoE (cpu_tiny's, 4 experts top-2, for {routed})")
     if replay == "R3" and megatron and f"{rollout}.name=vllm" not in ours:  # the shim lays out vLLM's routes only
-        left.append("R3 on the Megatron engine (on the CPU it needs the vLLM rollout, not installed here)")
+        left.append("R3 on the Megatron engine (on the CPU it needs vLLM's rollout, which this rehearsal lacks)")
     elif replay in ("R3", "R2") and megatron:
         ours.append(f"{actor}.megatron.router_replay.mode={replay}")
         ours += [f"{rollout}.enable_rollout_routing_replay=true"] if returned else []

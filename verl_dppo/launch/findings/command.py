@@ -7,9 +7,9 @@ settings that cancel or quietly change the plugin's update, and the models its c
 - Bypass mode with `rollout_rs`: verl's v1 trainer skips its whole rollout correction in bypass mode, the rejection
   sampling included (the plugin means to drop `rollout_is`: its loss weights by pi/mu itself). A warning.
 - The plugin's thresholds set (`delta_*`, `ratio_cap`) under one of verl's own loss modes, which do not read them.
-- The MoE arm (`verl_dppo.plugin.moe_arm`): which arm of the paper's with/without-R3 comparison the command launches, named in the
-  summary where the model routes or a router replay is set; R2/R3 on a model whose readable config.json names no
-  experts is a problem (on the FSDP engine the plugin's run checks say it).
+- The MoE arm (`verl_dppo.plugin.moe_arm`): which arm of the paper's with/without-R3 comparison the command
+  launches, named in the summary where the model routes or a router replay is set; R2/R3 on a model whose readable
+  config.json names no experts is a problem (on the FSDP engine the plugin's run checks say it).
 - The critic's model: verl's `validate_config` builds the critic's `HFModelConfig`, which reads the model's
   `config.json` (from the hub for a hub id). `check` downloads nothing (`hub_offline`): a critic model that is
   neither a local folder nor in this machine's Hugging Face cache is "not here", and the critic's own checks are
