@@ -380,3 +380,24 @@ def test_r3_on_a_model_whose_config_json_shows_no_router_it_replays_is_refused_b
     assert problem({"model_type": "qwen3_moe", "num_experts": 128}) is None
     assert problem({"model_type": "mixtral", "num_local_experts": 8}) is None
     assert problem(None) is None
+
+
+def test_the_route_fit_shares_tied_ranks_and_never_exceeds_one():
+    """A bf16 router's scores tie (the suite's vLLM R3 launch once read a fit above 1): tied experts share their
+    mean rank, so the router's own top-k reads exactly 1 with a tie inside it, just under 1 with a tie across its
+    edge, and no route reads above 1; without ties the fit is the rank-sum form's."""
+    from verl_dppo.plugin.router_replay import route_fit
+
+    scores = torch.tensor([[0.4, 0.4, 0.1, 0.1],    # the top two tied: either order is the router's own
+                           [0.5, 0.2, 0.2, 0.1],    # a tie across the top-2's edge: the route takes one of them
+                           [0.4, 0.3, 0.2, 0.1]])   # no tie
+    routes = torch.tensor([[1, 0], [0, 2], [0, 1]])
+    has_route = torch.ones(3, dtype=torch.bool)
+    for row in range(3):
+        closed, per_row = route_fit(routes[row:row + 1], has_route[:1], scores[row:row + 1])
+        fit = float(closed) / per_row
+        assert fit == pytest.approx([1.0, 0.75, 1.0][row]) and fit <= 1.0, (row, fit)
+    ties = torch.zeros(64, 8).to(torch.bfloat16).float()  # every expert tied: any route is as good as any other
+    closed, per_row = route_fit(torch.randint(0, 8, (64, 2)).sort(dim=-1).values, torch.ones(64, dtype=torch.bool),
+                                ties)
+    assert float(closed) == pytest.approx(0.0), float(closed)

@@ -160,12 +160,15 @@ def route_fit(routes: torch.Tensor, has_route: torch.Tensor, scores: torch.Tenso
     average, the router's own top-k to k(k-1)/2; the fit is the share of that gap the route closes, so 1 for the
     router's own set, 0 for a route no better than chance, whatever the router's sharpness. A precision mismatch,
     which swaps near-tied experts of neighbouring rank, costs about 1/(E-k) per swap; a route of another token or
-    layer keeps only the correlation between them."""
+    layer keeps only the correlation between them. Tied scores (a bf16 router's) share their mean rank, so two
+    experts tied for the top rank 0.5 each, not 0 each, and the fit never exceeds 1."""
     top_k, experts = routes.shape[-1], scores.shape[-1]
     if experts <= top_k:
         return torch.zeros((), device=scores.device), 0.0
     picked = scores.gather(1, routes.clamp(0, experts - 1))
-    ranks = (scores[:, None, :] > picked[:, :, None]).sum(dim=-1).sum(dim=-1)  # [rows]: 0 for the best expert
+    above = (scores[:, None, :] > picked[:, :, None]).sum(dim=-1)
+    tied = (scores[:, None, :] == picked[:, :, None]).sum(dim=-1) - 1  # the expert itself left out
+    ranks = (above + 0.5 * tied).sum(dim=-1)  # [rows]: 0 for the best expert (its mean rank where scores tie)
     chance = top_k * (experts - 1) / 2
     closed = torch.where(has_route, chance - ranks.to(torch.float64), 0.0).sum()
     return closed, top_k * (experts - top_k) / 2  # chance - k(k-1)/2
