@@ -48,6 +48,8 @@ study: $(STAMP)
 # alone would leave one of these two cores idle; then the e2e tiers, one after another, each running its launches in
 # two lanes of its own. Both phases run; the exit status fails if either failed.
 test: $(STAMP)
+	# The linter first (ruff.toml: pyflakes and pycodestyle's errors, 120 columns), then the two tiers.
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not e2e" tests; unit=$$?; \
 	$(PY) -m pytest -q --durations=15 -m e2e tests; e2e=$$?; \
 	test $$unit -eq 0 && test $$e2e -eq 0

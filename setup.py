@@ -42,7 +42,7 @@ setup(
         "TransferQueue>=0.1.10",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.6"],  # make test: two workers (tests/conftest.py)
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "ruff==0.17.6"],  # make test: ruff, then two workers
     },
     entry_points={
         # The plugin (every process of a run) and the CPU rehearsal (what runs verl on CPUs), each its own entry.

@@ -21,11 +21,11 @@ import functools
 from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
+from verl_dppo.plugin.modes import logits_hook
 from verl_dppo.plugin.topk_mode import (
     ROLLOUT_SETTINGS,
     TOPK_IDS,
     TOPK_LOGPROBS,
-    TROLL_MODES,
     dynamic_cp_problem,
     fused_kernels_problem,
     is_topk_mode,
@@ -85,7 +85,7 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
     if missing:
         raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")
-    if mode in TROLL_MODES and _uses_kl_loss(worker.loss_fn.keywords["config"]):
+    if logits_hook(mode) == "troll" and _uses_kl_loss(worker.loss_fn.keywords["config"]):
         _disable_inplace_cross_entropy(mode)
     tu.assign_non_tensor(data, distillation_use_topk=True, distillation_only=False)
 

@@ -26,12 +26,11 @@ from verl_dppo.math.fused_troll import fused_troll_token_terms
 from verl_dppo.math.topk import topk_divergence
 from verl_dppo.patches.topk_fields import local_rollout_fields, packed_rollout_fields, unusable_rows  # noqa: F401
 from verl_dppo.plugin import troll_mode
+from verl_dppo.plugin.modes import logits_hook, topk_modes
 from verl_dppo.plugin.troll_mode import troll_outputs
 from verl_dppo.plugin.topk_mode import (
     OUTPUT_KEYS,
     ROLLOUT_SETTINGS,
-    TOPK_MODES,
-    TROLL_MODES,
     TOPK_IDS,
     TOPK_LOGPROBS,
     configured_topk,
@@ -47,7 +46,7 @@ def _checked_mode(config: Any, data: Any) -> tuple[str, int]:
     loss_mode = policy_loss_get(config, "loss_mode")
     if not is_topk_mode(loss_mode):
         raise RuntimeError(
-            f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {sorted(TOPK_MODES) + list(TROLL_MODES)} use it"
+            f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {list(topk_modes())} use it"
         )
     for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
         if key not in data.keys():
@@ -65,7 +64,7 @@ def logits_processor(
     if data_format is not None:
         from verl_dppo.patches.megatron_logits_hook import megatron_logits_processor, megatron_troll_processor
 
-        if loss_mode in TROLL_MODES:
+        if logits_hook(loss_mode) == "troll":
             return megatron_troll_processor(config, loss_mode, k, student_logits, data, data_format)
         return megatron_logits_processor(loss_mode, k, student_logits, data, data_format)
 
@@ -74,7 +73,7 @@ def logits_processor(
         logits = logits.full_tensor()
     ids, lps, sampled, sampled_lps, mask = local_rollout_fields(loss_mode, k, data, logits.device, logits.shape[0])
     unusable = unusable_rows(lps, sampled_lps, mask)
-    if loss_mode in TROLL_MODES:
+    if logits_hook(loss_mode) == "troll":
         return troll_outputs(config, logits, ids, lps, sampled, sampled_lps, mask & ~unusable)
     tv, kl = topk_divergence(logits, ids, lps, sampled, sampled_lps, mask=mask & ~unusable)
     return _topk_outputs(tv, kl, unusable)
@@ -108,7 +107,7 @@ def fused_lm_head_outputs(
     if bool((sampled != flat_labels)[mask].any()):
         raise ValueError(f"{loss_mode}: the engine's labels are not the rollout's responses on the packed stream")
     unusable = unusable_rows(lps, sampled_lps, mask)
-    if loss_mode in TROLL_MODES:
+    if logits_hook(loss_mode) == "troll":
         options = troll_mode.troll_options(config)
         terms, policy = fused_troll_token_terms(
             hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable, temperature=temperature,

@@ -75,6 +75,26 @@ def reference_loss(mode, A, pi, mu, anchor, lens, agg, delta_low, delta_high, ca
     return loss, grads
 
 
+def ipo_reference(A, pi, mu, anchor, lens, agg, eps_low, eps_high, cap, tau):
+    """IPO (prime-rl) in float64, from its definition: a token is dropped where |anchor(a) - pi(a)| > eps (eps_high
+    for A > 0, eps_low otherwise), whatever the sign of A or the way pi moved; loss_t = -M_t * min(pi/mu, C) * A_t *
+    log pi(a_t) + tau * (log pi(a_t) - log mu(a_t))^2. Returns (loss, d loss / d log pi per token), aggregated as
+    `reference_loss` does (token-mean, token-sum)."""
+    values, grads = [], []
+    for i, n in enumerate(lens):
+        row_values, row_grads = [], []
+        for t in range(n):
+            a, lp, lmu = A[i][t], pi[i][t], mu[i][t]
+            kept = abs(math.exp(anchor[i][t]) - math.exp(lp)) <= (eps_high if a > 0 else eps_low)
+            coefficient = -min(math.exp(lp - lmu), cap) * a if kept else 0.0
+            row_values.append(coefficient * lp + tau * (lp - lmu) ** 2)
+            row_grads.append(coefficient + 2 * tau * (lp - lmu))
+        values.append(row_values)
+        grads.append(row_grads)
+    scale = {"token-mean": 1.0 / sum(lens), "token-sum": 1.0}[agg]
+    return (sum(v for row in values for v in row) * scale, [[g * scale for g in row] for row in grads])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Binary divergences, Eq. (13)/(14), on tensors of log-probs.
 

@@ -188,7 +188,6 @@ def test_raw_logprobs_with_temperature_is_refused():
 
 
 def test_decoupled_anchor_without_rollout_log_probs_warns_once(caplog):
-    from verl_dppo.plugin import losses
     from verl_dppo.plugin.run_config import check_run_config
 
     warnings = check_run_config(_run_config(bypass=False, calculate=False))

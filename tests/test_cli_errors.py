@@ -125,7 +125,8 @@ def test_ray_probe_is_killed_at_its_deadline():
     assert time.perf_counter() - started < 10
 
 
-SEVEN_MODES = ("dppo_binary_kl", "dppo_binary_tv", "dppo_topk_kl", "dppo_topk_tv", "grpo_clip", "pg_is", "troll")
+PLUGIN_MODES = ("dppo_binary_kl", "dppo_binary_tv", "dppo_topk_kl", "dppo_topk_tv", "grpo_clip", "ipo", "pg_is",
+                "troll")
 
 
 @pytest.mark.parametrize("engines, flags, code, verdict", [
@@ -144,7 +145,7 @@ def test_doctor_ready_means_the_plugin_loads_and_a_rollout_engine_is_there(capsy
     monkeypatch.setattr(doctor, "engines_here", lambda: engines)
     assert main(["doctor", "--no-ray", *flags]) == code
     out = capsys.readouterr().out
-    assert f"this process: modes {', '.join(SEVEN_MODES)}; anchoring hook installed" in out
+    assert f"this process: modes {', '.join(PLUGIN_MODES)}; anchoring hook installed" in out
     assert verdict in out
     no_engine = "no rollout engine: neither vLLM nor SGLang is importable here"
     assert (no_engine in out) == (not any(engines.values()))
@@ -413,7 +414,7 @@ def test_a_tv_threshold_above_one_is_warned_in_one_line(root, capsys):
     """Issue 24 (smaller): TV <= 1, so delta_high=5 for a TV mode is no trust region at all; said in one line at
     launch (and by the loss in the worker, `tv_threshold_warning`). 1.0 (Sec. 5.3's minimal mask) and KL modes
     are silent."""
-    from verl_dppo.plugin.config import tv_threshold_warning
+    from verl_dppo.plugin.paper_settings import tv_threshold_warning
 
     assert main([*DRY, "actor_rollout_ref.actor.policy_loss.delta_high=5"]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "exceeds 1" in line]

@@ -139,8 +139,9 @@ def test_same_seed_same_run(warm, tmp_path):
     first.mkdir(), second.mkdir()
     for out in (first, second):
         train_method(method, DemoSettings(**TINY), warm, str(out))
-    strip = lambda path: [{k: v for k, v in json.loads(l)["data"].items() if not k.startswith("timing_s/")}
-                          for l in path.read_text().splitlines()]
+    def strip(path):
+        return [{k: v for k, v in json.loads(line)["data"].items() if not k.startswith("timing_s/")}
+                for line in path.read_text().splitlines()]
     assert strip(first / "grpo_clip_higher.jsonl") == strip(second / "grpo_clip_higher.jsonl")
 
 
@@ -274,7 +275,8 @@ def test_held_out_set_is_every_problem_no_gradient_or_choice_saw(warm):
     for _ in range(warm.supervised_steps):
         drawn[rng.integers(0, len(pool), size=64)] = True
     drawn[: 256 + 160] = True  # the probe set and the fixture's n_candidates
-    key = lambda rows: {tuple(row) for row in rows.tolist()}
+    def key(rows):
+        return {tuple(row) for row in rows.tolist()}
     expected = key(problems[:32]) | key(pool[~drawn])
     held_out = key(warm.val_problems)
     assert held_out == expected and len(held_out) == len(warm.val_problems)

@@ -24,7 +24,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"verl_dppo": REPO / "verl_dppo", "verl_dppo.patches": REPO / "patches"}

@@ -272,7 +272,7 @@ def test_a_missing_data_file_of_the_users_own_gets_a_conversion_hint_not_a_data_
     (train, val) = [p for p in check_paths(config) if p.startswith("data.")]
     assert train.startswith(f"data.train_files: {mine} does not exist. Point data.train_files at a parquet file")
     assert "verl-dppo data train" not in train and "DPPO_ROOT" not in train
-    assert f"--from-file FILE --out DIR` converts" in train and ", ".join(sorted(DATASETS)) in train
+    assert "--from-file FILE --out DIR` converts" in train and ", ".join(sorted(DATASETS)) in train
     assert f"`verl-dppo data math-sanity --out {tmp_path}/root/data`" in val and "set DPPO_ROOT" in val
 
 

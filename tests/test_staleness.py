@@ -167,8 +167,6 @@ def test_samples_older_than_verl_keeps_are_counted_exactly(cut, threshold, over)
 
 
 def test_an_over_threshold_sample_is_warned_once_naming_the_setting(monkeypatch, caplog):
-    from verl_dppo.plugin import losses
-
     monkeypatch.setattr(log_once, "_SEEN", set())
     call(SEQS[:3], threshold=8)  # lags 0, 1, 3: nothing to say
     assert not [r for r in caplog.records if "max_off_policy_threshold" in r.getMessage()]

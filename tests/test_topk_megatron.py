@@ -148,8 +148,8 @@ def _micro_batch(prompt_lens, response_lens, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = [torch.randn(p + r, VOCAB, generator=gen) * 2 for p, r in zip(prompt_lens, response_lens)]
     noise = [torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) for r in response_lens]
-    mu_logp = [torch.log_softmax(l[p - 1 : p - 1 + r].double() + n, -1)
-               for l, n, p, r in zip(logits, noise, prompt_lens, response_lens)]
+    mu_logp = [torch.log_softmax(row[p - 1 : p - 1 + r].double() + n, -1)
+               for row, n, p, r in zip(logits, noise, prompt_lens, response_lens)]
     prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
     responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
     for resp, mu in zip(responses, mu_logp):

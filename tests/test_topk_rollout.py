@@ -18,7 +18,7 @@ from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
 from verl.workers.rollout.replica import TokenOutput
 
 from verl_dppo.patches._server_common import EXTRA_IDS, EXTRA_LOGPROBS, RolloutTopKError
-from verl_dppo.patches.agent_loop import align_topk_to_response, record_turn, trajectory
+from verl_dppo.patches.agent_loop import record_turn, trajectory
 from verl_dppo.patches.llm_server import sync_rollout_config
 from verl_dppo.patches.sglang_async_server import extract_sglang_topk
 from verl_dppo.patches.vllm_async_server import extract_vllm_topk

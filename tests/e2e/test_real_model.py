@@ -115,7 +115,7 @@ def test_the_run_shows_the_papers_figure_2_on_its_own_tokens(run):
     parts = [torch.load(path) for path in files]
     tokens = {key: torch.cat([part[key] for part in parts]) for key in ("mu", "pi", "topk_tv")}
     bounds = {method: (0.15, 0.15) if "tv" in method else (0.05, 0.05) if "kl" in method else (0.2, 0.28)
-              for method in mismatch.REGIONS}
+              for method in mismatch.METHODS}
     rows = {row["bucket"]: row for row in mismatch.bucket_rows(tokens, bounds)}
     rare = [row for name, row in rows.items() if name in ("[0, 0.0001)", "[0.0001, 0.001)", "[0.001, 0.01)")]
     counted = sum(row["tokens"] for row in rare)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_dppo.errors import EXIT_USAGE, UsageError
+from verl_dppo.errors import EXIT_USAGE
 from verl_dppo.launch.launch_line import Launch, config_folder, missing_search_paths, parse_launch
 from verl_dppo.launch.findings.overrides import empty_values, group_choices, override_problems
 

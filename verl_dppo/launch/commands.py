@@ -161,12 +161,15 @@ def threshold_findings(config) -> tuple[Optional[str], list[str]]:
     """(the thresholds a DPPO mode inherits from verl's ratio clip outside every value the paper and the recipes use,
     or None; the warnings on the thresholds in effect), from the values the actor will use. `verl-dppo check` counts
     the first as a problem."""
-    from verl_dppo.plugin.config import (inherited_out_of_range_problem, inherited_thresholds_warning, resolve_options,
-                                         tv_threshold_warning, unusual_thresholds_warning)
+    from verl_dppo.plugin.config import resolve_options
+    from verl_dppo.plugin.paper_settings import (inherited_out_of_range_problem, inherited_thresholds_warning,
+                                                 tv_threshold_warning, unusual_thresholds_warning)
+    from verl_dppo.plugin.modes import mode_named
 
     actor = config.actor_rollout_ref.actor
     mode = str(actor.policy_loss.loss_mode)
-    options = resolve_options(actor, mode != "grpo_clip")
+    registered = mode_named(mode)
+    options = resolve_options(actor, registered.uses_divergence_thresholds if registered is not None else True)
     problem = inherited_out_of_range_problem(mode, options)
     found = [tv_threshold_warning(mode, options.delta_low, options.delta_high),
              None if problem else inherited_thresholds_warning(mode, options),  # the problem names the same fix

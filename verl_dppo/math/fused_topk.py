@@ -59,10 +59,10 @@ from verl_dppo.math.topk import (
     _finite,
     _pi_at_slots,
     _sum_exp_outside,
-    _validate_rows,
     check_topk_inputs,
     divergence_at_slots,
 )
+from verl_dppo.math.topk_inputs import _validate_rows
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",

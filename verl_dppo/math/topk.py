@@ -44,7 +44,7 @@ import torch
 
 from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
 from verl_dppo.math.topk_inputs import (
-    MASS_TOLERANCE, TopKInputError, _validate_rows, check_topk_inputs, mu_problems, raise_first, row_problems,
+    MASS_TOLERANCE, TopKInputError, check_topk_inputs, mu_problems, raise_first, row_problems,
 )
 from verl_dppo.math.kernels import (
     CPU_CHUNK_BYTES, backend_for, chunk_bytes_for, logits_at, max_and_sum_exp_outside,

@@ -19,8 +19,8 @@ from verl.workers.config import PolicyLossConfig
 
 from verl_dppo.math.trust_region import RELAX_SIDES
 
-__all__ = ["ANCHORS", "DPPOLossConfig", "FALLBACK_KEYS", "PAPER_RANGE", "ResolvedOptions", "check_threshold",
-           "check_troll_options", "resolve_options", "inherited_out_of_range_problem", "unusual_thresholds_warning"]
+__all__ = ["ANCHORS", "DPPOLossConfig", "FALLBACK_KEYS", "ResolvedOptions", "check_threshold", "check_troll_options",
+           "resolve_options"]
 
 logger = logging.getLogger("verl_dppo")
 
@@ -72,6 +72,10 @@ class DPPOLossConfig(PolicyLossConfig):
     """TROLL's sparse support: each policy's most probable tokens until their mass reaches 1 - delta (at most K =
     `topk`), delta = 1e-5 (reported value). Only read by the troll mode."""
 
+    ipo_tau: float = 0.0
+    """IPO (prime-rl): weight tau of the penalty tau * (log pi/mu)^2 on every valid token; 0 = off (prime-rl's
+    default). Only read by the ipo mode (`verl_dppo.plugin.ipo_mode`, which checks it)."""
+
     max_off_policy_threshold: Optional[int] = None
     """verl's `trainer.v1.sampler.max_off_policy_threshold` T, copied here (the actor never sees the trainer's
     section; the recipes interpolate it): under an asynchronous trainer, samples with lag >= T (a trajectory spanning
@@ -81,7 +85,7 @@ class DPPOLossConfig(PolicyLossConfig):
     def __post_init__(self):
         # Hydra passes override values through unconverted ("inf", "1e4", "20" may arrive as strings).
         for name in ("delta_low", "delta_high", "ratio_cap", "relax_below", "troll_eps", "troll_alpha",
-                     "troll_support_mass"):
+                     "troll_support_mass", "ipo_tau"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _to_float(name, value))
@@ -233,129 +237,3 @@ def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOp
     if not 0.0 <= options.relax_below <= 1.0:
         raise ValueError(f"policy_loss.relax_below (alpha) must lie in [0, 1], got {options.relax_below!r}")
     return options
-
-
-PAPER_DELTA = {"tv": 0.15, "kl": 0.05}
-"""The paper's thresholds (Sec. 5.4: DPPO-TV 0.15, DPPO-KL 0.05), which the recipes use."""
-
-PAPER_RANGE = {"tv": (0.15, 1.0), "kl": (0.05, 0.05)}
-"""Every threshold the paper and the recipes use, lowest to highest: TV 0.15 (DPPO, Sec. 5.4), 0.5 and 0.8 (the
-minimal mask, Sec. 5.3) and 1.0 (a side that never blocks); KL 0.05 alone."""
-
-CAP_RANGE = (2.0, math.inf)
-"""The ratio caps C the paper and the recipes use: 2 (PG-TIS / CISPO), 10000 (the scaling runs: none in effect)."""
-
-
-def _kind(loss_mode: str) -> str:
-    return "kl" if str(loss_mode).endswith("_kl") else "tv"
-
-
-def _paper_fix(delta: float) -> str:
-    return ("actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
-            f"+actor_rollout_ref.actor.policy_loss.delta_low={delta:g} "
-            f"+actor_rollout_ref.actor.policy_loss.delta_high={delta:g} "
-            "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000 (README: From GRPO)")
-
-
-def _outside(loss_mode: str, options: "ResolvedOptions") -> dict[str, str]:
-    """A DPPO mode's options outside every value the paper and the recipes use -> which way ("below", "above")."""
-    if not str(loss_mode).startswith("dppo_"):
-        return {}
-    low, high = PAPER_RANGE[_kind(loss_mode)]
-    found = {}
-    for name in ("delta_low", "delta_high"):
-        value = getattr(options, name)
-        if value < low and not math.isclose(value, low):
-            found[name] = "below"
-        elif value > high and not math.isclose(value, high):
-            found[name] = "above"
-    if options.ratio_cap < CAP_RANGE[0]:
-        found["ratio_cap"] = "below"
-    return found
-
-
-def _range_text(loss_mode: str) -> str:
-    kind = _kind(loss_mode)
-    low, high = PAPER_RANGE[kind]
-    values = f"{low:g}" if low == high else f"{low:g} to {high:g}, DPPO's {PAPER_DELTA[kind]:g}"
-    return f"{kind.upper()} thresholds the paper and the recipes use ({values})"
-
-
-def inherited_out_of_range_problem(loss_mode: str, options: "ResolvedOptions") -> Optional[str]:
-    """One line when a DPPO mode inherits from verl's ratio clip a threshold (or cap) outside every value the paper and
-    the recipes use: GSPO's clip_ratio_low=0.0003 as a TV threshold blocks nearly every update that moves a token's
-    probability. A problem for `verl-dppo check` (the command trains, but not anything the paper studied), where a
-    value inside the range is only `inherited_thresholds_warning`. None otherwise."""
-    inherited = options.inherited()
-    off = {name: way for name, way in _outside(loss_mode, options).items() if name in inherited}
-    if not off:
-        return None
-    delta = PAPER_DELTA[_kind(loss_mode)]
-    values = " ".join(f"{name}={getattr(options, name):g} (actor.{inherited[name]})" for name in off)
-    effects = []
-    if any(way == "below" for name, way in off.items() if name != "ratio_cap"):
-        effects.append("a threshold that small blocks nearly every update that moves a token's probability")
-    if any(way == "above" for way in off.values()):
-        effects.append("a threshold that large lets through updates the paper's trust region blocks")
-    if "ratio_cap" in off:
-        effects.append(f"a cap below {CAP_RANGE[0]:g} truncates the weight pi/mu harder than any of the paper's runs")
-    return (f"{loss_mode}: {values} inherited from verl's ratio clip, outside the {_range_text(loss_mode)}: "
-            f"{'; '.join(effects)}. Set the paper's values: {_paper_fix(delta)}")
-
-
-def unusual_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> Optional[str]:
-    """One line when a DPPO mode's thresholds or cap, set for it, lie outside every value the paper and the recipes
-    use (a KL mode given the TV lines' 0.15: three times the paper's KL value). A choice of the user's: a warning with
-    the paper's value. TV thresholds above 1 are `tv_threshold_warning`'s. None otherwise."""
-    inherited = options.inherited()
-    kind = _kind(loss_mode)
-    off = [name for name in _outside(loss_mode, options) if name not in inherited]
-    deltas = [name for name in off if name != "ratio_cap" and not (kind == "tv" and getattr(options, name) > 1)]
-    said = []
-    if deltas:
-        values = " ".join(f"{name}={getattr(options, name):g}" for name in deltas)
-        tv_low, tv_high = PAPER_RANGE["tv"]
-        if kind == "kl" and any(tv_low <= getattr(options, name) <= tv_high for name in deltas):
-            said.append(f"{values}: a TV-sized threshold (DPPO-TV's {PAPER_DELTA['tv']:g}, the README's TV lines), "
-                        f"outside the {_range_text(loss_mode)}: set delta_low and delta_high to the paper's KL value "
-                        f"{PAPER_DELTA['kl']:g}")
-        else:
-            said.append(f"{values} outside the {_range_text(loss_mode)}: the paper's {kind.upper()} value is "
-                        f"{PAPER_DELTA[kind]:g}")
-    if "ratio_cap" in off:
-        said.append(f"ratio_cap={options.ratio_cap:g} below every cap the paper and the recipes use ({CAP_RANGE[0]:g} "
-                    "and up): the paper's runs use 10000, no truncation (Sec. 5.4: truncating hurts)")
-    return f"{loss_mode}: " + "; ".join(said) if said else None
-
-
-def inherited_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> Optional[str]:
-    """One line when a DPPO mode's thresholds or weight cap come from verl's ratio-clip keys (a GRPO command
-    switched by its `loss_mode` line alone): PPO's eps and dual-clip cap are not the paper's divergence thresholds.
-    None when every value was set for the mode (DPPOLossConfig), and for modes without thresholds."""
-    if not options.sources or not str(loss_mode).startswith("dppo_"):
-        return None
-    delta = PAPER_DELTA[_kind(loss_mode)]
-    def is_paper(source: str) -> bool:
-        key, value = source.split("=", 1)
-        return float(value) >= 10000.0 if key == "clip_ratio_c" else math.isclose(float(value), delta)
-
-    off = [source for source in options.sources if not is_paper(source)]
-    if not off:  # inherited, but the paper's values (the recipes put the cap in clip_ratio_c)
-        return None
-    return (f"{loss_mode}: {' '.join(off)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
-            f"the paper's settings (delta {delta:g} both sides, no cap: ratio_cap 10000): set them with "
-            f"{_paper_fix(delta)}")
-
-
-def tv_threshold_warning(loss_mode: str, delta_low: float, delta_high: float) -> Optional[str]:
-    """One line when a TV mode's threshold exceeds 1: the total variation never does, so that side has no trust
-    region at all (the same as 1.0, which Sec. 5.3's minimal negative mask sets on purpose). None otherwise."""
-    if not str(loss_mode).endswith("_tv"):
-        return None
-    above = [f"{name}={value:g}" for name, value in (("delta_low", delta_low), ("delta_high", delta_high)) if value > 1]
-    if not above:
-        return None
-    return (f"{loss_mode}: {' and '.join(above)} exceeds 1, the largest total variation: that side masks nothing "
-            "(no trust region; 1.0 says so on purpose). TV thresholds are fractions such as 0.15, not KL values or "
-            "percentages")
-

@@ -10,6 +10,7 @@ what differs:
     check        the settings it refuses (Top-K, TROLL: an anchor other than the rollout's)
     hook_terms   what the engine's logits hook computed for it, and which tokens that left unusable (NaN)
     divergence   D_t of Eq. (12) against the anchor, or None (no trust region)
+    blocked      the tokens the trust region masks; the default is Eq. (12) (`trust_region_blocked`)
     loss_matrix  the per-token loss; the default is Eq. (11): -M_t * sg(min(r_t, C)) * A_t * log pi(a_t)
     metrics      its own diagnostics, as (numerator, denominator) pairs summed exactly over micro-batches
     zero_loss    a zero that still reaches the parameters, for a micro-batch of empty responses
@@ -17,10 +18,12 @@ what differs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
+
+from verl_dppo.math.trust_region import trust_region_blocked
 
 __all__ = ["LossMode", "LossFamily", "Tokens"]
 
@@ -35,6 +38,27 @@ class LossMode:
     """Binary family: D(anchor || pi) from the two log-probs of the sampled token; None = no trust region."""
     uses_divergence_thresholds: bool = True
     """False: thresholds always come from actor.clip_ratio_low/high (PPO's eps), never from delta_low/high."""
+    measure: Optional[str] = None
+    """What its thresholds bound: "tv" (a total variation, never above 1) or "kl"; None: no divergence threshold."""
+    paper_delta: Optional[float] = None
+    """The DPPO paper's threshold for it (Sec. 5.4: TV 0.15, KL 0.05): a value set or inherited outside the paper's
+    range is said (`verl_dppo.plugin.config`). None: not one of the paper's DPPO modes."""
+    default_topk: Optional[int] = None
+    """K when policy_loss.topk is unset, for a mode that reads the rollout's top-K in the engine's logits hook;
+    None: the mode reads no top-K."""
+    label: str = ""
+    """Its short name in tables and figures (bTV, clip, ...)."""
+    color: Optional[str] = None
+    """Its colour in every figure (`verl_dppo.studies.colors`), where no recipe of its own sets one."""
+    panels: str = "dppo"
+    """Which of `verl-dppo plot`'s default panels its runs get: "dppo" (the mask's), "troll" or "clip"."""
+    demo: Optional[tuple[str, tuple[tuple[str, Any], ...]]] = None
+    """(description, policy_loss settings) of a demo row for it, where the demo's own table has none."""
+
+    @property
+    def reads_topk(self) -> bool:
+        """True for a mode that needs the rollout's top-K and the engine's logits hook."""
+        return self.default_topk is not None
 
 
 @dataclass
@@ -71,9 +95,11 @@ class LossFamily:
     """Whether the ratio cap C applies (counted in actor/pg_clipfrac_lower)."""
     metric_prefix = "actor/dppo/"
     """Where the family's own diagnostics go in verl's log."""
+    logits_hook: Optional[str] = None
+    """What the engine's logits hook computes for its modes: "topk" (Eq. 15/16), "troll" (TROLL's terms) or None."""
 
     def __init__(self, modes: tuple[LossMode, ...]):
-        self.modes = tuple(LossMode(m.name, m.paper, self, m.divergence, m.uses_divergence_thresholds) for m in modes)
+        self.modes = tuple(replace(m, family=self) for m in modes)
 
     def options(self, mode: LossMode, config: Any) -> tuple[Any, Any, str]:
         """(the shared ResolvedOptions, the family's own options or None, the "in effect" description)."""
@@ -91,6 +117,13 @@ class LossFamily:
 
     def divergence(self, tokens: Tokens) -> Optional[torch.Tensor]:
         return None
+
+    def blocked(self, tokens: Tokens, divergence: Optional[torch.Tensor]) -> torch.Tensor:
+        """Eq. (12): the tokens whose update moves D past delta in the direction A pushes (none without D)."""
+        options = tokens.options
+        return trust_region_blocked(tokens.adv, tokens.log_ratio_to_anchor, divergence, options.delta_low,
+                                    options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
+                                    relax_side=options.relax_side)
 
     def loss_matrix(self, tokens: Tokens, blocked: torch.Tensor) -> torch.Tensor:
         """Eq. (11) per token: -M_t * sg(min(r_t, C)) * A_t * log pi(a_t)."""

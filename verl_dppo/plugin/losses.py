@@ -8,32 +8,29 @@ Every mode runs one function, `dppo_policy_loss`:
 aggregated with verl's `agg_loss` and the run's `loss_agg_mode`. What a mode's family changes (its options, D_t, the
 terms from the engine's logits hook, the per-token loss, its own diagnostics) lives in its module,
 `verl_dppo/plugin/<family>_mode.py` (`verl_dppo.plugin.loss_family` gives the interface): `binary_mode` (the
-binary DPPO modes, GRPO's clip, PG-IS), `topk_mode` (Top-K DPPO), `troll_mode` (TROLL, arXiv 2510.03817: its Eq. 5
-in place of Eq. 11, nothing masked). Every such module is found here and its modes registered; a new family is one
-new module. mu is the rollout engine's log-prob of the sampled token, handed over by the anchoring hook; without it
+binary DPPO modes, GRPO's clip, PG-IS), `ipo_mode` (prime-rl's IPO), `topk_mode` (Top-K DPPO), `troll_mode` (TROLL,
+arXiv 2510.03817: its Eq. 5 in place of Eq. 11, nothing masked). The registry (`verl_dppo.plugin.modes`) finds every
+such module; its modes are registered here; a new family is one new module. mu is the rollout engine's log-prob of the sampled token, handed over by the anchoring hook; without it
 (a direct registry call, or a batch without `rollout_log_probs`, as in bypass mode where old_log_probs ARE the
 rollout's), `old_log_prob` is mu.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any, Callable, Optional
 
 import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-import verl_dppo.plugin
 from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, nearest_within_rounding,
                                        rounding_radius)
-from verl_dppo.math.trust_region import trust_region_blocked
-from verl_dppo.plugin.config import inherited_thresholds_warning, tv_threshold_warning
+from verl_dppo.plugin.paper_settings import inherited_thresholds_warning, tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.log_once import warn_once
 from verl_dppo.plugin.loss_family import LossMode, Tokens
 from verl_dppo.plugin.metrics import ratio_of
+from verl_dppo.plugin.modes import loss_modes
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
 
 __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "register_all"]
@@ -43,13 +40,8 @@ __all__ = ["LOSS_MODES", "LossMode", "MAX_LOG_RATIO", "dppo_policy_loss", "regis
 BAD_UPDATE_DROP = 0.5
 
 
-def _families() -> list:
-    """Every `verl_dppo/plugin/*_mode.py` module's FAMILY, in name order."""
-    names = sorted(m.name for m in pkgutil.iter_modules(verl_dppo.plugin.__path__) if m.name.endswith("_mode"))
-    return [importlib.import_module(f"verl_dppo.plugin.{name}").FAMILY for name in names]
-
-
-LOSS_MODES = tuple(mode for family in _families() for mode in family.modes)
+LOSS_MODES = loss_modes()
+"""Every mode of the registry (`verl_dppo.plugin.modes`: each `*_mode.py` module's FAMILY)."""
 
 
 def _check_shapes(**tensors: Optional[torch.Tensor]) -> None:
@@ -96,9 +88,7 @@ def dppo_policy_loss(
                                                                anchored_on_mu, unusable)
     tokens = _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
                       anchored_on_mu, hook, unusable, mu_log_prob.dtype)
-    blocked = trust_region_blocked(adv, tokens.log_ratio_to_anchor, family.divergence(tokens), options.delta_low,
-                                   options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
-                                   relax_side=options.relax_side)
+    blocked = family.blocked(tokens, family.divergence(tokens))
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = agg_loss(loss_mat=family.loss_matrix(tokens, blocked), loss_mask=response, loss_agg_mode=loss_agg_mode,
                     **global_batch_info)

@@ -22,25 +22,14 @@ from typing import Any, Optional
 import torch
 
 from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
+from verl_dppo.plugin.modes import is_topk_mode, mode_named
 
 __all__ = [
-    "TOPK_MODES", "TROLL_MODES", "DEFAULT_TOPK", "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
+    "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
-    "configured_fused_kernels_problem", "untied_head_fsdp2_problem",
-    "pad_to_length_problem", "dynamic_cp_problem", "FAMILY",
+    "configured_fused_kernels_problem", "untied_head_fsdp2_problem", "pad_to_length_problem", "dynamic_cp_problem",
+    "FAMILY",
 ]
-
-
-TOPK_MODES = {"dppo_topk_tv": "tv", "dppo_topk_kl": "kl"}
-"""Loss mode -> which statistic of Eq. (15)/(16) is its D."""
-
-
-TROLL_MODES = ("troll",)
-"""Modes that project pi onto the KL ball around mu's top-K inside the logits hook (TROLL, arXiv 2510.03817)."""
-
-
-DEFAULT_TOPK = {"dppo_topk_tv": 20, "dppo_topk_kl": 20, "troll": 64}
-"""K when policy_loss.topk is unset: the DPPO paper's Top-K ablation uses 20, TROLL reports 64."""
 
 
 TOPK_IDS = "rollout_topk_ids"
@@ -61,11 +50,6 @@ ROLLOUT_SETTINGS = (
 )
 
 
-def is_topk_mode(loss_mode: Optional[str]) -> bool:
-    """True for every mode that needs the rollout's top-K and the engine's logits hook (dppo_topk_*, troll)."""
-    return loss_mode in TOPK_MODES or loss_mode in TROLL_MODES
-
-
 def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
     policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
     if policy_loss is None:
@@ -75,10 +59,10 @@ def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def configured_topk(config: Any) -> int:
-    """K in effect: policy_loss.topk, or the mode's default (DEFAULT_TOPK) when it is unset or None."""
+    """K in effect: policy_loss.topk, or the mode's default (`LossMode.default_topk`) when it is unset or None."""
     topk = policy_loss_get(config, "topk", None)
     if topk is None:
-        return DEFAULT_TOPK[policy_loss_get(config, "loss_mode")]
+        return mode_named(policy_loss_get(config, "loss_mode")).default_topk
     return int(topk)
 
 
@@ -95,7 +79,7 @@ def divergence_from_extras(mode_name: str, extras: Any, anchor: str, valid: torc
     """D of Eq. (12) for a Top-K mode: the hook's statistic, [batch, response_len], 0 outside `valid`; NaN where
     the token's rollout statistics are unusable (the loss drops those tokens)."""
     check_anchor(mode_name, anchor)
-    statistic = TOPK_MODES[mode_name]
+    statistic = mode_named(mode_name).measure
     value = getattr(extras, f"topk_{statistic}", None) if extras is not None else None
     if value is None:
         raise ValueError(
@@ -193,6 +177,8 @@ def unsupported_settings(config: Any) -> list[str]:
 
 
 class TopKFamily(LossFamily):
+    logits_hook = "topk"
+
     def options(self, mode: LossMode, config: Any) -> tuple[Any, Any, str]:
         options, _, _ = super().options(mode, config)
         return options, None, options.describe(topk=configured_topk(config))
@@ -208,7 +194,10 @@ class TopKFamily(LossFamily):
         return tokens.unusable
 
 
+# K = 20 when policy_loss.topk is unset: the DPPO paper's Top-K ablation.
 FAMILY = TopKFamily((
-    LossMode("dppo_topk_tv", "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)"),
-    LossMode("dppo_topk_kl", "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)"),
+    LossMode("dppo_topk_tv", "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", measure="tv", paper_delta=0.15,
+             default_topk=20, label="kTV", color="#2ca02c"),
+    LossMode("dppo_topk_kl", "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", measure="kl", paper_delta=0.05,
+             default_topk=20, label="kKL", color="#98df8a"),
 ))

@@ -57,6 +57,12 @@ class TrollOptions:
     support_mass: float
     topk: int
 
+    def rule_parts(self, shared: list[str]) -> list[str]:
+        """The update rule's trust-region words (`verl-dppo check`'s summary): TROLL's projection, in place of the
+        shared options' (it masks nothing)."""
+        return [f"eps {self.eps:g}", f"K {self.topk}", f"support mass {self.support_mass:.10g}",
+                f"alpha {self.alpha:g}"]
+
     def describe(self) -> str:
         return (f"troll_eps={self.eps:g} troll_alpha={self.alpha:g} troll_support_mass={self.support_mass:.10g} "
                 f"topk={self.topk}")
@@ -141,6 +147,7 @@ def zero_loss(terms: Optional[dict[str, torch.Tensor]], log_prob: torch.Tensor) 
 
 
 class TrollFamily(LossFamily):
+    logits_hook = "troll"
     truncates = False  # Eq. 5 has no ratio cap of its own beyond exp(MAX_LOG_RATIO)
     metric_prefix = "actor/troll/"
 
@@ -168,7 +175,9 @@ class TrollFamily(LossFamily):
 
 
 FAMILY = TrollFamily((
-    LossMode("troll", "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K"),
+    # K = 64 when policy_loss.topk is unset: TROLL's reported support size.
+    LossMode("troll", "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K", default_topk=64,
+             label="TROLL", color="#9467bd", panels="troll"),
 ))
 
 

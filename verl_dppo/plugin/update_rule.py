@@ -34,22 +34,24 @@ def update_rule(config: Any) -> str:
     """One line: the loss mode and the values it trains with, from a composed run config (`actor_rollout_ref`,
     `algorithm`). Raises ValueError where the options do not resolve (the loss would raise the same at its first
     call)."""
-    from verl_dppo.plugin.losses import LOSS_MODES
+    from verl_dppo.plugin.modes import mode_named
 
     actor = config.actor_rollout_ref.actor
     name = str(actor.policy_loss.loss_mode)
-    mode = next((mode for mode in LOSS_MODES if mode.name == name), None)
+    mode = mode_named(name)
     beside = beside_the_loss(config)
     beside_text = f"; beside it, unlike the paper's recipe: {', '.join(beside)}" if beside else ""
     if mode is None:
         return _verls_own(name, config) + beside_text
     options, family_options, _ = mode.family.options(mode, actor)
-    parts = _trust_region(mode, options, family_options)
+    parts = _trust_region(mode, options)
+    if family_options is not None:  # a family's own options say their part (TROLL's replace the trust region)
+        parts = family_options.rule_parts(parts)
     parts += [_anchor(config, options.anchor), _bypass(config)]
-    if family_options is None:  # TROLL names its K with its own options
-        from verl_dppo.plugin.topk_mode import TOPK_MODES, configured_topk
+    if not any(part.startswith("K ") for part in parts):
+        from verl_dppo.plugin.topk_mode import configured_topk
 
-        parts.append(f"K {configured_topk(actor)}" if name in TOPK_MODES else "K -")
+        parts.append(f"K {configured_topk(actor)}" if mode.reads_topk else "K -")
     return f"trains {name}: " + ", ".join(parts) + beside_text
 
 
@@ -94,35 +96,26 @@ def beside_the_loss(config: Any) -> list[str]:
     return found
 
 
-def _trust_region(mode: Any, options: Any, family_options: Any) -> list[str]:
-    from verl_dppo.plugin.config import PAPER_DELTA
-    from verl_dppo.plugin.topk_mode import is_topk_mode
-    from verl_dppo.plugin.troll_mode import TrollOptions
-
-    if isinstance(family_options, TrollOptions):
-        troll = family_options
-        return [f"eps {troll.eps:g}", f"K {troll.topk}", f"support mass {troll.support_mass:.10g}",
-                f"alpha {troll.alpha:g}"]
+def _trust_region(mode: Any, options: Any) -> list[str]:
     inherited = options.inherited()
-    paper = mode.name.startswith("dppo_")
+    delta = mode.paper_delta  # None: not one of the paper's DPPO modes
     parts = []
     thresholds = f"{options.delta_low:g}/{options.delta_high:g}"
     if not mode.uses_divergence_thresholds:  # PPO's eps: always actor.clip_ratio_low/high
         parts.append(f"ratio clip eps {thresholds} (clip_ratio_low/high)")
-    elif mode.divergence is None and not is_topk_mode(mode.name):
+    elif mode.measure is None:
         parts.append("no trust region")
     else:
-        delta = PAPER_DELTA["kl" if mode.name.endswith("_kl") else "tv"]
         keys = [inherited[name] for name in ("delta_low", "delta_high") if name in inherited]
         notes = [f"inherited from {'/'.join(keys)}"] if keys else []
-        if paper and not (options.delta_low == options.delta_high == delta):
+        if delta is not None and not (options.delta_low == options.delta_high == delta):
             notes.append(f"the paper's {delta:g}")
         parts.append(f"delta {thresholds}" + (f" ({'; '.join(notes)})" if notes else ""))
     if options.relax_below > 0:
         parts.append(f"relaxed below mu {options.relax_below:g} on the {options.relax_side} side")
     if mode.family.truncates:
         notes = ["inherited from clip_ratio_c"] if "ratio_cap" in inherited else []
-        if paper and options.ratio_cap < 10000:
+        if delta is not None and options.ratio_cap < 10000:
             notes.append("the paper's 10000")
         parts.append(f"ratio cap {options.ratio_cap:g}" + (f" ({'; '.join(notes)})" if notes else ""))
     return parts

@@ -9,39 +9,48 @@ known method take the spare colours, in order.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Optional, Sequence
 
-__all__ = ["METHOD_COLORS", "method_of", "colors_for", "line_style"]
+from verl_dppo.studies.demo.methods import ALIASES
 
-METHOD_COLORS = {
+__all__ = ["METHOD_COLORS", "method_colors", "method_of", "colors_for", "line_style"]  # noqa: F822 (__getattr__)
+
+VARIANT_COLORS = {
     # the clipped and unclipped baselines: blues and greys
-    "pg_is": "#7f7f7f",
     "pg_tis": "#525252",
     "cispo": "#8c564b",
-    "grpo_clip_higher": "#1f77b4",
     "minirl": "#6baed6",
     "minirl_tis": "#08519c",
     "relax_low": "#9ecae1",
     "relax_high": "#3182bd",
     "relax_both": "#17becf",
     # DPPO: reds, oranges, greens
-    "dppo_binary_tv": "#d62728",
     "dppo_binary_tv_recompute": "#ff9896",
-    "dppo_binary_kl": "#ff7f0e",
     "dppo_binary_kl_decoupled": "#fdae6b",
-    "dppo_topk_tv": "#2ca02c",
-    "dppo_topk_kl": "#98df8a",
     "minimal_mask_0.5": "#e377c2",
     "minimal_mask_0.5_recompute": "#f7b6d2",
     "minimal_mask_0.8": "#bcbd22",
-    # TROLL: purple
-    "troll": "#9467bd",
 }
-ALIASES = {"grpo_clip": "grpo_clip_higher"}
-"""Other names of a method (the demo's earlier name of grpo_clip_higher, its loss mode)."""
+"""The colours of the recipes that are a variant of a loss mode; a mode's own colour is on its registry entry
+(`LossMode.color`), under the name of the method that runs it (`ALIASES`: grpo_clip's is grpo_clip_higher's)."""
 SPARE = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39")
 
 _STYLES = ("-", "--", "-.", ":")
+
+
+@lru_cache(maxsize=None)
+def method_colors() -> dict[str, str]:
+    """Method name -> its colour: each loss mode's (`LossMode.color`) under its method's name, then the variants'."""
+    from verl_dppo.plugin.modes import loss_modes
+
+    return {**{ALIASES.get(m.name, m.name): m.color for m in loss_modes() if m.color}, **VARIANT_COLORS}
+
+
+def __getattr__(name: str):
+    if name == "METHOD_COLORS":  # read lazily: the registry imports the loss modes' modules
+        return method_colors()
+    raise AttributeError(name)
 
 
 def method_of(label: str) -> Optional[str]:
@@ -49,7 +58,7 @@ def method_of(label: str) -> Optional[str]:
     parts = [label, *re.split(r"[-/]", label)]
     for part in parts:
         name = ALIASES.get(part, part)
-        if name in METHOD_COLORS:
+        if name in method_colors():
             return name
     return None
 
@@ -61,7 +70,7 @@ def colors_for(labels: Sequence[str]) -> list[str]:
     for label in labels:
         method = method_of(label)
         if method is not None:
-            colors.append(METHOD_COLORS[method])
+            colors.append(method_colors()[method])
             continue
         if label not in spare:
             spare[label] = SPARE[len(spare) % len(SPARE)]

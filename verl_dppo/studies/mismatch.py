@@ -43,10 +43,26 @@ BUCKETS = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0 + 1e-9)
 CPU_PROMPTS = 16
 """Prompts per run on a CPU setup (x its samples per prompt: smollm2's 4 give about 2,500 response tokens)."""
 CPU_TRAINER_DTYPES = {"fp32": (), "bf16": ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",)}
-REGIONS = {  # method -> how its region is read off the tokens
-    "grpo_clip_higher": "ratio", "dppo_binary_tv": "binary_tv", "dppo_binary_kl": "binary_kl",
-    "dppo_topk_tv": "topk_tv", "dppo_topk_kl": "topk_kl",
+METHODS = {  # the methods measured (recipes/method/<name>.yaml) -> their loss mode
+    "grpo_clip_higher": "grpo_clip", "dppo_binary_tv": "dppo_binary_tv", "dppo_binary_kl": "dppo_binary_kl",
+    "dppo_topk_tv": "dppo_topk_tv", "dppo_topk_kl": "dppo_topk_kl",
 }
+
+
+def _region(method: str) -> str:
+    """How the method's region is read off the tokens: "ratio" (PPO's eps on |r - 1|), else its mode's D."""
+    from verl_dppo.plugin.modes import mode_named
+
+    mode = mode_named(METHODS[method])
+    if not mode.uses_divergence_thresholds:
+        return "ratio"
+    return f"{'topk' if mode.reads_topk else 'binary'}_{mode.measure}"
+
+
+def _label(method: str) -> str:
+    from verl_dppo.plugin.modes import mode_named
+
+    return mode_named(METHODS[method]).label
 LAUNCHER = (sys.executable, "-m", "verl_dppo.cli")
 """How a launch calls `verl-dppo run` (the tests put a fake launch here, one that writes token records)."""
 SETTINGS = "measurement.json"
@@ -74,9 +90,9 @@ def thresholds(setup: str, config_dir: list, overrides: Sequence[str] = ()) -> d
     from verl_dppo.plugin.config import resolve_options
 
     found = {}
-    for method in REGIONS:
+    for method in METHODS:
         actor = compose_recipe(setup, method, list(overrides), config_dir).actor_rollout_ref.actor
-        if method == "grpo_clip_higher":
+        if _region(method) == "ratio":
             low = float(actor.get("clip_ratio_low") or actor.clip_ratio)
             found[method] = (low, float(actor.get("clip_ratio_high") or actor.clip_ratio))
         else:
@@ -123,7 +139,8 @@ def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[di
             if "topk_tv" in measures:
                 row["topk_tv_mean"] = float(measures["topk_tv"][inside].mean())
             acted = {}
-            for method, kind in REGIONS.items():
+            for method in METHODS:
+                kind = _region(method)
                 if kind not in measures:
                     continue
                 lower, upper = bounds[method]
@@ -247,12 +264,10 @@ def _write_outputs(out: Path, settings: dict, measured: dict[str, tuple[list, di
 
 
 def _table(label: str, rows: list[dict]) -> str:
-    methods = [m for m in REGIONS if any(m in row.get("acted_frac", {}) for row in rows)]
-    short = {"grpo_clip_higher": "clip", "dppo_binary_tv": "bTV", "dppo_binary_kl": "bKL", "dppo_topk_tv": "kTV",
-             "dppo_topk_kl": "kKL"}
+    methods = [m for m in METHODS if any(m in row.get("acted_frac", {}) for row in rows)]
     head = (f"{'mu(a) in':<14}{'tokens':>7}  {'|pi/mu-1| mean':>14} {'max':>8}  {'|pi-mu| mean':>12} {'max':>8}  "
             f"{'bin. TV':>8} {'TopK TV':>8} {'bin. KL':>8}  acted on (%): "
-            + " ".join(f"{short[m]:>5}" for m in methods))
+            + " ".join(f"{_label(m):>5}" for m in methods))
     lines = [f"trainer {label}:", head]
     for row in rows:
         if not row["tokens"]:

@@ -57,12 +57,16 @@ class Run:
 
     @property
     def family(self) -> str:
-        """troll, dppo or clip (every other loss mode); without a known loss mode, read from what the run logged."""
+        """troll, dppo or clip (the mode's `LossMode.panels`; clip for verl's own modes); without a known loss mode,
+        read from what the run logged."""
         mode = self.loss_mode
         if mode is None:
             return ("troll" if any(m.startswith("actor/troll/") for m in self.series)
                     else "dppo" if "actor/dppo/masked_frac_pos" in self.series else "clip")
-        return "troll" if mode == "troll" else "dppo" if mode.startswith("dppo_") else "clip"
+        from verl_dppo.plugin.modes import mode_named
+
+        registered = mode_named(mode)
+        return registered.panels if registered is not None else "clip"  # verl's own modes: the ratio clip
 
     def metrics(self) -> set[str]:
         return set(self.series)
@@ -90,11 +94,11 @@ def _loss_mode(path: str) -> Optional[str]:
             return record["loss_mode"]
     except (OSError, ValueError):
         pass
-    from verl_dppo.studies.demo.methods import ALIASES, METHODS, STUDY_METHODS
+    from verl_dppo.studies.demo.methods import ALIASES, METHODS, STUDY_METHODS, mode_rows
 
     stem = os.path.splitext(os.path.basename(path))[0]
     stem = ALIASES.get(stem, stem)
-    return next((m.loss_mode for m in (*METHODS, *STUDY_METHODS) if m.name == stem), None)
+    return next((m.loss_mode for m in (*METHODS, *STUDY_METHODS, *mode_rows()) if m.name == stem), None)
 
 
 def _label_runs(paths: Sequence[str]) -> list[str]:

@@ -62,7 +62,8 @@ def add_training_options(parser, defaults, steps: int, methods, unit: str) -> No
     parser.add_argument("--mini-batches", type=int, default=defaults.mini_batches,
                         help=f"optimizer updates per rollout batch ({defaults.mini_batches})")
     parser.add_argument("--methods", default="", metavar="A,B",
-                        help="comma-separated subset of: " + accepted_names(methods) + " (default: all)")
+                        help="comma-separated subset of: " + accepted_names(methods) + " (default: all); also any "
+                        "other loss mode of the plugin's that carries demo settings (LossMode.demo)")
 
 
 def add_process_options(parser, defaults, unit: str) -> None:

@@ -62,6 +62,16 @@ STUDY_METHODS = (
 )
 """Rows of `verl-dppo staleness` only (not in the demo's list): the anchoring question needs them."""
 
+def mode_rows() -> tuple[Method, ...]:
+    """A row for each registered loss mode that has no row above but demo settings on its registry entry
+    (`LossMode.demo`): a new mode is in --methods with no edit here. Not run by default."""
+    from verl_dppo.plugin.modes import loss_modes
+
+    named = {m.loss_mode for m in (*METHODS, *STUDY_METHODS)}
+    return tuple(Method(mode.name, mode.name, mode.demo[0], dict(mode.demo[1]), needs_rollout_topk=mode.reads_topk)
+                 for mode in loss_modes() if mode.demo is not None and mode.name not in named)
+
+
 ALIASES = {"grpo_clip": "grpo_clip_higher"}
 """Other names --methods accepts: `grpo_clip` is the row's loss mode and was its demo name before the rows took the
 recipes' names; the run is logged under the row's name."""
@@ -74,12 +84,15 @@ def accepted_names(rows: tuple[Method, ...]) -> str:
 
 
 def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...] = METHODS,
-                     accepted: tuple[Method, ...] = (*METHODS, *STUDY_METHODS)) -> list[Method]:
-    """The methods to run: `names` in order, each a row of `accepted` or an alias of one, a row named twice run
-    once (every registered row of `default` when empty). Unknown names raise ValueError."""
+                     accepted: tuple[Method, ...] | None = None) -> list[Method]:
+    """The methods to run: `names` in order, each a row of `accepted` (every row, the registry's `mode_rows`
+    included, when None) or an alias of one, a row named twice run once (every registered row of `default` when
+    empty). Unknown names raise ValueError."""
     import verl  # noqa: F401  (loads the plugin: registers the loss modes)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
+    if accepted is None:
+        accepted = (*METHODS, *STUDY_METHODS, *mode_rows())
     by_name = {method.name: method for method in accepted}
     by_name.update({alias: by_name[name] for alias, name in ALIASES.items() if name in by_name})
     if names:

@@ -67,12 +67,12 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     the figures and the table give the mean and the spread over the seeds."""
     stream = stream if stream is not None else sys.stdout  # read at call time: tests swap sys.stdout
     from verl_dppo.studies.demo.figures import draw_all
-    from verl_dppo.studies.demo.methods import METHODS, runnable_methods
+    from verl_dppo.studies.demo.methods import METHODS, mode_rows, runnable_methods
 
     pin_cpu_code_paths()
     start = time.perf_counter()
     seeds = seeds or [settings.seed]
-    methods = runnable_methods(settings.methods or None, accepted=METHODS)
+    methods = runnable_methods(settings.methods or None, accepted=(*METHODS, *mode_rows()))
     warms, jobs = {}, []
     for seed in seeds:
         seeded = replace(settings, seed=seed)

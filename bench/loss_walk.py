@@ -1,0 +1,93 @@
+"""The reader's walk of one loss mode: the plugin's files one call runs through, from the config to the masked loss.
+
+    .venv/bin/python bench/loss_walk.py [--mode dppo_binary_tv] [--delta 0.15] [--trace]
+
+Builds the mode's `DPPOLossConfig` (the paper's settings: delta on both sides, no cap) inside a real verl `ActorConfig` and calls verl's own `ppo_loss` on a v1
+micro-batch (as verl's FSDP engine hands it over), with a tracer on every line the plugin and its patches run
+(verl_dppo/, patches/). Prints the files in the order the walk first enters them, each with its length in lines, the
+total, and the returns: how often the walk comes back into a file it had left for another of the plugin's files
+(calls into torch or verl and back do not count). --trace prints the walk itself, one line per change of file.
+This is the figure docs/loss-modes.md and issue 74 quote: how many files, how many lines a reader opens to follow a
+mode, and how often the path doubles back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import verl  # noqa: E402,F401  (loads the plugin through the verl.plugins entry point)
+from helpers import v1_micro_batch  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from verl_dppo import DPPOLossConfig  # noqa: E402
+
+OURS = tuple(str(ROOT / part) + "/" for part in ("verl_dppo", "patches"))
+
+
+def micro_batch():
+    gen = torch.Generator().manual_seed(0)
+    lens = [6, 3, 5, 1]
+    mu = torch.log(torch.rand(len(lens), 6, generator=gen).clamp(min=1e-4))
+    pi = (mu + 0.5 * torch.randn(mu.shape, generator=gen)).clamp(max=-1e-4).requires_grad_()
+    adv = torch.randn(mu.shape, generator=gen)
+    return v1_micro_batch(pi, mu, adv, lens, rollout_log_prob=mu)
+
+
+def walk(mode: str, delta: float) -> list[str]:
+    """The plugin's files in the order the lines run (one entry per change of file)."""
+    visits: list[str] = []
+
+    def local(frame, event, arg):
+        if event == "line":
+            name = frame.f_code.co_filename
+            if not visits or visits[-1] != name:
+                visits.append(name)
+        return local
+
+    def tracer(frame, event, arg):
+        code = frame.f_code  # a module's body (an import the first call makes) is not the mode's path
+        return local if code.co_filename.startswith(OURS) and code.co_name != "<module>" else None
+
+    model_output, data, _ = micro_batch()
+    sys.settrace(tracer)
+    try:
+        config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, clip_ratio_high=0.28,
+                             policy_loss=DPPOLossConfig(loss_mode=mode, delta_low=delta, delta_high=delta,
+                                                        ratio_cap=10000.0))
+        loss, _ = ppo_loss(config, model_output, data)
+    finally:
+        sys.settrace(None)
+    loss.backward()
+    return visits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", default="dppo_binary_tv")
+    parser.add_argument("--delta", type=float, default=0.15, help="delta_low = delta_high (the paper's 0.15)")
+    parser.add_argument("--trace", action="store_true", help="print the walk, one line per change of file")
+    args = parser.parse_args()
+    visits = walk(args.mode, args.delta)
+    if args.trace:
+        for name in visits:
+            print("  ", Path(name).relative_to(ROOT))
+    files = list(dict.fromkeys(visits))
+    returns = len(visits) - len(files)
+    total = 0
+    for name in files:
+        lines = len(Path(name).read_text().splitlines())
+        total += lines
+        print(f"{lines:6d}  {Path(name).relative_to(ROOT)}  (entered {visits.count(name)}x)")
+    print(f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left")
+
+
+if __name__ == "__main__":
+    main()
