@@ -456,7 +456,8 @@ def verl_logprob_path():
     (verl's FusedLinearForPPO runs); the Top-K and TROLL modes' fused steps as always (unfused, their log pi and
     entropy take verl's path too, as before issue 53.5)."""
     from verl_dppo.patches import fused_lm_head
-    from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
+    from verl_dppo.plugin.modes import is_topk_mode
+    from verl_dppo.plugin.options import policy_loss_get
 
     unfused, fused = fused_lm_head._unfused_config, fused_lm_head._topk_config
 

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.modes import logits_hook
+from verl_dppo.plugin.options import policy_loss_get, read_key
 from verl_dppo.plugin.topk_mode import (
     ROLLOUT_SETTINGS,
     TOPK_IDS,
@@ -30,7 +31,6 @@ from verl_dppo.plugin.topk_mode import (
     fused_kernels_problem,
     is_topk_mode,
     pad_to_length_problem,
-    policy_loss_get,
 )
 
 __all__ = ["prepare_train_batch", "patch_engine_workers"]
@@ -91,8 +91,7 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
 
 
 def _uses_kl_loss(config: Any) -> bool:
-    getter = getattr(config, "get", None)
-    return bool(getter("use_kl_loss", False) if getter is not None else getattr(config, "use_kl_loss", False))
+    return bool(read_key(config, "use_kl_loss", False))
 
 
 def _disable_inplace_cross_entropy(mode: str) -> None:

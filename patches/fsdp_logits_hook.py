@@ -28,6 +28,7 @@ from verl_dppo.patches.topk_fields import local_rollout_fields, packed_rollout_f
 from verl_dppo.plugin import troll_mode
 from verl_dppo.plugin.modes import logits_hook, topk_modes
 from verl_dppo.plugin.troll_mode import troll_outputs
+from verl_dppo.plugin.options import policy_loss_get
 from verl_dppo.plugin.topk_mode import (
     OUTPUT_KEYS,
     ROLLOUT_SETTINGS,
@@ -35,7 +36,6 @@ from verl_dppo.plugin.topk_mode import (
     TOPK_LOGPROBS,
     configured_topk,
     is_topk_mode,
-    policy_loss_get,
     untied_head_fsdp2_problem,
 )
 

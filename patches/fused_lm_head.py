@@ -46,7 +46,8 @@ from typing import Any, Optional
 import torch
 
 from verl_dppo.patches._import_hook import patch_once
-from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
+from verl_dppo.plugin.modes import is_topk_mode
+from verl_dppo.plugin.options import policy_loss_get
 from verl_dppo.plugin.log_once import warn_once
 
 __all__ = ["patch_torch_functional", "patch_fsdp_engine", "patch_engine_logprobs", "worker_loss"]

@@ -36,7 +36,8 @@ import torch
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.plugin.log_once import warn_once
-from verl_dppo.plugin.topk_mode import is_topk_mode, policy_loss_get
+from verl_dppo.plugin.modes import is_topk_mode
+from verl_dppo.plugin.options import policy_loss_get
 
 __all__ = ["patch_megatron_engine", "patch_model_forward_fused"]
 

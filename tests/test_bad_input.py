@@ -110,6 +110,38 @@ def test_bad_options_are_rejected_by_the_config(field, value, message):
         DPPOLossConfig(loss_mode="dppo_binary_tv", **{field: value})
 
 
+BAD_VALUES = {"delta_low": -0.1, "delta_high": math.nan, "ratio_cap": 0.0, "anchor": "old", "relax_below": 1.5,
+              "relax_side": "up", "topk": 0, "max_off_policy_threshold": 0, "troll_eps": 0.0, "troll_alpha": -1.0,
+              "troll_support_mass": 1.5, "ipo_tau": -1.0}
+
+
+def test_each_option_has_one_rule_that_the_config_and_the_loss_both_apply():
+    """Issue 74: an option is checked in one place (`verl_dppo.plugin.options.RULES`): every field DPPOLossConfig adds
+    to verl's has its rule, and a bad value is refused with the same words by the dataclass and by what a loss reads
+    from a plain DictConfig (resolve_options, TROLL's and IPO's options)."""
+    from dataclasses import fields
+
+    from verl.workers.config import PolicyLossConfig
+
+    from verl_dppo.plugin.config import resolve_options
+    from verl_dppo.plugin.ipo_mode import ipo_tau
+    from verl_dppo.plugin.options import RULES
+    from verl_dppo.plugin.troll_mode import troll_options
+
+    added = {f.name for f in fields(DPPOLossConfig)} - {f.name for f in fields(PolicyLossConfig)}
+    assert added == set(RULES) == set(BAD_VALUES)
+    for name, value in BAD_VALUES.items():
+        with pytest.raises(ValueError) as by_config:
+            DPPOLossConfig(loss_mode="dppo_binary_tv", **{name: value})
+        assert f"policy_loss.{name} must be" in str(by_config.value)
+        plain = OmegaConf.create({"policy_loss": {"loss_mode": "troll", name: value}, "clip_ratio": 0.2})
+        reader = {"troll_eps": troll_options, "troll_alpha": troll_options, "troll_support_mass": troll_options,
+                  "ipo_tau": ipo_tau}.get(name, lambda config: resolve_options(config, True))
+        with pytest.raises(ValueError) as by_loss:
+            reader(plain)
+        assert str(by_loss.value) == str(by_config.value), name
+
+
 @pytest.mark.parametrize("policy_loss,message", [
     ({"loss_mode": "dppo_binary_tv", "anchor": "old"}, "anchor must be one of"),
     ({"loss_mode": "grpo_clip", "relax_below": 0.1, "relax_side": "up"}, "relax_side must be one of"),
@@ -125,7 +157,7 @@ def test_bad_options_in_a_plain_dictconfig_are_rejected_at_the_loss(policy_loss,
 
 def test_negative_verl_clip_ratio_fallback_is_rejected():
     config = actor_config("dppo_binary_tv", clip_ratio_low=-0.2)
-    with pytest.raises(ValueError, match="delta_low threshold must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"delta_low \(unset: verl.s actor.clip_ratio_low\) must be a finite number >= 0"):
         direct("dppo_binary_tv", torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1, torch.ones(1, 1), config=config)
 
 

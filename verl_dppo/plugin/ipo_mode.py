@@ -23,6 +23,7 @@ import torch
 from verl_dppo.math.divergence import binary_tv
 from verl_dppo.plugin.binary_mode import BinaryFamily
 from verl_dppo.plugin.loss_family import LossMode, Tokens
+from verl_dppo.plugin.options import DEFAULTS, checked, policy_loss_get
 
 __all__ = ["FAMILY", "IpoOptions"]
 
@@ -38,13 +39,8 @@ class IpoOptions:
 
 def ipo_tau(config: Any) -> float:
     """policy_loss.ipo_tau from an actor config (DPPOLossConfig, a plain PolicyLossConfig or a DictConfig)."""
-    from verl_dppo.plugin.topk_mode import policy_loss_get
-
-    tau = policy_loss_get(config, "ipo_tau", None)
-    tau = 0.0 if tau is None else float(tau)
-    if not (tau >= 0 and tau != float("inf")):
-        raise ValueError(f"policy_loss.ipo_tau must be a finite number >= 0 (0: no penalty), got {tau!r}")
-    return tau
+    tau = checked("ipo_tau", policy_loss_get(config, "ipo_tau", None))
+    return DEFAULTS["ipo_tau"] if tau is None else tau
 
 
 class IpoFamily(BinaryFamily):

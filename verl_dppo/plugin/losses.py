@@ -86,19 +86,16 @@ def dppo_policy_loss(
     if sanitized:
         pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv,
                                                                anchored_on_mu, unusable)
-    tokens = _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-                      anchored_on_mu, hook, unusable, mu_log_prob.dtype)
+    tokens = Tokens(mode=mode, options=options, family_options=family_options, log_prob=log_prob, pi=pi, mu=mu,
+                    anchor=anchor, adv=adv, response=response, valid=valid, sanitized=sanitized,
+                    anchored_on_mu=anchored_on_mu, hook=hook, unusable=unusable,
+                    **_measure(pi, mu, anchor, anchored_on_mu, options.ratio_cap, log_prob.dtype, mu_log_prob.dtype))
     blocked = family.blocked(tokens, family.divergence(tokens))
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = agg_loss(loss_mat=family.loss_matrix(tokens, blocked), loss_mask=response, loss_agg_mode=loss_agg_mode,
                     **global_batch_info)
-    metrics, ratio_parts = _diagnostics(
-        valid=valid, n_response=response.sum(), blocked=blocked & valid, adv=adv,
-        truncated=(tokens.ratio >= options.ratio_cap) & family.truncates, mu_prob=tokens.mu_prob, drop=tokens.drop,
-        mismatch_tv=tokens.mismatch_tv, mismatch_kl=tokens.mismatch_kl,
-        log_ratio_to_anchor=tokens.log_ratio_to_anchor, entropy=extras.entropy if extras is not None else None,
-        lags=extras.lags if extras is not None else None, threshold=options.max_off_policy_threshold,
-    )
+    metrics, ratio_parts = _diagnostics(tokens, blocked & valid, (tokens.ratio >= options.ratio_cap) & family.truncates,
+                                        extras)
     own = {**family.metrics(tokens), **_rows_mass(family, extras, valid)}
     ratio_parts.update(own)
     metrics.update({name: ratio_of(*part) for name, part in own.items()})
@@ -162,28 +159,23 @@ def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, r
     return rollout_log_prob
 
 
-def _measure(mode, options, family_options, log_prob, pi, mu, anchor, adv, response, valid, sanitized,
-             anchored_on_mu, hook, unusable, mu_dtype) -> Tokens:
-    """The ratio and the mismatch statistics every mode logs, in the `Tokens` its family reads. A log-prob computed in
-    bf16 does not resolve a confident token's 1 - p below bf16's eps: the binary divergences are measured at the pair
-    (mu', pi') nearest each other with each side within its own rounding (rounding_radius; 0 for float32 inputs),
-    the ratio and mu(a_t) (Relax's alpha, the metrics) at the values given."""
+def _measure(pi, mu, anchor, anchored_on_mu, ratio_cap, pi_dtype, mu_dtype) -> dict[str, torch.Tensor]:
+    """The ratio and the mismatch statistics every mode logs (the `Tokens` fields its family reads). A log-prob
+    computed in bf16 does not resolve a confident token's 1 - p below bf16's eps: the binary divergences are measured
+    at the pair (mu', pi') nearest each other with each side within its own rounding (rounding_radius; 0 for float32
+    inputs), the ratio and mu(a_t) (Relax's alpha, the metrics) at the values given."""
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))  # r_t = pi / mu, always against the rollout policy
-    mu_near, pi_near = nearest_within_rounding(mu, pi, rounding_radius(mu, mu_dtype),
-                                               rounding_radius(pi, log_prob.dtype))
+    mu_near, pi_near = nearest_within_rounding(mu, pi, rounding_radius(mu, mu_dtype), rounding_radius(pi, pi_dtype))
     mu_floored, pi_floored = floor_logprob(mu_near), floor_logprob(pi_near)
     mu_near_prob = torch.exp(mu_floored)
     drop = mu_near_prob - torch.exp(pi_floored)  # mu(a_t) - pi(a_t), at the nearest pair
-    mu_prob = torch.exp(floor_logprob(mu))  # mu(a_t) as given
-    return Tokens(
-        mode=mode, options=options, family_options=family_options, log_prob=log_prob, pi=pi, mu=mu, anchor=anchor,
-        adv=adv, response=response, valid=valid, sanitized=sanitized, anchored_on_mu=anchored_on_mu, ratio=ratio,
-        weight=ratio.clamp(max=options.ratio_cap),
-        log_ratio_to_anchor=log_ratio if anchored_on_mu else pi - anchor, mu_prob=mu_prob, drop=drop,
-        mismatch_tv=drop.abs(),  # Eq. (13) against mu
+    return dict(
+        ratio=ratio, weight=ratio.clamp(max=ratio_cap),
+        log_ratio_to_anchor=log_ratio if anchored_on_mu else pi - anchor,
+        mu_prob=torch.exp(floor_logprob(mu)),  # mu(a_t) as given
+        drop=drop, mismatch_tv=drop.abs(),  # Eq. (13) against mu
         mismatch_kl=binary_kl_floored(mu_floored, pi_floored, mu_near_prob),  # Eq. (14) against mu
-        hook=hook, unusable=unusable,
     )
 
 
@@ -226,15 +218,21 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, un
     return pi, mu, anchor, adv, unusable, valid
 
 
-def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mismatch_tv, mismatch_kl,
-                 log_ratio_to_anchor, entropy, lags=None, threshold=None) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-    """Every diagnostic reduced on device to a few scalars, read back in one host transfer.
+def _diagnostics(tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor,
+                 extras: Any) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """Every diagnostic reduced on device to a few scalars, read back in one host transfer: `blocked` the masked
+    valid tokens, `truncated` those whose ratio reached the cap, `extras` the entropy and the lags where the batch
+    has them.
 
     Returns the metrics of this micro-batch, and each mean-type metric as (numerator, denominator): a mean over
     a condition (A > 0, masked, ...) is a ratio of sums, and only the sums add up exactly over the micro-batches
     and data-parallel ranks of a mini-batch (a mean of per-micro-batch ratios is biased whenever the micro-batches
     differ in how many tokens meet the condition).
     """
+    valid, adv, drop, mismatch_tv = tokens.valid, tokens.adv, tokens.drop, tokens.mismatch_tv
+    entropy = extras.entropy if extras is not None else None
+    lags = extras.lags if extras is not None else None
+    threshold = tokens.options.max_off_policy_threshold
     valid_f, blocked_f = valid.float().view(-1), blocked.float().view(-1)
     positive, negative = adv > 0, adv < 0
     counts = torch.stack([
@@ -244,11 +242,11 @@ def _diagnostics(valid, n_response, blocked, adv, truncated, mu_prob, drop, mism
         negative & valid & (drop > BAD_UPDATE_DROP), truncated & valid,
     ]).view(8, -1).sum(dim=1).float()
     sums = torch.stack([
-        n_response.float(),
+        tokens.response.sum().float(),
         torch.dot(mismatch_tv.view(-1), valid_f),
-        torch.dot(mismatch_kl.view(-1), valid_f),
-        torch.dot(log_ratio_to_anchor.view(-1), valid_f),
-        torch.dot(mu_prob.view(-1), blocked_f),
+        torch.dot(tokens.mismatch_kl.view(-1), valid_f),
+        torch.dot(tokens.log_ratio_to_anchor.view(-1), valid_f),
+        torch.dot(tokens.mu_prob.view(-1), blocked_f),
         torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
         (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
     ])

@@ -23,9 +23,10 @@ import torch
 
 from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
 from verl_dppo.plugin.modes import is_topk_mode, mode_named
+from verl_dppo.plugin.options import checked, policy_loss_get
 
 __all__ = [
-    "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode", "policy_loss_get",
+    "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode",
     "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
     "configured_fused_kernels_problem", "untied_head_fsdp2_problem", "pad_to_length_problem", "dynamic_cp_problem",
     "FAMILY",
@@ -50,20 +51,10 @@ ROLLOUT_SETTINGS = (
 )
 
 
-def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
-    policy_loss = config.get("policy_loss", None) if hasattr(config, "get") else getattr(config, "policy_loss", None)
-    if policy_loss is None:
-        return default
-    getter = getattr(policy_loss, "get", None)
-    return getter(key, default) if getter is not None else getattr(policy_loss, key, default)
-
-
 def configured_topk(config: Any) -> int:
     """K in effect: policy_loss.topk, or the mode's default (`LossMode.default_topk`) when it is unset or None."""
-    topk = policy_loss_get(config, "topk", None)
-    if topk is None:
-        return mode_named(policy_loss_get(config, "loss_mode")).default_topk
-    return int(topk)
+    topk = checked("topk", policy_loss_get(config, "topk", None))
+    return mode_named(policy_loss_get(config, "loss_mode")).default_topk if topk is None else topk
 
 
 def check_anchor(mode_name: str, anchor: str) -> None:

@@ -25,9 +25,9 @@ from typing import Any, Optional
 import torch
 
 from verl_dppo.math.troll import capped_ratio, troll_token_terms
-from verl_dppo.plugin.config import check_troll_options
 from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
-from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk, policy_loss_get
+from verl_dppo.plugin.options import DEFAULTS, checked, policy_loss_get
+from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk
 
 __all__ = ["OUTPUT_KEYS", "DIFFERENTIABLE", "TrollOptions", "troll_options", "troll_from_extras", "troll_loss_matrix",
            "troll_ratio_parts", "zero_loss", "FAMILY", "troll_outputs", "troll_dict"]
@@ -71,18 +71,12 @@ class TrollOptions:
 def troll_options(config: Any) -> TrollOptions:
     """The values in effect from an actor config (DPPOLossConfig, a plain PolicyLossConfig or a DictConfig):
     TROLL's reported values where unset."""
-    options = TrollOptions(
-        eps=float(_or(policy_loss_get(config, "troll_eps", None), 0.05)),
-        alpha=float(_or(policy_loss_get(config, "troll_alpha", None), 1.0)),
-        support_mass=float(_or(policy_loss_get(config, "troll_support_mass", None), 1.0 - 1e-5)),
-        topk=configured_topk(config),
-    )
-    check_troll_options(options.eps, options.alpha, options.support_mass)
-    return options
+    def value(name: str) -> float:
+        given = checked(name, policy_loss_get(config, name, None))
+        return DEFAULTS[name] if given is None else given
 
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
+    return TrollOptions(eps=value("troll_eps"), alpha=value("troll_alpha"), support_mass=value("troll_support_mass"),
+                        topk=configured_topk(config))
 
 
 def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.Tensor) -> dict[str, torch.Tensor]:
