@@ -17,7 +17,7 @@ process where glibc returns every allocation above 64 KiB to the system on free 
 torch.cuda.max_memory_allocated, in this process. The inputs are drawn on the device itself (a generator of that
 device, seed 0). On CPU the times use one torch thread by default: on a shared 2-core machine
 OpenMP makes every parallel op wait for its descheduled second thread, which penalises TROLL's many chunk-sized
-ops (measured here under load, N=1024: 4.1x the naive baseline with 2 threads, 0.6x with 1).
+ops (with 2 threads under load TROLL's time was several times the naive baseline's, with 1 below it).
 
 mu is the logits plus noise (--noise), so most rows are projected, and the random logits are flat, so the support
 holds about 2K tokens: a worst case for the per-token math (real rows hold 5-10 tokens).

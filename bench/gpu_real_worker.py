@@ -25,7 +25,7 @@ the mode's worker was built (what earlier modes' workers left; the JSON has both
 resident-set high-water mark); loss and masked fraction (actor/pg_clipfrac): the first timed step.
 
 With the `device` tool (this machine has no GPU; the GPU machine has torch and transformers but neither verl nor
-network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in all):
+network access, so verl and its pure-Python needs travel as wheels, a few MiB in all):
 
   1. Here, once, in the repository root:
 
@@ -49,12 +49,11 @@ network access, so verl and its pure-Python needs travel as wheels, 6.6 MiB in a
   For the asynchronous comparison, run it twice in the same command, `--json $OUT/sync.json` and
   `--trainer-mode separate_async --json $OUT/separate_async.json`: same device, same rollout, same modes.
 
-  Where the time goes (an H100, 2026-11-26, the default size, docs/benchmarks.md): imports, the model's save and the
-  configs 24-34 s; the rollout of 32 x up to 1,024 tokens 67-70 s (HF's token-by-token forward with a KV cache; on
-  CUDA each token is drawn on the GPU, --rollout-sampling cpu draws them as the CPU suite's driver does, copying
-  [32, 151,936] probabilities to the CPU at every token); then per mode a worker build (verl's init_model, 1.3-5.9 s)
-  and --warmup + --steps steps (about 6 s each, the first mode's warm-up 13-14 s): 169 s for dppo_binary_tv,
-  dppo_topk_tv and troll, 257 s for all seven modes. Every phase prints a timestamped line as it ends, and --json is
+  Where the time goes (docs/benchmarks.md, "How long the GPU calls take"): imports, the model's save and the configs;
+  the rollout of 32 x up to 1,024 tokens (HF's token-by-token forward with a KV cache; on CUDA each token is drawn on
+  the GPU, --rollout-sampling cpu draws them as the CPU suite's driver does, copying [32, 151,936] probabilities to
+  the CPU at every token); then per mode a worker build (verl's init_model) and --warmup + --steps steps, the first
+  mode's warm-up the longest. Every phase prints a timestamped line as it ends, and --json is
   rewritten after each mode ("complete": false until the last), so a run stopped by `timeout` keeps the modes it
   finished: list the modes that matter first. --modes measures a subset (dppo_binary_tv is always added, first: the
   ratios are to it); --response-length, --prompts, --steps and --warmup shrink the run (the JSON records the size

@@ -1,6 +1,6 @@
 """The prepared GPU check (issue 41): what the plugin's per-token work costs on a GPU, in one command.
 
-    python3 bench/gpu_suite.py --out $OUT                  # on a GPU (an H100: about 3 minutes with the worker)
+    python3 bench/gpu_suite.py --out $OUT                  # on a GPU (its duration: docs/benchmarks.md)
     .venv/bin/python bench/gpu_suite.py --device cpu --smoke --out out/gpu_suite   # the CPU smoke path (tests)
 
 Parts, each printed as it ends and written to OUT/gpu_suite.json (rewritten after each part, "complete": false until
@@ -26,9 +26,8 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
    logprobs_from_logits + entropy_from_logits (before issues 54.1 / 53.5) and by the plugin's one-read pass (now;
    troll's loss through TROLL's own pass either way); each with its device time, the device's events counted
    (kernels on CUDA) and torch.profiler's top ops, all from one profiled call; and log pi(a_t) and the entropy by
-   verl's functions and by the plugin's pass on the same bf16 logits, each against float64. On an H200 (2026-11-30)
-   this part took 227 s with verl's row loop in two rows (the profiler's 1e5 events: one profiled call per row now,
-   where that run made two: by that run's times, an estimate of 2-3 minutes).
+   verl's functions and by the plugin's pass on the same bf16 logits, each against float64 (one profiled call per
+   row: the profiler's events of verl's row loop made this the longest part, docs/benchmarks.md).
 3. troll_devices: TROLL on the same bf16-valued logits and rollout rows (256 x 151,936, K = 64) on CUDA (the kernels)
    and on the CPU (the torch path): support sizes, log p(a_t), the gradient; and on CUDA against a permutation of
    the vocabulary. Goal: 1e-5 on log p(a_t), the same support on every row.
@@ -45,19 +44,17 @@ the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_s
 With the `device` tool: verl, its pure-Python needs and this package travel as wheels in .whl (gpu_real_worker.py's
 docstring says how to build them). Rebuild this package's wheel from the tree before each call
 (`rm -f .whl/verl_dppo-*.whl && .venv/bin/pip wheel -q --no-deps -w .whl .`): the GPU machine imports verl_dppo from
-it, recipes and patches included. The call that ran on 2026-11-27 (H100: 170-202 s for every part, the machine's
-start not counted; `--parts fused --repeats 5` alone: 35 s). On 2026-11-30 (H200), with the unfused part, the parts
-before the worker took 386 s (of which the unfused rows 300 s, under the old profiling) and the worker alone 149 s:
-run the worker as a call of its own (`--parts worker`), or give the whole suite a limit of 600 s:
+it, recipes and patches included. How long each part took on the calls that ran (docs/benchmarks.md, "How long
+the GPU calls take") decides the split: run the worker as a call of its own (`--parts worker`), or give the whole
+suite a limit of 600 s:
 
     run(carry=[".whl"], timeout_s=400, command="python3 -m pip install -q --no-index --no-deps --no-compile
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
         set -o pipefail; PYTHONUNBUFFERED=1 timeout 380 python3 bench/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log")
 
 Also: launch_shapes (the four kernels for BLOCK 1,024-4,096 x 4-16 warps) and profile (torch.profiler's top device ops of
-TROLL's forward + backward and of topk_divergence, in the JSON and the log). Everything but the worker took about 45 s
-on an H100; the worker about two minutes (its rollout and six worker builds). --parts picks a subset. Machine
-start and transfers come on top: 30-60 s on a warm call, a few minutes on a cold one.
+TROLL's forward + backward and of topk_divergence, in the JSON and the log). --parts picks a subset. The machine's
+start and the transfers come on top of the parts' times.
 """
 
 from __future__ import annotations
@@ -370,8 +367,8 @@ issue 53.5, the plugin's now) and takes its loss through TROLL's own pass."""
 
 
 def unfused(args, device, clock) -> dict:
-    """Issue 53.5: why the unfused `troll` step measured 0.53-0.70x `dppo_binary_tv`'s in verl's worker. Per step:
-    wall and device time, the device's events counted and torch.profiler's top ops (one more call); and the log
+    """Issue 53.5: why the unfused `troll` step was slower than `dppo_binary_tv`'s in verl's worker
+    (docs/benchmarks.md). Per step: wall and device time, the device's events counted and torch.profiler's top ops (one more call); and the log
     pi(a_t) and entropy that verl's functions and the plugin's pass compute on the same logits, each against float64
     (the `_verl` steps' log pi and entropy are verl's functions', the `_plugin` steps' the plugin's pass)."""
     from bench_fused_topk import make_inputs

@@ -5,7 +5,7 @@ On CPU the peak is the process's resident-set high-water mark (VmHWM), reset to 
 (/proc/self/clear_refs). That measures something only if freed memory leaves the process: glibc keeps freed heap
 memory resident and raises its mmap threshold (up to 32 MiB) after each large free, so in a process that has just
 freed a 2.3 GB baseline, a block's chunk-sized allocations reuse that memory and the high-water mark does not move
-(bench_topk.py reported 0.0 MiB that way). `child_json` therefore runs each measurement in its own child process
+(bench_topk.py reported no memory at all that way). `child_json` therefore runs each measurement in its own child process
 with MALLOC_MMAP_THRESHOLD_=65536: every allocation above 64 KiB is mmap'd and unmapped on free, and the
 high-water mark is the live peak. On CUDA: torch.cuda.max_memory_allocated over the block.
 """

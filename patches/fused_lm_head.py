@@ -22,8 +22,8 @@ output beside log-probs and entropy).
 With fused kernels off (`use_fused_kernels=False`, verl's default) every plugin mode (`DPPO_MODES`; the Top-K modes'
 and troll's logits hook runs beside it, as before) takes log pi(a_t) and the entropy from the logits in the plugin's
 one-read pass (`verl_dppo.math.logits_logprob`) instead of verl's `entropy_from_logits` (several [nnz, V] tensors)
-and `logprobs_from_logits` (without flash-attn a loop row by row, in bf16 for bf16 logits: on an H200 the Top-K and
-troll steps took 6.6x and 4.3x the binary step's time on it, docs/benchmarks.md). `forward_step` marks such a step
+and `logprobs_from_logits` (without flash-attn a loop row by row, in bf16 for bf16 logits: on a GPU several times
+the binary step's time for the Top-K and troll steps, docs/benchmarks.md). `forward_step` marks such a step
 the same way (unfused; a no-grad pass without a loss function, such as the old log-probs' recompute, by the
 worker's loss: `worker_loss`, opened by `engine_workers` around `TrainingWorker.infer_batch`); while
 `prepare_model_outputs` runs for it, the engine's `compute_entropy_from_logits` (the remove-padding branch,

@@ -8,8 +8,8 @@ second.
 Why: a Ray job id is a counter of its Ray cluster: the first job of every cluster is `01000000`. Two runs on one host,
 each on a local Ray cluster of its own (two `verl-dppo run` launches or two `main_ppo` launches without RAY_ADDRESS,
 the suite's two vLLM lanes), name the same socket path; the second bind takes the path from the first, and a weight
-push reaches the other run's vLLM or waits forever (seen: a run of the suite's vLLM tier hung 9 minutes at its first
-push, started 0.3 s after the other lane's run).
+push reaches the other run's vLLM or waits forever (seen: a run of the suite's vLLM tier hung at its first push,
+started just after the other lane's run; docs/development.md).
 What the patch does: both ends use `scoped_job_id()`, the job id and a token of the Ray session
 (`get_session_name()`, one per cluster): a cluster's two ends still agree, two clusters no longer meet. verl's format
 is checked where it is rewritten: another verl's name raises, naming this patch.

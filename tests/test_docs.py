@@ -96,3 +96,69 @@ def test_the_readme_caption_says_which_method_learned_best_as_the_demo_page_does
             f"({start} -> {held_out['grpo_clip_higher']}) of the seven methods in this run, and the best held-out "
             f"accuracy over three seeds ({held_out_3['grpo_clip_higher']})") in caption, caption
     assert len(one) == 7
+
+
+MEASURED = re.compile(
+    r"\b(?:H100|H200|A100|Xeon|EPYC)\b"  # a machine
+    r"|(?<![\w.])~?\d(?:[\d,]*\d)?(?:\.\d+)?(?:-\d(?:[\d,]*\d)?(?:\.\d+)?)?(?:\s?(?:ms|us|seconds|minutes|min)| s)\b"  # a time
+    r"|(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b"  # a ratio
+)
+NOT_MEASURED = {
+    # (file, figure): settings and quoted upstream constants, not figures measured here
+    ("verl_dppo/rehearsal/patches/vllm_shm_broadcast.py", "50 ms"),
+    ("verl_dppo/rehearsal/patches/vllm_shm_broadcast.py", "1 s"),
+    ("verl_dppo/rehearsal/patches/__init__.py", "50 ms"),
+    ("verl_dppo/rehearsal/patches/__init__.py", "1 s"),
+    ("bench/vllm_spin.py", "50 ms"),
+    ("bench/vllm_spin.py", "1 s"),
+    ("bench/gpu_suite.py", "600 s"),  # the device call's limit
+}
+GOAL = re.compile(r"(?:goal|target|<=|>=|at most|at least|ideally)[^.;]{0,40}$")
+
+
+def docstrings(path: Path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield getattr(node, "name", "<module>"), doc
+        if isinstance(node, (ast.Module, ast.ClassDef)):  # an attribute's docstring: the string after its assignment
+            for first, second in zip(node.body, node.body[1:]):
+                if (isinstance(first, (ast.Assign, ast.AnnAssign)) and isinstance(second, ast.Expr)
+                        and isinstance(second.value, ast.Constant) and isinstance(second.value.value, str)):
+                    yield "an attribute", second.value.value
+
+
+def measured_figures(path: Path, relative: str) -> list[str]:
+    found = []
+    for name, doc in docstrings(path):
+        for match in MEASURED.finditer(doc):
+            figure = match.group(0)
+            if (relative, figure) in NOT_MEASURED or GOAL.search(doc[max(0, match.start() - 60):match.start()]):
+                continue
+            if figure.endswith("x") and re.search(r"\s[x*]\s", doc[match.start():match.end() + 3]):
+                continue
+            found.append(f"{relative} ({name}): {figure!r} in ...{doc[max(0, match.start() - 40):match.end() + 20]!r}")
+    return found
+
+
+def test_no_docstring_carries_a_measured_figure():
+    """Issue 74: docstrings say what and why; a time, a speed-up or the machine it was measured on lives in
+    docs/benchmarks.md with its command, machine and date, where it is re-measured (a docstring's copy goes stale)."""
+    found = []
+    for root in ("verl_dppo", "patches", "bench"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            found += measured_figures(path, str(path.relative_to(ROOT)))
+    assert not found, "measured figures in docstrings (move them to docs/benchmarks.md):\n" + "\n".join(found)
+
+
+def test_the_measured_figure_check_finds_one(tmp_path):
+    """The check itself: a docstring that quotes a timing, a ratio and a machine is caught; a goal and a setting are
+    not."""
+    path = tmp_path / "module.py"
+    path.write_text('"""The step took 2.2 ms on an H100, 1.4x faster.\n\nGoal: at most 1.05x. A size of 16 x 64."""\n')
+    found = measured_figures(path, "module.py")
+    assert [line.split(": ", 1)[1].split(" in ")[0] for line in found] == ["'2.2 ms'", "'H100'", "'1.4x'"]

@@ -25,8 +25,8 @@ def load() -> None:
 
     The loss modes go into verl's registry the moment verl imports it (`verl.trainer.ppo.core_algos`), not at
     `import verl`: nothing can look a mode up before that, and the processes of a run that never train (the rollout
-    router, the reward workers, the rollout server) are spared importing verl's trainer modules (about 1.5 s each on
-    a small CPU)."""
+    router, the reward workers, the rollout server) are spared importing verl's trainer modules (seconds of a
+    small CPU each)."""
     check_verl_version()
     from verl_dppo.patches import install
     from verl_dppo.patches._import_hook import when_imported

@@ -176,7 +176,8 @@ class CPUPlatform(PlatformBase):
         where the driver's environment sets it: a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (vLLM's default, 4, is a
         lot beside a CPU run's trainer), OpenMP threads left unbound (vLLM binds one thread per core by default,
         which a run sharing its cores with the trainer cannot afford), and TorchDynamo off: vLLM would compile two
-        sampler ops with inductor at the first log-probs request (12-25 s on 2 cores, for nothing in eager mode)."""
+        sampler ops with inductor at the first log-probs request (seconds of a small machine's cores, for nothing in
+        eager mode)."""
         defaults = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCHDYNAMO_DISABLE": "1"}
         return {name: os.environ.get(name, value) for name, value in defaults.items()}
 

@@ -1,5 +1,5 @@
 """Whether this process runs on the CPU platform: one environment variable, read without importing verl (vLLM's own
-processes ask it too, `patches.vllm_shm_broadcast`, where an `import verl` would cost 10 s at every engine start)."""
+processes ask it too, `patches.vllm_shm_broadcast`, where an `import verl` would cost seconds at every engine start)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
   One read of the row, with no reduction inside the loop: each lane keeps its own running max and its sum relative
   to it (one exp per element: exp(-|x - max|) rescales the sum when x is the lane's new max, else weighs x), and
   the lanes are combined once at the end (or the sum is taken relative to the given `row_max`: the
-  vocabulary-parallel path all-reduces the max first). 2.2 ms on an H100 at N = 16,384 x 151,936 bf16, one read
-  of the logits being 1.9 ms (docs/benchmarks.md); a first version with a max and a slot count reduced across the
-  block at every step took 8.2 ms, and 35 ms with TROLL's 130 excluded ids.
+  vocabulary-parallel path all-reduces the max first): close to the time of one read of the logits, where a first
+  version that reduced a max and a slot count across the block at every step took several times that, more with
+  TROLL's excluded ids (docs/benchmarks.md has the GPU figures).
 - `row_entropy(logits)`: the entropy of each row's softmax in one read, by the same kernel (per lane, also the sum of
   exp(s) s relative to the lane's max; the fused paths' entropy, where verl's `FusedLinearForPPO` returns one).
 - `max_sum_outside_and_entropy(logits, excluded)`: both of the above in one read of every row (the entropy is
@@ -23,7 +23,7 @@ arithmetic, without the row chunks' float32 copies and their dozens of small lau
   backward: one read, one write; `out` may be the logits themselves).
 - `top_threshold(logits, kth, rows=None)`: per row, the max and the (kth + 1)-th largest of the BLOCK lanes' own
   maxima (lane = column mod BLOCK), a lower bound of the row's (kth + 1)-th largest logit, found by bisection on the
-  float's bits (32 counts of the lanes; a sort of 1,024 lanes costs ~1 s a row under the interpreter).
+  float's bits (32 counts of the lanes; a sort of the block's lanes is far slower, under the interpreter most).
 - `sum_exp_below(logits, excluded, row_max, threshold, capacity, rows=None)`: per row, the ids at or above the
   threshold (their slots from an atomic counter: a handful per row, so no scan of each block) and the sum of
   exp(logit - max) over the other columns, less `excluded`. With `top_threshold`, pi's top K + 1 in two reads
@@ -66,13 +66,13 @@ vocabulary): small enough to stay in cache-friendly sizes, large enough that per
 
 GPU_CHUNK_SHARE = 1 / 32
 """On an accelerator the torch path's chunk is this share of the free memory, between CPU_CHUNK_BYTES and
-GPU_CHUNK_MAX: a GPU pays a launch per small op per chunk, so 8 MiB chunks of 13 rows cost 7-12x (an H100,
-docs/benchmarks.md), while 256 MiB got within 7% of 1 GiB there."""
+GPU_CHUNK_MAX: a GPU pays a launch per small op per chunk, so CPU-sized chunks cost it several times the time of
+large ones, and beyond GPU_CHUNK_MAX a larger chunk gains little (docs/benchmarks.md has the measured rows)."""
 
 GPU_CHUNK_MAX = 256 * 2**20
 
 _WARPS = 4
-"""Launch shape: the best of BLOCK 1,024-4,096 x 4-16 warps on an H100 (bench/kernel_sweep.py, docs/benchmarks.md)."""
+"""Launch shape: the best of the BLOCK x warps sweep (bench/kernel_sweep.py; its figures in docs/benchmarks.md)."""
 _SENTINEL = 2**62  # sorts after every column id; never equals one
 _BLOCK = 1024  # columns per step: 2 KiB of bf16 per load, 149 steps over Qwen3's 151,936-token vocabulary
 LANES = _BLOCK

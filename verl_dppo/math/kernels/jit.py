@@ -14,7 +14,7 @@ __all__ = ["build_kernels"]
 @functools.lru_cache(maxsize=None)
 def build_kernels():
     """The jitted kernels (max_and_sum_outside, scaled_exp, lane_threshold, below_threshold), built on first use
-    (importing Triton costs ~1 s; the torch path never pays it)."""
+    (importing Triton takes a noticeable time; the torch path never pays it)."""
     import triton
     import triton.language as tl
 

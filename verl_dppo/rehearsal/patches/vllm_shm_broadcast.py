@@ -6,14 +6,13 @@
 
 verl's vLLM server runs vLLM with `distributed_executor_backend="mp"`: the engine core process sends each step to
 its worker process, and waits for the reply, through these queues. A reader spins for a second after each read, and
-a decode step on a CPU takes about that long, so the engine core never goes idle while its worker computes: on
-SmolLM2 (bf16, 16 x 64 tokens with 20 log-probs, one OpenMP thread, the AVX2 machine) the worker used 62.5 s of CPU
-in 62.6 s and the engine core 44.9 s of a core beside it, taken from the trainer or another run on a machine with
-few cores (`python bench/vllm_spin.py` measures it: docs/benchmarks.md). Not 0: vLLM's notifications can be lost
-(shm_broadcast.py:64-67, "lost-notify recovery latency to ~5s"), and without any busy loop they were, in bursts of
-messages: the separate_async vLLM launch's weight pushes took 5.2-5.3 s in 2 and 3 of 5 steps of two runs (0.2 s
-as shipped); with 50 ms none did, and a step a worker computes for longer (a CPU decode step, about a second on
-SmolLM2) is waited for asleep: the engine core used 4.8 s of CPU in the run above. On a GPU the spin saves
+a decode step on a CPU takes about that long, so the engine core never goes idle while its worker computes: it
+burns most of a core beside the worker, taken from the trainer or another run on a machine with few cores
+(`python bench/vllm_spin.py` measures it; its figures, and the weight pushes below, in docs/benchmarks.md). Not 0:
+vLLM's notifications can be lost (shm_broadcast.py:64-67, "lost-notify recovery latency to ~5s"), and without any
+busy loop they were, in bursts of messages (the separate_async vLLM launch's weight pushes then waited out vLLM's
+recovery at some steps); with BUSY_LOOP_S none did, and a step a worker computes for longer (a CPU decode step) is
+waited for asleep. On a GPU the spin saves
 microseconds a step and the CPU it burns is not the accelerator's: off the CPU platform nothing is patched.
 
 vLLM spawns its engine core and workers from a Ray actor (`_maybe_force_spawn`), so a patch made in the server's

@@ -2,7 +2,8 @@
 
 The learner is fp32. The rollout engine holds a bf16 copy of the same weights, so mu != pi even with identical
 parameters: the paper's training-inference mismatch, produced here by real arithmetic rather than injected noise.
-This CPU has no bf16 matrix unit (true bf16 matmuls are 4-9x slower than fp32), so by default the copy *emulates*
+A CPU without a bf16 matrix unit runs true bf16 matmuls several times slower than fp32 (docs/demo.md), so by
+default the copy *emulates*
 bf16: weights rounded to bf16 and every module's output (each activation) rounded to bf16, with fp32
 accumulation inside the matmuls, which is what a GPU's bf16 tensor cores do. `rollout_precision="bf16"` runs
 true bf16 arithmetic instead, `"fp32"` removes the mismatch altogether.
