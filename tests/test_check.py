@@ -606,6 +606,21 @@ def test_the_summary_names_the_moe_arm_and_a_replay_on_a_dense_model_is_a_proble
                         f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
                         returned])
     assert any("names no routed experts: a dense model routes nothing" in p for p in verdict.problems), verdict.problems
+    # one rule for check, `run --dry-run` and the launch (check_run_config runs in each), on every engine
+    from omegaconf import OmegaConf
+
+    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
+
+    for strategy, section in (("megatron", "megatron"), ("veomni", "veomni"), ("fsdp", "fsdp_config")):
+        def run_config(path):
+            return OmegaConf.create({"trainer": {}, "algorithm": {}, "actor_rollout_ref": {
+                "model": {"path": str(path)}, "rollout": {"name": "vllm", "enable_rollout_routing_replay": True},
+                "actor": {"strategy": strategy, "policy_loss": {"loss_mode": "vanilla"},
+                          section: {"router_replay": {"mode": "R3"}}}}})
+
+        with pytest.raises(RunConfigError, match="names no routed experts: a dense model routes nothing"):
+            check_run_config(run_config(dense))
+        check_run_config(run_config(moe))
 
 
 def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):

@@ -201,8 +201,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     verdict.not_here += _missing_files(config)
     more_problems, more_warnings = command_findings(config)
     verdict.problems += more_problems
-    verdict.arm, arm_problem = moe_arm(config)
-    verdict.problems += [arm_problem] if arm_problem else []
+    verdict.arm = moe_arm(config)
     try:
         inherited, verdict.warnings = threshold_findings(config)
         verdict.problems += [inherited] if inherited else []

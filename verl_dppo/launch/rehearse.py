@@ -96,7 +96,8 @@ def rehearsal_shape(config: Any) -> Shape:
     on top of `rehearsal_overrides`, and the line naming what is kept and left out."""
     from omegaconf import OmegaConf
 
-    from verl_dppo.plugin.moe_arm import ENGINE_REPLAY, _model_experts
+    from verl_dppo.plugin.moe_arm import ENGINE_REPLAY
+    from verl_dppo.plugin.router_replay import model_experts
 
     def get(key: str, default: Any = None) -> Any:
         return OmegaConf.select(config, key, default=default)
@@ -141,7 +142,7 @@ def rehearsal_shape(config: Any) -> Shape:
     section = ENGINE_REPLAY.get(strategy)
     replay = str(get(f"{actor}.{section}.router_replay.mode", "disabled") or "disabled") if section else "disabled"
     returned = bool(get(f"{rollout}.enable_rollout_routing_replay", False))
-    experts = _model_experts(model)
+    experts = model_experts(model)
     if experts or replay != "disabled" or returned:
         ours.append("dppo.tiny_model.num_experts=4")
         routed = f"its {experts}" if experts else "its experts"

@@ -99,6 +99,33 @@ def config_experts(config: Any) -> int:
     return 0
 
 
+def model_config(path: str) -> Optional[dict]:
+    """A model's config.json (a local folder, or a hub id in the Hugging Face cache), None where it is not readable
+    here (a hub id not cached, a remote path, an unresolved interpolation): the one reader the run's checks and
+    `verl-dppo check`'s MoE arm share."""
+    import json
+    from pathlib import Path
+
+    local = Path(path).expanduser()
+    try:
+        if local.is_dir():
+            return json.loads((local / "config.json").read_text())
+        if not path or "://" in path or path.startswith(("/", ".", "~", "$")):
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+    except Exception:  # noqa: BLE001  (unreadable: nothing said)
+        return None
+
+
+def model_experts(path: str) -> Optional[int]:
+    """The routed experts a model's config.json names (0: dense), None where it is not readable here."""
+    config = model_config(path)
+    return None if config is None else config_experts(config)
+
+
 def no_router_problem(module: torch.nn.Module) -> str:
     """Why `module` has no router R3 replays: a dense model, or an MoE whose router class the plugin does not know."""
     config = getattr(module, "config", None)

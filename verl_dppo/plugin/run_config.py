@@ -169,17 +169,13 @@ R3_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen2_moe": "Qwen2MoeTopKR
 
 
 def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
-    """R3 on a model whose local config.json shows no router R3 replays: said before the launch, not at the first
-    micro-batch after the model load and the first rollout. Nothing where the config is not readable here."""
-    import json
-    from pathlib import Path
+    """R3 on FSDP on a model whose config.json (readable here) shows no router R3 replays: said before the launch,
+    not at the first micro-batch after the model load and the first rollout. Nothing where it is not readable here."""
+    from verl_dppo.plugin.router_replay import config_experts, model_config
 
-    from verl_dppo.plugin.router_replay import config_experts
-
-    try:
-        path = Path(str(config.actor_rollout_ref.model.get("path", ""))).expanduser()
-        model = json.loads((path / "config.json").read_text())
-    except Exception:  # a hub id, an unresolved interpolation, a folder not built yet: the worker checks
+    path = str(config.actor_rollout_ref.model.get("path", ""))
+    model = model_config(path)
+    if model is None:  # a hub id not cached, an unresolved interpolation, a folder not built yet: the worker checks
         return None
     kind = str(model.get("model_type", "?"))
     if not config_experts(model):
@@ -190,6 +186,23 @@ def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
                 f"does not replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers "
                 "it, or no R3.")
     return None
+
+
+def router_replay_model_problem(config: Any) -> str | None:
+    """A router replay on verl's Megatron or VeOmni engine (verl's R2/R3) on a model whose config.json (readable
+    here) names no routed experts: it would stop on the cluster, after the model load. On FSDP
+    `fsdp_router_replay_problem` says it (with the router types the plugin's replay knows). None otherwise."""
+    from verl_dppo.plugin.moe_arm import replay_mode
+    from verl_dppo.plugin.router_replay import model_experts
+
+    mode, section = replay_mode(config)
+    if mode == "disabled" or section in (None, "fsdp_config"):
+        return None
+    path = str(config.actor_rollout_ref.model.get("path", ""))
+    if model_experts(path) != 0:
+        return None
+    return (f"actor_rollout_ref.actor.{section}.router_replay.mode={mode}, but the model's config.json ({path}) names "
+            "no routed experts: a dense model routes nothing (drop the router replay settings)")
 
 
 def _check_ulysses_attention(config: Any) -> None:
@@ -253,7 +266,8 @@ def check_run_config(config: Any) -> list[str]:
         )
     _check_ulysses_attention(config)
     _check_lora_section(config)
-    problem = fsdp_router_replay_problem(config)  # the FSDP engine's replay acts whatever the loss mode
+    # a router replay acts whatever the loss mode: the plugin's on FSDP, verl's on Megatron and VeOmni
+    problem = fsdp_router_replay_problem(config) or router_replay_model_problem(config)
     if problem is not None:
         raise RunConfigError(f"{arr.actor.policy_loss.get('loss_mode', 'vanilla')}: {problem}")
     warnings += [warning for warning in [fsdp_router_replay_warning(config)] if warning]
