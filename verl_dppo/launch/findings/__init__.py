@@ -8,5 +8,7 @@
   complaints.
 
 The plugin's rules that the workers also enforce live in `verl_dppo.plugin.run_config` (one definition, read here
-and at run time) and `verl_dppo.plugin.moe_arm`.
+and at run time: the async trainers, the anchor, R3 and router replay on a model that routes nothing) and
+`verl_dppo.plugin.options` (each loss option's rule, which DPPOLossConfig and the loss apply);
+`verl_dppo.plugin.moe_arm` names the MoE arm the summary says.
 """
