@@ -6,7 +6,8 @@ Builds the mode's `DPPOLossConfig` (the paper's settings: delta on both sides, n
 micro-batch (as verl's FSDP engine hands it over), with a tracer on every line the plugin and its patches run
 (verl_dppo/, patches/). Prints the files in the order the walk first enters them, each with its length in lines, the
 total, and the returns: how often the walk comes back into a file it had left for another of the plugin's files
-(calls into torch or verl and back do not count). --trace prints the walk itself, one line per change of file.
+(calls into torch or verl and back do not count), and how many of those are distinct (a return from one function
+into another counted once, however often a loop repeats it). --trace prints the walk itself, one line per change of file.
 This is the figure docs/loss-modes.md and issue 74 quote: how many files, how many lines a reader opens to follow a
 mode, and how often the path doubles back.
 """
@@ -30,6 +31,8 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl_dppo import DPPOLossConfig  # noqa: E402
 
 OURS = tuple(str(ROOT / part) + "/" for part in ("verl_dppo", "patches"))
+FUNCTIONS: list[tuple[str, str]] = []
+"""(file, function) at each change of file, beside `walk`'s files: the distinct returns count each call site once."""
 
 
 def micro_batch():
@@ -50,6 +53,7 @@ def walk(mode: str, delta: float) -> list[str]:
             name = frame.f_code.co_filename
             if not visits or visits[-1] != name:
                 visits.append(name)
+                FUNCTIONS.append((name, frame.f_code.co_name))
         return local
 
     def tracer(frame, event, arg):
@@ -86,7 +90,13 @@ def main() -> None:
         lines = len(Path(name).read_text().splitlines())
         total += lines
         print(f"{lines:6d}  {Path(name).relative_to(ROOT)}  (entered {visits.count(name)}x)")
-    print(f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left")
+    seen, distinct = set(), set()
+    for (left, left_fn), (into, into_fn) in zip(FUNCTIONS, FUNCTIONS[1:]):
+        if into in seen:
+            distinct.add((left, left_fn, into, into_fn))
+        seen.add(left)
+    print(f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left "
+          f"({len(distinct)} distinct: a call site counted once however often a loop makes it)")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class DPPOLossConfig(PolicyLossConfig):
 
     ipo_tau: float = DEFAULTS["ipo_tau"]
     """IPO (prime-rl): weight tau of the penalty tau * (log pi/mu)^2 on every valid token; 0 = off (prime-rl's
-    default). Only read by the ipo mode (`verl_dppo.plugin.ipo_mode`, which checks it)."""
+    default). Only read by the ipo mode (`verl_dppo.plugin.ipo_mode`)."""
 
     max_off_policy_threshold: Optional[int] = None
     """verl's `trainer.v1.sampler.max_off_policy_threshold` T, copied here (the actor never sees the trainer's
