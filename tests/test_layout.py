@@ -291,3 +291,46 @@ def test_the_package_declares_its_license_and_ships_the_text():
     assert "LICENSE" in (metadata.get_all("License-File") or [])
     text = (Path(__file__).resolve().parent.parent / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def _mode_name_comparisons(tree: ast.AST, names: set[str]) -> list[str]:
+    """`<...mode...> == "troll"`, `mode in ("dppo_topk_tv", ...)`, `loss_mode.startswith("dppo_")`: a mode's fact
+    read off its name, where one side names a mode (an identifier with the word "mode" in it: `loss_mode`)."""
+
+    def about_a_mode(node: ast.AST) -> bool:
+        last = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        return "mode" in last.split("_")
+
+    def constants(node: ast.AST) -> set[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {item.value for item in items if isinstance(item, ast.Constant) and isinstance(item.value, str)}
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(about_a_mode(side) for side in sides) and set().union(*map(constants, sides)) & names:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in {"startswith", "endswith"} and about_a_mode(node.func.value)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_mode_is_asked_about_by_its_name_outside_the_registry():
+    """Issue 74: a mode's facts (family, measure, K, its logits hook) are asked of the registry
+    (`verl_dppo.plugin.modes`), not read off its name; only the registry, the modes' own modules and the command
+    line's parsing compare a mode with a name. The check finds such a comparison where one is written."""
+    from verl_dppo.plugin.modes import loss_modes
+
+    names = {mode.name for mode in loss_modes()}
+    planted = ast.parse('if method.loss_mode == "troll" or loss_mode.endswith("_kl"):\n    pass\n')
+    assert len(_mode_name_comparisons(planted, names)) == 2
+    allowed = {"verl_dppo.plugin.modes", "verl_dppo.cli"}
+    found = {}
+    for name, path in modules().items():
+        if name in allowed or name.startswith("verl_dppo.cli.") or name.endswith("_mode"):
+            continue
+        if hits := _mode_name_comparisons(ast.parse(path.read_text()), names):
+            found[name] = hits
+    assert not found, found

@@ -160,6 +160,8 @@ def train_method(
     from verl.utils.metric import Metric, reduce_metrics
     from verl.utils.tracking import Tracking
 
+    from verl_dppo.plugin.modes import logits_hook
+
     if not getattr(verl_losses.ppo_loss, "__verl_dppo_wrapped__", False):
         raise RuntimeError("verl's ppo_loss is not the verl-dppo wrapper after `import verl`: run `verl-dppo doctor`")
     start = time.perf_counter()
@@ -257,7 +259,7 @@ def train_method(
                     log_probs.retain_grad()
                     log_probs_nnz = to_no_padding(log_probs, attention_mask[rows])
                     model_output = {"log_probs": log_probs_nnz, "entropy": to_no_padding(entropy, attention_mask[rows])}
-                    if method.loss_mode == "troll":
+                    if logits_hook(method.loss_mode) == "troll":  # TROLL's terms from the logits
                         model_output.update(troll_terms(config, logits, responses[rows], response_mask[rows],
                                                         rollout_log_probs[rows], topk_ids[rows],
                                                         topk_log_probs[rows], attention_mask[rows]))
