@@ -19,12 +19,16 @@ after `import verl` has loaded this plugin, so they pick up the wrapper. Modules
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable
 
 import torch
 
+from verl_dppo.plugin import mismatch_dump, router_replay
 from verl_dppo.plugin.extras import DPPO_MODES, BatchExtras, bind_extras
+from verl_dppo.plugin.metrics import finalize_metrics, ratios
+from verl_dppo.plugin.staleness import sample_lags
 
 __all__ = ["install", "is_installed"]
 
@@ -66,8 +70,6 @@ def _extract(model_output: Any, data: Any) -> BatchExtras:
         rows = data[TOPK_LOGPROBS]
         mass = rows.values().float().exp().sum(-1).split(rows.offsets().diff().tolist())
         extras.topk_mass = torch.nn.utils.rnn.pad_sequence(mass, batch_first=True)  # padded like old_log_probs
-    from verl_dppo.plugin.staleness import sample_lags
-
     extras.lags = sample_lags(data)
     return extras
 
@@ -86,14 +88,14 @@ def _wrap(original: Callable) -> Callable:
             return original(config, model_output, data, dp_group)
         with bind_extras(_extract(model_output, data)) as extras:
             loss, metrics = original(config, model_output, data, dp_group)
-        from verl_dppo.plugin.mismatch_dump import dump
-
-        dump(model_output, data, extras)  # `verl-dppo mismatch` only (its environment variable)
-        from verl_dppo.plugin.metrics import finalize_metrics, ratio_of
-        from verl_dppo.plugin.router_replay import ratio_parts as r3_parts
-
-        replay = r3_parts()  # R3 on the FSDP engine: what the routers of this micro-batch's forward replayed
-        metrics.update({name: ratio_of(*part) for name, part in replay.items()})
+        # What follows is off in a plain run (the reader of a loss mode can skip it): the tokens `verl-dppo mismatch`
+        # measures, written where its environment variable names a folder, and R3's counts on the FSDP engine, there
+        # when the routers of this micro-batch's forward were armed to replay the rollout's routes.
+        folder = os.environ.get(mismatch_dump.ENV)
+        if folder:
+            mismatch_dump.dump(folder, model_output, data, extras)
+        replay = router_replay.ratio_parts() if router_replay.ARMED[0] else {}
+        metrics.update(ratios(replay))
         return loss, finalize_metrics(metrics, {**(extras.ratio_parts or {}), **replay})
 
     setattr(ppo_loss, _WRAPPED_MARK, True)

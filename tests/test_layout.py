@@ -334,3 +334,29 @@ def test_no_mode_is_asked_about_by_its_name_outside_the_registry():
         if hits := _mode_name_comparisons(ast.parse(path.read_text()), names):
             found[name] = hits
     assert not found, found
+
+
+def test_the_walk_of_a_plain_loss_call_enters_no_module_of_a_feature_that_is_off(tmp_path, monkeypatch):
+    """Issue 74: a reader follows `dppo_binary_tv` from the config to the masked loss (`bench/loss_walk.py`'s walk of
+    one `ppo_loss` call) without R3's module or `verl-dppo mismatch`'s dump, which a plain run leaves off, and without
+    the import hook (the `ppo_loss` wrapper imports what it calls when it is installed). With both on, the same walk
+    enters them: the assertion can fail."""
+    import importlib.util
+
+    from verl_dppo.plugin import mismatch_dump, router_replay
+
+    spec = importlib.util.spec_from_file_location("loss_walk", REPO / "bench" / "loss_walk.py")
+    loss_walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_walk)
+    off = {"router_replay.py", "mismatch_dump.py", "_import_hook.py"}
+    plain = {Path(name).name for name in loss_walk.walk("dppo_binary_tv", 0.15)}
+    assert {"losses.py", "binary_mode.py", "trust_region.py"} <= plain and not plain & off, sorted(plain)
+
+    monkeypatch.setenv(mismatch_dump.ENV, str(tmp_path))
+    router_replay.ARMED[0] = True
+    try:
+        both_on = {Path(name).name for name in loss_walk.walk("dppo_binary_tv", 0.15)}
+    finally:
+        router_replay.ARMED[0] = False
+    assert {"router_replay.py", "mismatch_dump.py"} <= both_on, sorted(both_on)
+    assert list(tmp_path.glob("tokens-*.pt"))

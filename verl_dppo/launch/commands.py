@@ -161,7 +161,7 @@ def threshold_findings(config) -> tuple[Optional[str], list[str]]:
     """(the thresholds a DPPO mode inherits from verl's ratio clip outside every value the paper and the recipes use,
     or None; the warnings on the thresholds in effect), from the values the actor will use. `verl-dppo check` counts
     the first as a problem."""
-    from verl_dppo.plugin.config import resolve_options
+    from verl_dppo.plugin.options import resolve_options
     from verl_dppo.plugin.paper_settings import (inherited_out_of_range_problem, inherited_thresholds_warning,
                                                  tv_threshold_warning, unusual_thresholds_warning)
     from verl_dppo.plugin.modes import mode_named

@@ -1,29 +1,25 @@
-"""`DPPOLossConfig`: the typed options of the DPPO loss family, and how a run's config resolves to values.
+"""`DPPOLossConfig`: the typed options of the DPPO loss family, as verl's config system takes them.
 
 Select it with `actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig` and set its fields with a
 `+` prefix (`+actor_rollout_ref.actor.policy_loss.delta_low=0.15`): verl 0.9.1's YAML has no such keys, and the
 subclass is how its `validate_config` and dataclass conversion accept them.
 
 Unset fields follow verl's own convention (so a script written for verl's `dppo_tv` switches over by renaming
-the mode): thresholds from `actor.clip_ratio_low` / `clip_ratio_high`, the cap from `actor.clip_ratio_c`.
+the mode): thresholds from `actor.clip_ratio_low` / `clip_ratio_high`, the cap from `actor.clip_ratio_c`. How a run's
+config resolves to the values a loss call uses (`resolve_options`, `ResolvedOptions`) is `verl_dppo.plugin.options`'s,
+beside each option's rule; they are named here too, where a reader of the config looks for them.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from verl.workers.config import PolicyLossConfig
 
-from verl_dppo.plugin.options import DEFAULTS, RULES, checked, read_key
+from verl_dppo.plugin.options import DEFAULTS, FALLBACK_KEYS, RULES, ResolvedOptions, checked_fields, resolve_options
 
 __all__ = ["DPPOLossConfig", "FALLBACK_KEYS", "ResolvedOptions", "resolve_options"]
-
-logger = logging.getLogger("verl_dppo")
-
-FALLBACK_KEYS = {"delta_low": "clip_ratio_low", "delta_high": "clip_ratio_high", "ratio_cap": "clip_ratio_c"}
-"""Each option left unset -> the actor key of verl's whose value it takes (verl's own `dppo_tv` convention)."""
 
 
 @dataclass
@@ -80,79 +76,5 @@ class DPPOLossConfig(PolicyLossConfig):
 
     def __post_init__(self):
         # Each field converted and checked by its one rule (verl_dppo.plugin.options), as resolve_options reads it.
-        for name in RULES:
-            object.__setattr__(self, name, checked(name, getattr(self, name)))
-
-
-@dataclass(frozen=True)
-class ResolvedOptions:
-    """The values a loss call actually uses, after verl's fallbacks."""
-
-    delta_low: float
-    delta_high: float
-    ratio_cap: float
-    anchor: str
-    relax_below: float
-    relax_side: str
-    topk: Optional[int]  # None: the mode's default (topk_mode.configured_topk)
-    max_off_policy_threshold: Optional[int]  # None: over-threshold samples not counted
-    sources: tuple[str, ...]  # which values came from verl's clip_ratio_* fallbacks
-
-    def inherited(self) -> dict[str, str]:
-        """Option -> the verl key its value came from, for the options left unset ({"delta_low": "clip_ratio_low"})."""
-        keys = {source.split("=", 1)[0] for source in self.sources}
-        return {name: key for name, key in FALLBACK_KEYS.items() if key in keys}
-
-    def describe(self, topk: Optional[int] = None) -> str:
-        """The values in effect, key=value; K only where given (the modes that read it: a binary mode's line does not
-        show the recipes' `topk: 20`, which it never reads)."""
-        text = (
-            f"delta_low={self.delta_low:g} delta_high={self.delta_high:g} ratio_cap={self.ratio_cap:g} "
-            f"anchor={self.anchor} relax_below={self.relax_below:g} relax_side={self.relax_side}"
-        )
-        if topk is not None:
-            text += f" topk={topk}"
-        if self.sources:
-            text += " (from verl's " + ", ".join(self.sources) + ")"
-        return text
-
-
-def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOptions:
-    """Resolve the options in effect from an actor config (verl's `ActorConfig` or a DictConfig/dict), each checked
-    by its rule (`verl_dppo.plugin.options.checked`) whichever config class carried it.
-
-    `uses_divergence_thresholds` is False for `grpo_clip`, which always takes its eps from clip_ratio_low/high.
-    """
-    if config is None:
-        raise ValueError("DPPO losses need the actor config (verl passes config=ActorConfig); got config=None")
-    policy_loss = read_key(config, "policy_loss", None)
-    clip_ratio = read_key(config, "clip_ratio", 0.2)
-    sources = []
-
-    def fallback(field: str, verl_default: float) -> float:
-        value = read_key(policy_loss, field, None) if uses_divergence_thresholds or field == "ratio_cap" else None
-        if value is not None:
-            return checked(field, value)
-        verl_key = FALLBACK_KEYS[field]
-        verl_value = read_key(config, verl_key, None)
-        if verl_value is None:
-            verl_value = verl_default
-        value = checked(field, verl_value, source=f"actor.{verl_key}")
-        sources.append(f"{verl_key}={value:g}")
-        return value
-
-    def own(field: str) -> Any:
-        value = checked(field, read_key(policy_loss, field, None))
-        return DEFAULTS.get(field) if value is None else value
-
-    return ResolvedOptions(
-        delta_low=fallback("delta_low", clip_ratio),
-        delta_high=fallback("delta_high", clip_ratio),
-        ratio_cap=fallback("ratio_cap", 3.0),
-        anchor=own("anchor"),
-        relax_below=own("relax_below"),
-        relax_side=own("relax_side"),
-        topk=own("topk"),
-        max_off_policy_threshold=own("max_off_policy_threshold"),
-        sources=tuple(sources),
-    )
+        for name, value in checked_fields({name: getattr(self, name) for name in RULES}).items():
+            object.__setattr__(self, name, value)

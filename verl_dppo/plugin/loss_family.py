@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl_dppo.math.trust_region import trust_region_blocked
+from verl_dppo.plugin.options import resolve_options
 
 __all__ = ["LossMode", "LossFamily", "Tokens"]
 
@@ -103,8 +104,6 @@ class LossFamily:
 
     def options(self, mode: LossMode, config: Any) -> tuple[Any, Any, str]:
         """(the shared ResolvedOptions, the family's own options or None, the "in effect" description)."""
-        from verl_dppo.plugin.config import resolve_options  # verl's config classes: only where a loss runs
-
         options = resolve_options(config, mode.uses_divergence_thresholds)
         return options, None, options.describe()
 

@@ -29,7 +29,7 @@ from verl_dppo.plugin.paper_settings import inherited_thresholds_warning, tv_thr
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.log_once import warn_once
 from verl_dppo.plugin.loss_family import LossMode, Tokens
-from verl_dppo.plugin.metrics import ratio_of
+from verl_dppo.plugin.metrics import ratios
 from verl_dppo.plugin.modes import loss_modes
 from verl_dppo.plugin.staleness import OVER_THRESHOLD, staleness_parts, staleness_sums
 
@@ -98,7 +98,7 @@ def dppo_policy_loss(
                                         extras)
     own = {**family.metrics(tokens), **_rows_mass(family, extras, valid)}
     ratio_parts.update(own)
-    metrics.update({name: ratio_of(*part) for name, part in own.items()})
+    metrics.update(ratios(own))
     if extras is not None:
         # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
         # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
@@ -275,7 +275,7 @@ def _diagnostics(tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor,
             warn_once("over_threshold", f"some samples are {threshold}+ policy versions older than the trainer "
                        f"(policy_loss.max_off_policy_threshold={threshold}): older than verl's replay buffer keeps; "
                        f"counted in {OVER_THRESHOLD}.")
-    metrics = {name: ratio_of(*part) for name, part in parts.items()}
+    metrics = ratios(parts)
     metrics["actor/dppo/mismatch_tv_max"] = tv_max
     return metrics, parts
 

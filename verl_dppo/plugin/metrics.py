@@ -18,7 +18,7 @@ from typing import Any
 
 from verl.utils.metric import AggregationType, Metric
 
-__all__ = ["RatioMetric", "ratio_of", "finalize_metrics", "exact_ratio_metrics", "MAX_METRICS"]
+__all__ = ["RatioMetric", "ratio_of", "ratios", "finalize_metrics", "exact_ratio_metrics", "MAX_METRICS"]
 
 MAX_METRICS = ("actor/dppo/mismatch_tv_max",)
 """Maxima over tokens: verl would average them over micro-batches unless given MAX aggregation."""
@@ -27,6 +27,11 @@ MAX_METRICS = ("actor/dppo/mismatch_tv_max",)
 def ratio_of(numerator: float, denominator: float) -> float:
     """numerator / denominator, 0 when nothing was counted (no token of the kind)."""
     return numerator / denominator if denominator > 0 else 0.0
+
+
+def ratios(parts: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each (numerator, denominator) of `parts` as its `ratio_of`: a micro-batch's metric values."""
+    return {name: ratio_of(numerator, denominator) for name, (numerator, denominator) in parts.items()}
 
 
 class RatioMetric(Metric):

@@ -23,9 +23,9 @@ ENV = "VERL_DPPO_MISMATCH_DUMP"
 _COUNTER = itertools.count()
 
 
-def dump(model_output: Any, data: Any, extras: Any) -> None:
-    folder = os.environ.get(ENV)
-    if not folder or extras.rollout_log_probs is None:
+def dump(folder: str, model_output: Any, data: Any, extras: Any) -> None:
+    """Append one micro-batch's tokens to `folder` (the value of `ENV`); nothing where it has no rollout log-probs."""
+    if extras.rollout_log_probs is None:
         return
     from verl.workers.utils.padding import no_padding_2_padding
 

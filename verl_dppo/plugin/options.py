@@ -1,6 +1,7 @@
 """Every option of the DPPO loss family checked in one place: its rule, its default, and how it is read.
 
-`checked(name, value)` is the one definition of what `policy_loss.<name>` accepts. `DPPOLossConfig.__post_init__`
+`checked(name, value)` is the one definition of what `policy_loss.<name>` accepts, and `resolve_options` how a run's
+config resolves to the values a loss call uses (`ResolvedOptions`). `DPPOLossConfig.__post_init__`
 calls it for each field it holds, `resolve_options` for each value a run's config gives (a `DPPOLossConfig`, a plain
 `PolicyLossConfig` or a DictConfig, and verl's `clip_ratio_*` where an option is unset), the families for their own
 options (TROLL's, IPO's); `verl-dppo check` reaches the same rules through them. A new option is one row of `RULES`.
@@ -11,11 +12,13 @@ verl-free, as the registry is: the studies and the command line read the default
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
 from verl_dppo.math.trust_region import RELAX_SIDES
 
-__all__ = ["ANCHORS", "DEFAULTS", "RULES", "checked", "policy_loss_get", "read_key"]
+__all__ = ["ANCHORS", "DEFAULTS", "FALLBACK_KEYS", "RULES", "ResolvedOptions", "checked", "checked_fields",
+           "policy_loss_get", "read_key", "resolve_options"]
 
 ANCHORS = ("rollout", "recompute")
 
@@ -29,7 +32,10 @@ DEFAULTS: dict[str, Any] = {
     "ipo_tau": 0.0,  # prime-rl's default: no log-ratio penalty
 }
 """The value an option takes when a run leaves it unset (the thresholds and the cap fall back to verl's keys
-instead: `verl_dppo.plugin.config.FALLBACK_KEYS`; topk to the mode's K, `LossMode.default_topk`)."""
+instead: `FALLBACK_KEYS`; topk to the mode's K, `LossMode.default_topk`)."""
+
+FALLBACK_KEYS = {"delta_low": "clip_ratio_low", "delta_high": "clip_ratio_high", "ratio_cap": "clip_ratio_c"}
+"""Each option left unset -> the actor key of verl's whose value it takes (verl's own `dppo_tv` convention)."""
 
 
 def _finite_at_least_0(value: float) -> bool:
@@ -82,6 +88,11 @@ def checked(name: str, value: Any, source: Optional[str] = None) -> Any:
     return value
 
 
+def checked_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """Each of `values` (option name -> value) converted and checked by its rule, as `checked` does one."""
+    return {name: checked(name, value) for name, value in values.items()}
+
+
 def _to_float(where: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{where} must be a number, got {value!r}")
@@ -110,3 +121,66 @@ def read_key(config: Any, key: str, default: Any = None) -> Any:
 def policy_loss_get(config: Any, key: str, default: Any = None) -> Any:
     """`policy_loss.<key>` of an actor config (verl's `ActorConfig`, a DictConfig or a dict)."""
     return read_key(read_key(config, "policy_loss", None), key, default)
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """The values a loss call actually uses, after verl's fallbacks."""
+
+    delta_low: float
+    delta_high: float
+    ratio_cap: float
+    anchor: str
+    relax_below: float
+    relax_side: str
+    topk: Optional[int]  # None: the mode's default (topk_mode.configured_topk)
+    max_off_policy_threshold: Optional[int]  # None: over-threshold samples not counted
+    sources: tuple[str, ...]  # which values came from verl's clip_ratio_* fallbacks
+
+    def inherited(self) -> dict[str, str]:
+        """Option -> the verl key its value came from, for the options left unset ({"delta_low": "clip_ratio_low"})."""
+        keys = {source.split("=", 1)[0] for source in self.sources}
+        return {name: key for name, key in FALLBACK_KEYS.items() if key in keys}
+
+    def describe(self, topk: Optional[int] = None) -> str:
+        """The values in effect, key=value; K only where given (the modes that read it: a binary mode's line does not
+        show the recipes' `topk: 20`, which it never reads)."""
+        text = (
+            f"delta_low={self.delta_low:g} delta_high={self.delta_high:g} ratio_cap={self.ratio_cap:g} "
+            f"anchor={self.anchor} relax_below={self.relax_below:g} relax_side={self.relax_side}"
+        )
+        if topk is not None:
+            text += f" topk={topk}"
+        if self.sources:
+            text += " (from verl's " + ", ".join(self.sources) + ")"
+        return text
+
+
+_SHARED = tuple(field.name for field in fields(ResolvedOptions) if field.name != "sources")
+"""The options every mode reads (the families read their own, TROLL's and IPO's, with `checked`)."""
+
+
+def resolve_options(config: Any, uses_divergence_thresholds: bool) -> ResolvedOptions:
+    """Resolve the options in effect from an actor config (verl's `ActorConfig` or a DictConfig/dict), each checked
+    by its rule (`checked`) whichever config class carried it.
+
+    `uses_divergence_thresholds` is False for `grpo_clip`, which always takes its eps from clip_ratio_low/high.
+    """
+    if config is None:
+        raise ValueError("DPPO losses need the actor config (verl passes config=ActorConfig); got config=None")
+    policy_loss = read_key(config, "policy_loss", None)
+    values = checked_fields({name: read_key(policy_loss, name, None) for name in _SHARED})
+    if not uses_divergence_thresholds:
+        values["delta_low"] = values["delta_high"] = None
+    sources = []
+    for name, verl_key in FALLBACK_KEYS.items():  # an option left unset takes verl's value (`dppo_tv`'s convention)
+        if values[name] is None:
+            verl_value = read_key(config, verl_key, None)
+            if verl_value is None:
+                verl_value = 3.0 if name == "ratio_cap" else read_key(config, "clip_ratio", 0.2)
+            values[name] = checked(name, verl_value, source=f"actor.{verl_key}")
+            sources.append(f"{verl_key}={values[name]:g}")
+    for name, value in values.items():
+        if value is None:
+            values[name] = DEFAULTS.get(name)
+    return ResolvedOptions(**values, sources=tuple(sources))

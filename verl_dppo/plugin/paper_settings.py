@@ -2,7 +2,7 @@
 problems `verl-dppo check` reports (a GRPO command switched by its loss_mode line alone inherits PPO's eps).
 
 Each mode's paper threshold and what it measures come from its registry entry (`verl_dppo.plugin.modes`); the options
-are `verl_dppo.plugin.config.ResolvedOptions`. Modes without a paper threshold (grpo_clip, pg_is, troll, ipo) get
+are `verl_dppo.plugin.options.ResolvedOptions`. Modes without a paper threshold (grpo_clip, pg_is, troll, ipo) get
 none of these lines.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from verl_dppo.plugin.modes import mode_named
 
 if TYPE_CHECKING:
-    from verl_dppo.plugin.config import ResolvedOptions
+    from verl_dppo.plugin.options import ResolvedOptions
 
 __all__ = ["CAP_RANGE", "PAPER_RANGE", "inherited_out_of_range_problem", "inherited_thresholds_warning",
            "tv_threshold_warning", "unusual_thresholds_warning"]

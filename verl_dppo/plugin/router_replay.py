@@ -42,8 +42,8 @@ import torch
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["ROUTER_CLASSES", "FIT_FLOOR", "RouterReplayError", "arm", "begin_counting", "count_rows", "routers_of",
-           "replaying_forward", "route_fit", "take_counts", "ratio_parts"]
+__all__ = ["ARMED", "ROUTER_CLASSES", "FIT_FLOOR", "RouterReplayError", "arm", "begin_counting", "count_rows",
+           "routers_of", "replaying_forward", "route_fit", "take_counts", "ratio_parts"]
 
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
 """transformers' MoE router classes R3 replays on (one `forward(hidden) -> (logits, weights, experts)` each)."""
@@ -59,7 +59,9 @@ _COUNTS: dict[str, Any] = dict(_ZERO)
 and rows that carry a valid one; of those, rows whose experts handed on were exactly the route's, rows the router's
 own top-k would have routed otherwise, and the route fit's numerator and denominator (`route_fit`). Tensors on the
 model's device until read: no wait for the GPU per layer."""
-_ARMED = [False]
+ARMED = [False]
+"""True from `begin_counting(armed=True)` on: this micro-batch's routers replay routes, and `ratio_parts` has counts
+(the `ppo_loss` wrapper asks for them only then)."""
 _GENERATION = [0]
 
 
@@ -177,7 +179,7 @@ def begin_counting(armed: bool = True) -> None:
     """Start a micro-batch's counts (`arm` calls it; the Megatron engine's replay hook too)."""
     _GENERATION[0] += 1
     _COUNTS.update(_ZERO)
-    _ARMED[0] = armed
+    ARMED[0] = armed
 
 
 def route_fit(routes: torch.Tensor, has_route: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -262,7 +264,7 @@ def take_counts() -> dict[str, float]:
 def ratio_parts() -> dict[str, tuple[float, float]]:
     """The loss's R3 metrics as (numerator, denominator) pairs (verl_dppo.plugin.metrics.RatioMetric), {} where no
     router was armed for this micro-batch. R3 armed but acting on no row is an error, not a quiet 0."""
-    if not _ARMED[0]:
+    if not ARMED[0]:
         return {}
     counts = take_counts()
     if counts["marked"] > 0 and counts["with_route"] == 0:

@@ -87,7 +87,7 @@ def thresholds(setup: str, config_dir: list, overrides: Sequence[str] = ()) -> d
     delta given on the command line counts): (eps_low, eps_high) for the ratio clip, (delta_low, delta_high) for
     the DPPO modes, read from the composed recipes."""
     from verl_dppo.launch.compose import compose_recipe
-    from verl_dppo.plugin.config import resolve_options
+    from verl_dppo.plugin.options import resolve_options
 
     found = {}
     for method in METHODS:
