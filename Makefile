@@ -48,8 +48,10 @@ study: $(STAMP)
 # alone would leave one of these two cores idle; then the e2e tiers, one after another, each running its launches in
 # two lanes of its own. Both phases run; the exit status fails if either failed.
 test: $(STAMP)
-	# The linter first (ruff.toml: pyflakes and pycodestyle's errors, 120 columns), then the two tiers.
+	# The linter and the formatter's check first (ruff.toml: pyflakes and pycodestyle's errors, 120 columns; the
+	# code as `ruff format` writes it), then the two tiers.
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not e2e" tests; unit=$$?; \
 	$(PY) -m pytest -q --durations=15 -m e2e tests; e2e=$$?; \
 	test $$unit -eq 0 && test $$e2e -eq 0

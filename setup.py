@@ -12,8 +12,15 @@ setup(
     # recipes/ (Hydra configs) and patches/ (the runtime patches of verl) live at the top of the checkout and
     # install inside the package, as verl_dppo.recipes and verl_dppo.patches.
     packages=find_packages(include=["verl_dppo", "verl_dppo.*"])
-    + ["verl_dppo.recipes", "verl_dppo.recipes.setup", "verl_dppo.recipes.method", "verl_dppo.recipes.trainer_mode",
-       "verl_dppo.recipes.engine_family", "verl_dppo.recipes.engine_settings", "verl_dppo.patches"],
+    + [
+        "verl_dppo.recipes",
+        "verl_dppo.recipes.setup",
+        "verl_dppo.recipes.method",
+        "verl_dppo.recipes.trainer_mode",
+        "verl_dppo.recipes.engine_family",
+        "verl_dppo.recipes.engine_settings",
+        "verl_dppo.patches",
+    ],
     package_dir={"verl_dppo.recipes": "recipes", "verl_dppo.patches": "patches"},
     package_data={
         "verl_dppo.rehearsal": ["isa_site/sitecustomize.py"],

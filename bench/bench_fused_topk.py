@@ -81,8 +81,9 @@ def make_inputs(args, device: torch.device) -> dict:
         sampled_lp[s : s + 512] = mu.gather(1, sampled[s : s + 512, None]).squeeze(1)
         del logits, mu
     advantages = torch.randn(args.t, generator=gen).to(device)
-    return dict(hidden=hidden, weight=weight, ids=ids, lps=lps, sampled=sampled, sampled_lp=sampled_lp,
-                advantages=advantages)
+    return dict(
+        hidden=hidden, weight=weight, ids=ids, lps=lps, sampled=sampled, sampled_lp=sampled_lp, advantages=advantages
+    )
 
 
 def step_fn(method: str, x: dict):
@@ -203,8 +204,13 @@ def run_child(args) -> dict:
     times = [timed() for _ in range(args.repeats)] or [first]
     # On a shared CPU the process's CPU time is the step's cost; the wall time also counts the other processes.
     clock = 0 if device.type == "cuda" else 1
-    return {"extra_peak_MiB": memory.extra / 2**20, "median_s": statistics.median(t[clock] for t in times),
-            "wall_s": [t[0] for t in times], "cpu_s": [t[1] for t in times], **stats}
+    return {
+        "extra_peak_MiB": memory.extra / 2**20,
+        "median_s": statistics.median(t[clock] for t in times),
+        "wall_s": [t[0] for t in times],
+        "cpu_s": [t[1] for t in times],
+        **stats,
+    }
 
 
 def hbm_bandwidth(device: torch.device) -> float:
@@ -229,8 +235,9 @@ def main() -> None:
     parser.add_argument("--v", type=int, default=151_936)
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--noise", type=float, default=0.5, help="std of the noise between pi's and mu's logits")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="timed steps after the memory step (0: time the memory step)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed steps after the memory step (0: time the memory step)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--rounds", type=int, default=1, help="children per method, the methods interleaved")
@@ -250,30 +257,40 @@ def main() -> None:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed memory leaves the RSS: its high-water mark is the live peak
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "T": args.t, "H": args.h, "V": args.v, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "T": args.t,
+        "H": args.h,
+        "V": args.v,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
     }
     rounds: dict[str, list] = {}
     for _ in range(max(args.rounds, 1)):
         for method in args.methods.split(","):
-            child = subprocess.run([sys.executable, *sys.argv, "--method", method], env=env, capture_output=True,
-                                   text=True)
+            child = subprocess.run(
+                [sys.executable, *sys.argv, "--method", method], env=env, capture_output=True, text=True
+            )
             if child.returncode != 0:
                 raise SystemExit(f"{method} failed:\n{child.stderr[-4000:]}")
             row = json.loads(child.stdout.strip().splitlines()[-1])
             rounds.setdefault(method, []).append(row)
             print(f"{method}: {json.dumps(row)}", file=sys.stderr, flush=True)
     for method, rows in rounds.items():
-        result[method] = dict(rows[0], median_s=statistics.median(r["median_s"] for r in rows),
-                              extra_peak_MiB=statistics.median(r["extra_peak_MiB"] for r in rows),
-                              rounds_median_s=[r["median_s"] for r in rows])
+        result[method] = dict(
+            rows[0],
+            median_s=statistics.median(r["median_s"] for r in rows),
+            extra_peak_MiB=statistics.median(r["extra_peak_MiB"] for r in rows),
+            rounds_median_s=[r["median_s"] for r in rows],
+        )
     if "unfused_binary_verl" in rounds and "unfused_binary_plugin" in rounds:
         verl_rows, plugin_rows = rounds["unfused_binary_verl"], rounds["unfused_binary_plugin"]
         plugin = result["unfused_binary_plugin"]
         plugin["time_x_unfused_binary_verl_per_round"] = [
-            p["median_s"] / v["median_s"] for p, v in zip(plugin_rows, verl_rows)]
+            p["median_s"] / v["median_s"] for p, v in zip(plugin_rows, verl_rows)
+        ]
         plugin["time_x_unfused_binary_verl"] = plugin["median_s"] / result["unfused_binary_verl"]["median_s"]
-        plugin["peak_x_unfused_binary_verl"] = (plugin["extra_peak_MiB"]
-                                                / result["unfused_binary_verl"]["extra_peak_MiB"])
+        plugin["peak_x_unfused_binary_verl"] = (
+            plugin["extra_peak_MiB"] / result["unfused_binary_verl"]["extra_peak_MiB"]
+        )
     for method in ("fused_topk", "fused_troll", "fused_binary_plugin"):
         row = result.get(method)
         if row is None:

@@ -24,9 +24,13 @@ MODES = ("vanilla", "dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is")
 
 
 def make_config(mode: str) -> ActorConfig:
-    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_high=0.28,
-                       policy_loss=DPPOLossConfig(loss_mode=mode, delta_low=0.15, delta_high=0.15,
-                                                  ratio_cap=10000.0))
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_high=0.28,
+        policy_loss=DPPOLossConfig(loss_mode=mode, delta_low=0.15, delta_high=0.15, ratio_cap=10000.0),
+    )
 
 
 def main() -> None:
@@ -59,8 +63,10 @@ def main() -> None:
             times[mode].append(step(mode))
 
     base = statistics.median(times["vanilla"])
-    print(f"B={args.batch} T={args.length} threads={torch.get_num_threads()} repeats={args.repeats} "
-          f"(forward+backward, median)")
+    print(
+        f"B={args.batch} T={args.length} threads={torch.get_num_threads()} repeats={args.repeats} "
+        f"(forward+backward, median)"
+    )
     for mode in MODES:
         median = statistics.median(times[mode])
         print(f"  {mode:<16} {median * 1e3:8.1f} ms   {median / base:5.2f}x vanilla")

@@ -19,16 +19,32 @@ import subprocess
 import sys
 from pathlib import Path
 
-MOE = ["dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
-       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random", "actor_rollout_ref.rollout.name=vllm"]
-R3 = ["+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+MOE = [
+    "dppo.tiny_model.num_experts=4",
+    "+dppo.tiny_model.warmup.max_steps=0",
+    "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random",
+    "actor_rollout_ref.rollout.name=vllm",
+]
+R3 = [
+    "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+]
 
 
 def run(root: Path, label: str, replay: bool, steps: int) -> list[dict]:
-    command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "cpu_tiny", "--method", "dppo_binary_tv", *MOE,
-               *(R3 if replay else []), f"trainer.total_training_steps={steps}", "trainer.resume_mode=disable",
-               "trainer.val_before_train=false", f"dppo.run_label={label}"]
+    command = [
+        str(Path(sys.executable).parent / "verl-dppo"),
+        "run",
+        "cpu_tiny",
+        "--method",
+        "dppo_binary_tv",
+        *MOE,
+        *(R3 if replay else []),
+        f"trainer.total_training_steps={steps}",
+        "trainer.resume_mode=disable",
+        "trainer.val_before_train=false",
+        f"dppo.run_label={label}",
+    ]
     env = {**os.environ, "DPPO_ROOT": str(root)}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -54,12 +70,17 @@ def main() -> None:
             if replay:
                 replayed += [r["actor/dppo/r3_replayed_frac"] for r in steps]
                 differs += [r["actor/dppo/r3_router_differs_frac"] for r in steps]
-            print(f"pair {pair} {'R3   ' if replay else 'plain'}: update_actor "
-                  f"{[round(r['timing_s/update_actor'], 3) for r in steps]} s", flush=True)
+            print(
+                f"pair {pair} {'R3   ' if replay else 'plain'}: update_actor "
+                f"{[round(r['timing_s/update_actor'], 3) for r in steps]} s",
+                flush=True,
+            )
     plain, r3 = statistics.median(times[False]), statistics.median(times[True])
-    print(f"median update_actor: plain {plain:.3f} s, R3 {r3:.3f} s, ratio R3/plain {r3 / plain:.2f}x "
-          f"({len(times[True])} steps each side); R3 replayed {min(replayed):.3f}-{max(replayed):.3f} of the routed "
-          f"rows, the router would have differed on {min(differs):.4f}-{max(differs):.4f} of them")
+    print(
+        f"median update_actor: plain {plain:.3f} s, R3 {r3:.3f} s, ratio R3/plain {r3 / plain:.2f}x "
+        f"({len(times[True])} steps each side); R3 replayed {min(replayed):.3f}-{max(replayed):.3f} of the routed "
+        f"rows, the router would have differed on {min(differs):.4f}-{max(differs):.4f} of them"
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,15 @@ import tempfile
 import time
 import uuid
 
-SIDES = [("none", None, None), ("lp0 dict", 0, False), ("lp0 flat", 0, True), ("K=20 dict", 20, False),
-         ("K=20 flat", 20, True), ("K=64 dict", 64, False), ("K=64 flat", 64, True)]
+SIDES = [
+    ("none", None, None),
+    ("lp0 dict", 0, False),
+    ("lp0 flat", 0, True),
+    ("K=20 dict", 20, False),
+    ("K=20 flat", 20, True),
+    ("K=64 dict", 64, False),
+    ("K=64 flat", 64, True),
+]
 """(label, K: None = no log-probs, 0 = verl's logprobs=0, > 0 = the plugin's Top-K, flat_logprobs)."""
 
 
@@ -69,17 +76,36 @@ def build_server(folder: str, args: argparse.Namespace):
     if not getattr(vllm_async_server.vLLMHttpServer.generate, "__verl_dppo_patched__", False):
         sys.exit("the plugin did not patch verl's vLLMHttpServer.generate: is verl-dppo installed here?")
     config = RolloutConfig(
-        name="vllm", dtype="float32", load_format="auto", enforce_eager=True, enable_sleep_mode=False,
-        free_cache_engine=False, tensor_model_parallel_size=1, n_gpus_per_node=1, nnodes=1,
-        prompt_length=args.prompt_tokens, response_length=args.tokens,
-        max_model_len=args.prompt_tokens + args.tokens, max_num_seqs=max(args.requests, 1),
-        ignore_eos=True, calculate_log_probs=True, custom={},
+        name="vllm",
+        dtype="float32",
+        load_format="auto",
+        enforce_eager=True,
+        enable_sleep_mode=False,
+        free_cache_engine=False,
+        tensor_model_parallel_size=1,
+        n_gpus_per_node=1,
+        nnodes=1,
+        prompt_length=args.prompt_tokens,
+        response_length=args.tokens,
+        max_model_len=args.prompt_tokens + args.tokens,
+        max_num_seqs=max(args.requests, 1),
+        ignore_eos=True,
+        calculate_log_probs=True,
+        custom={},
         engine_kwargs={"vllm": {"max_logprobs": 64}},  # what the plugin's driver patch sets for K = 64
     )
     model = HFModelConfig(path=folder)
-    return vllm_async_server.vLLMHttpServer(config=config, model_config=model, rollout_mode=RolloutMode.STANDALONE,
-                                            workers=[], replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1,
-                                            cuda_visible_devices="0")
+    return vllm_async_server.vLLMHttpServer(
+        config=config,
+        model_config=model,
+        rollout_mode=RolloutMode.STANDALONE,
+        workers=[],
+        replica_rank=0,
+        node_rank=0,
+        gpus_per_node=1,
+        nnodes=1,
+        cuda_visible_devices="0",
+    )
 
 
 class OtherLoad:
@@ -165,8 +191,9 @@ async def run_side(server, batch: list[list[int]], k, flat, seeded: bool = False
     if seeded:
         outputs = [await server.generate(list(prompt), params(i), uuid.uuid4().hex) for i, prompt in enumerate(batch)]
     else:
-        outputs = await asyncio.gather(*(server.generate(list(prompt), params(i), uuid.uuid4().hex)
-                                         for i, prompt in enumerate(batch)))
+        outputs = await asyncio.gather(
+            *(server.generate(list(prompt), params(i), uuid.uuid4().hex) for i, prompt in enumerate(batch))
+        )
     seconds = time.perf_counter() - start
     return sum(len(o.token_ids) for o in outputs) / seconds, outputs
 
@@ -229,19 +256,25 @@ async def measure(server, args: argparse.Namespace) -> None:
             problem = same_outputs(seen[False], seen[True], k)
             if problem:
                 sys.exit(f"K={k}: the dict and flat layouts gave verl's server different results: {problem}")
-            print(f"check K={k}: vLLM's list of dicts and FlatLogprobs gave verl's server the same tokens, per-token "
-                  f"log-probs{' and top-K rows' if k else ''} for {len(checked)} requests", flush=True)
+            print(
+                f"check K={k}: vLLM's list of dicts and FlatLogprobs gave verl's server the same tokens, per-token "
+                f"log-probs{' and top-K rows' if k else ''} for {len(checked)} requests",
+                flush=True,
+            )
     finally:
         server.engine.generate = original
     import vllm
 
     sides = [side for side in SIDES if side[0] in args.sides]
-    print(f"vLLM {vllm.__version__}, verl's vLLMHttpServer.generate, {args.requests} requests x {args.tokens} tokens "
-          f"(prompts of {args.prompt_tokens}), median of {args.repeats}, interleaved", flush=True)
+    print(
+        f"vLLM {vllm.__version__}, verl's vLLMHttpServer.generate, {args.requests} requests x {args.tokens} tokens "
+        f"(prompts of {args.prompt_tokens}), median of {args.repeats}, interleaved",
+        flush=True,
+    )
     found: dict[str, dict[str, list[float]]] = {label: {"tok/s": [], "cpu": [], "gc": []} for label, _, _ in sides}
     load, clock, discarded = OtherLoad(), Collections(), 0
     for repeat in range(args.repeats):
-        for label, k, flat in sides[repeat % len(sides):] + sides[: repeat % len(sides)]:
+        for label, k, flat in sides[repeat % len(sides) :] + sides[: repeat % len(sides)]:
             for attempt in range(args.max_retries + 1):
                 gc.collect()  # each side starts from a collected heap: no side collects another's garbage
                 load.start()
@@ -262,31 +295,50 @@ async def measure(server, args: argparse.Namespace) -> None:
                         break
             for key, value in (("tok/s", rate), ("cpu", cpu), ("gc", gc_seconds)):
                 found[label][key].append(value)
-        print(f"repeat {repeat + 1}: " + ", ".join(f"{label} {found[label]['tok/s'][-1]:.0f}" for label, _, _ in sides),
-              flush=True)
+        print(
+            f"repeat {repeat + 1}: " + ", ".join(f"{label} {found[label]['tok/s'][-1]:.0f}" for label, _, _ in sides),
+            flush=True,
+        )
     clock.stop()
     print(f"{discarded} measurements discarded and taken again (other processes above {args.max_other_load} cores)")
     median = {label: {key: statistics.median(values) for key, values in found[label].items()} for label in found}
     base = median.get("none")
-    print(f"{'side':>10} {'tok/s':>7} {'vs none':>8} {'tok/s range':>12} {'server CPU s':>13} {'vs none':>8} "
-          f"{'of it GC s':>11}")
+    print(
+        f"{'side':>10} {'tok/s':>7} {'vs none':>8} {'tok/s range':>12} {'server CPU s':>13} {'vs none':>8} "
+        f"{'of it GC s':>11}"
+    )
     for label, _, _ in sides:
         m = median[label]
         spread = f"{min(found[label]['tok/s']):.0f}-{max(found[label]['tok/s']):.0f}"
-        print(f"{label:>10} {m['tok/s']:>7.0f} {_ratio(m['tok/s'], base, 'tok/s'):>8} {spread:>12} {m['cpu']:>13.2f} "
-              f"{_ratio(m['cpu'], base, 'cpu'):>8} {m['gc']:>11.3f}")
+        print(
+            f"{label:>10} {m['tok/s']:>7.0f} {_ratio(m['tok/s'], base, 'tok/s'):>8} {spread:>12} {m['cpu']:>13.2f} "
+            f"{_ratio(m['cpu'], base, 'cpu'):>8} {m['gc']:>11.3f}"
+        )
     for name in ("lp0", "K=20", "K=64"):
         if f"{name} dict" in median and f"{name} flat" in median:
             d, f = median[f"{name} dict"], median[f"{name} flat"]
-            print(f"{name}: flat / dict {f['tok/s'] / d['tok/s']:.2f}x the tokens/s, {f['cpu'] / d['cpu']:.2f}x the "
-                  f"server process's CPU time")
+            print(
+                f"{name}: flat / dict {f['tok/s'] / d['tok/s']:.2f}x the tokens/s, {f['cpu'] / d['cpu']:.2f}x the "
+                f"server process's CPU time"
+            )
     if args.json:
         import json
 
         with open(args.json, "w") as out:
-            json.dump({"vllm": vllm.__version__, "requests": args.requests, "tokens": args.tokens,
-                       "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "discarded": discarded,
-                       "sides": found, "median": median}, out, indent=1)
+            json.dump(
+                {
+                    "vllm": vllm.__version__,
+                    "requests": args.requests,
+                    "tokens": args.tokens,
+                    "prompt_tokens": args.prompt_tokens,
+                    "repeats": args.repeats,
+                    "discarded": discarded,
+                    "sides": found,
+                    "median": median,
+                },
+                out,
+                indent=1,
+            )
 
 
 def _ratio(value: float, base, key: str) -> str:
@@ -299,19 +351,35 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=48, help="about cpu_tiny's prompts (about 50 tokens)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sides", nargs="+", default=[label for label, _, _ in SIDES],
-                        help="which sides to time (default: all): " + ", ".join(repr(label) for label, _, _ in SIDES))
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=[label for label, _, _ in SIDES],
+        help="which sides to time (default: all): " + ", ".join(repr(label) for label, _, _ in SIDES),
+    )
     parser.add_argument("--json", help="also write every measurement to this file")
-    parser.add_argument("--max-other-load", type=float, default=0.1,
-                        help="a side's measurement during which other processes took more CPU (cores) is taken again")
+    parser.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.1,
+        help="a side's measurement during which other processes took more CPU (cores) is taken again",
+    )
     parser.add_argument("--max-retries", type=int, default=20)
-    parser.add_argument("--check-requests", type=int, default=16,
-                        help="requests run one at a time, seeded, in each layout for the check before the timing")
+    parser.add_argument(
+        "--check-requests",
+        type=int,
+        default=16,
+        help="requests run one at a time, seeded, in each layout for the check before the timing",
+    )
     args = parser.parse_args()
     # The rollout server's environment on the plugin's CPU platform (CPUPlatform.rollout_env_vars), and the platform
     # a CPU run selects in every process.
-    for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                        "TORCHDYNAMO_DISABLE": "1", "VERL_PLATFORM": "cpu"}.items():
+    for name, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TORCHDYNAMO_DISABLE": "1",
+        "VERL_PLATFORM": "cpu",
+    }.items():
         os.environ.setdefault(name, value)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_vllm_detokenize import build_model

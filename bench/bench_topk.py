@@ -80,8 +80,10 @@ def methods(inputs) -> dict:
 
     table = {
         "forward/naive_log_softmax_gather": (False, naive_gather),
-        "forward/topk_divergence": (False, lambda logits: topk_divergence(logits, topk_ids, topk_lp, sampled,
-                                                                          sampled_lp)),
+        "forward/topk_divergence": (
+            False,
+            lambda logits: topk_divergence(logits, topk_ids, topk_lp, sampled, sampled_lp),
+        ),
         "forward_backward/naive_topk": (True, naive_topk_loss),
         "forward_backward/dppo_binary": (True, binary_loss),
         "forward_backward/dppo_topk": (True, topk_loss),
@@ -90,8 +92,13 @@ def methods(inputs) -> dict:
     return table
 
 
-METHOD_NAMES = ("forward/naive_log_softmax_gather", "forward/topk_divergence", "forward_backward/naive_topk",
-                "forward_backward/dppo_binary", "forward_backward/dppo_topk")
+METHOD_NAMES = (
+    "forward/naive_log_softmax_gather",
+    "forward/topk_divergence",
+    "forward_backward/naive_topk",
+    "forward_backward/dppo_binary",
+    "forward_backward/dppo_topk",
+)
 
 
 def run_once(fn, backward: bool, base: torch.Tensor, device: torch.device, memory: bool):
@@ -145,24 +152,35 @@ def bench_divergence(args) -> dict:
     for _ in range(args.repeat):  # interleaved: a busy moment on a shared machine hits every method alike
         for name, (backward, fn) in table.items():
             samples[name].append(run_once(fn, backward, inputs[0], device, memory=False)[1])
-    result = {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(), "N": args.n,
-              "V": args.vocab, "K": args.k, "logits": f"bfloat16, {logits_bytes / 2**20:.1f} MiB",
-              "threads": torch.get_num_threads()}
+    result = {
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(),
+        "N": args.n,
+        "V": args.vocab,
+        "K": args.k,
+        "logits": f"bfloat16, {logits_bytes / 2**20:.1f} MiB",
+        "threads": torch.get_num_threads(),
+    }
     for name, (backward, _) in table.items():
-        entry = {"extra_peak_MiB": memory[name] / 2**20, "extra_peak_x_logits": memory[name] / logits_bytes,
-                 "median_s": statistics.median(samples[name])}
+        entry = {
+            "extra_peak_MiB": memory[name] / 2**20,
+            "extra_peak_x_logits": memory[name] / logits_bytes,
+            "median_s": statistics.median(samples[name]),
+        }
         if backward:  # the [N, V] gradient any loss on the logits returns
             entry["extra_peak_without_gradient_x_logits"] = (memory[name] - logits_bytes) / logits_bytes
         result[name] = entry
-    ratios = {"forward/topk_divergence": ["forward/naive_log_softmax_gather"],
-              "forward_backward/dppo_topk": ["forward_backward/dppo_binary", "forward_backward/naive_topk"]}
+    ratios = {
+        "forward/topk_divergence": ["forward/naive_log_softmax_gather"],
+        "forward_backward/dppo_topk": ["forward_backward/dppo_binary", "forward_backward/naive_topk"],
+    }
     for name, baselines in ratios.items():
         for baseline in baselines:
             short = baseline.split("/")[1]
             result[name][f"time_x_{short}"] = result[name]["median_s"] / result[baseline]["median_s"]
             result[name][f"extra_peak_x_{short}"] = memory[name] / memory[baseline]
     result["forward_backward/dppo_topk"]["extra_peak_over_dppo_binary_x_logits"] = (
-        memory["forward_backward/dppo_topk"] - memory["forward_backward/dppo_binary"]) / logits_bytes
+        memory["forward_backward/dppo_topk"] - memory["forward_backward/dppo_binary"]
+    ) / logits_bytes
     return result
 
 
@@ -211,8 +229,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved repeats for the times")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default); one by "
-                        "default, as bench_troll.py: on a shared 2-core machine OpenMP waits for a descheduled thread")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch's default); one by "
+        "default, as bench_troll.py: on a shared 2-core machine OpenMP waits for a descheduled thread",
+    )
     parser.add_argument("--tokens", type=int, default=8192, help="generated tokens for the extraction benchmark")
     parser.add_argument("--skip-extraction", action="store_true")
     parser.add_argument("--memory-of", choices=METHOD_NAMES, help=argparse.SUPPRESS)  # the child's entry point

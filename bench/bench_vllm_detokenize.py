@@ -28,11 +28,17 @@ def build_model(folder: str) -> None:
     spec = TinyModel()
     tokenizer = _tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(folder)
-    config = Qwen3Config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)
 
@@ -51,21 +57,25 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder)
-        llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_logprobs=max(args.k), seed=0,
-                  max_model_len=512)
+        llm = LLM(
+            model=folder, dtype="float32", enforce_eager=True, max_logprobs=max(args.k), seed=0, max_model_len=512
+        )
         prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 900 for j in range(24)]} for i in range(args.prompts)]
 
         def tokens_per_second(k: int, detokenize: bool) -> float:
-            params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, logprobs=k, detokenize=detokenize,
-                                    temperature=1.0, seed=0)
+            params = SamplingParams(
+                max_tokens=args.tokens, ignore_eos=True, logprobs=k, detokenize=detokenize, temperature=1.0, seed=0
+            )
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
         tokens_per_second(max(args.k), True)  # warm-up
-        print(f"vLLM {__import__('vllm').__version__}, {args.prompts} prompts x {args.tokens} tokens, "
-              f"median of {args.repeats}")
+        print(
+            f"vLLM {__import__('vllm').__version__}, {args.prompts} prompts x {args.tokens} tokens, "
+            f"median of {args.repeats}"
+        )
         print(f"{'K':>4} {'detokenize (tok/s)':>20} {'no detokenize (tok/s)':>22} {'ratio':>7}")
         for k in args.k:
             with_text, ids_only = [], []

@@ -47,8 +47,10 @@ def measure(device: str, n: int, vocab: int, shift: float) -> dict:
     radius = rounding_radius(pi_bf16, pi_bf16.dtype)
     # the bf16 kernel's error against the float64 log-softmax of the same logits, as a share of the radius
     exact = torch.log_softmax(moved.double(), dim=-1)[:, 0]
-    out = {"log_pi_zero": float((pi_bf16 == 0).float().mean()),
-           "error_of_bound": float(((pi_bf16.double() - exact).abs() / radius.double()).max())}
+    out = {
+        "log_pi_zero": float((pi_bf16 == 0).float().mean()),
+        "error_of_bound": float(((pi_bf16.double() - exact).abs() / radius.double()).max()),
+    }
     resolved = within_rounding(mu, pi_bf16.float(), radius)
     for label, p in (("float32 pi", pi_true), ("bf16 pi raw", pi_bf16.float()), ("bf16 pi resolved", resolved)):
         kl, tv = binary_kl(mu, p), binary_tv(mu, p)
@@ -62,10 +64,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     args = parser.parse_args()
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
-          + f"; vocabulary {args.vocab}")
-    print("| kernel | rows | pi vs mu | log pi = 0 (bf16) | bf16 error / radius (max) | pi scored in | binary KL mean |"
-          " KL > 0.05 | TV > 0.15 |")
+    print(
+        f"torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+        + f"; vocabulary {args.vocab}"
+    )
+    print(
+        "| kernel | rows | pi vs mu | log pi = 0 (bf16) | bf16 error / radius (max) | pi scored in | binary KL mean |"
+        " KL > 0.05 | TV > 0.15 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for device in devices:
         n = args.rows if device == "cuda" else min(args.rows, 1024)
@@ -73,8 +80,10 @@ def main() -> None:
             m = measure(device, n, args.vocab, shift)
             for label in ("float32 pi", "bf16 pi raw", "bf16 pi resolved"):
                 kl, blocked_kl, blocked_tv = m[label]
-                print(f"| {device} | {n} | {policy} | {m['log_pi_zero']:.3f} | {m['error_of_bound']:.3f} | {label} | "
-                      f"{kl:.4g} | {blocked_kl:.3f} | {blocked_tv:.3f} |")
+                print(
+                    f"| {device} | {n} | {policy} | {m['log_pi_zero']:.3f} | {m['error_of_bound']:.3f} | {label} | "
+                    f"{kl:.4g} | {blocked_kl:.3f} | {blocked_tv:.3f} |"
+                )
 
 
 if __name__ == "__main__":

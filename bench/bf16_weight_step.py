@@ -49,9 +49,11 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--bf16-checkpoint", action="store_true",
-                        help="start from the weights rounded to bf16, as the setup's build and a published bf16 "
-                             "checkpoint have them")
+    parser.add_argument(
+        "--bf16-checkpoint",
+        action="store_true",
+        help="start from the weights rounded to bf16, as the setup's build and a published bf16 checkpoint have them",
+    )
     args = parser.parse_args()
 
     import pyarrow.parquet as pq
@@ -65,7 +67,7 @@ def main() -> int:
     start = time.perf_counter()
     source = gguf_file()
     with tempfile.TemporaryDirectory() as folder:
-        rows = pq.read_table(write_arithmetic(Path(folder), 64, 0)).to_pylist()[:args.sums]
+        rows = pq.read_table(write_arithmetic(Path(folder), 64, 0)).to_pylist()[: args.sums]
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # SmolLM2's tokenizer has none: pad with its end of text, masked out
@@ -75,8 +77,15 @@ def main() -> int:
     texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in rows]
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        ids = model.generate(**encoded, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        ids = model.generate(
+            **encoded,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     prompt_len = encoded["input_ids"].shape[1]
     attention = torch.cat([encoded["attention_mask"], torch.ones_like(ids[:, prompt_len:])], dim=1)
     response = torch.zeros_like(ids, dtype=torch.bool)
@@ -106,8 +115,10 @@ def main() -> int:
     exact = {name: copy[name] == t for name, t in w.items()}
     # halfway between two bf16 values: round-to-nearest-even keeps the even one, and any step towards the other,
     # however small, moves the copy by a whole bf16 spacing (2^(e - 7) for a weight in [2^e, 2^(e + 1)))
-    tie = {name: (t - copy[name]).abs() == torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 9)
-           for name, t in w.items()}
+    tie = {
+        name: (t - copy[name]).abs() == torch.ldexp(torch.ones_like(t), torch.frexp(t).exponent - 9)
+        for name, t in w.items()
+    }
 
     count = sum(t.numel() for t in w.values())
     n_exact = sum(int(m.sum()) for m in exact.values())
@@ -131,29 +142,43 @@ def main() -> int:
         return float((a - b).abs().mean())
 
     result = {
-        "lr": args.lr, "weights": count, "tokens": int(target.sum()),
-        "bf16_checkpoint": args.bf16_checkpoint, "exact_bf16_share": n_exact / count, "tie_share": n_tie / count,
-        "rounding_before": rounding(w), "rounding_after": rounding(after),
+        "lr": args.lr,
+        "weights": count,
+        "tokens": int(target.sum()),
+        "bf16_checkpoint": args.bf16_checkpoint,
+        "exact_bf16_share": n_exact / count,
+        "tie_share": n_tie / count,
+        "rounding_before": rounding(w),
+        "rounding_after": rounding(after),
         "step_reaching_bf16": share(lambda n: slice(None)),
         "step_reaching_bf16_exact": share(lambda n: exact[n]),
         "step_reaching_bf16_other": share(lambda n: ~exact[n] & ~tie[n]),
         "step_reaching_bf16_ties": share(lambda n: tie[n]),
-        "mismatch_before": gap(trainer, bf16), "mismatch_after": gap(trainer_after, bf16_after),
-        "trainer_change": gap(trainer_after, trainer), "bf16_change": gap(bf16_after, bf16),
-        "exact_part_alone": gap(trainer_after, without_exact), "ties_alone": gap(ties_moved, trainer),
+        "mismatch_before": gap(trainer, bf16),
+        "mismatch_after": gap(trainer_after, bf16_after),
+        "trainer_change": gap(trainer_after, trainer),
+        "bf16_change": gap(bf16_after, bf16),
+        "exact_part_alone": gap(trainer_after, without_exact),
+        "ties_alone": gap(ties_moved, trainer),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    print(f"{count:,} weights, {100 * result['exact_bf16_share']:.1f}% bf16 values exactly, "
-          f"{100 * result['tie_share']:.1f}% halfway between two; mean |bf16(w) - w| "
-          f"{result['rounding_before']:.4e} before, {result['rounding_after']:.4e} after a step of lr {args.lr:g}")
-    print(f"share of the step the bf16 copy moves by: {result['step_reaching_bf16']:.3f} over all weights, "
-          f"{result['step_reaching_bf16_exact']:.3f} over the exact ones, {result['step_reaching_bf16_ties']:.1f} "
-          f"over the halfway ones, {result['step_reaching_bf16_other']:.3f} over the others")
-    print(f"mean |log-prob difference| on {result['tokens']} sampled tokens (float32 compute): bf16 copy vs trainer "
-          f"{result['mismatch_before']:.4e} before, {result['mismatch_after']:.4e} after; the trainer's change "
-          f"{result['trainer_change']:.4e}, the copy's {result['bf16_change']:.4e}; the exact weights' part of the "
-          f"step alone {result['exact_part_alone']:.4e}; the halfway weights' moves alone (their bf16 copy after the "
-          f"step, the rest as before) {result['ties_alone']:.4e}")
+    print(
+        f"{count:,} weights, {100 * result['exact_bf16_share']:.1f}% bf16 values exactly, "
+        f"{100 * result['tie_share']:.1f}% halfway between two; mean |bf16(w) - w| "
+        f"{result['rounding_before']:.4e} before, {result['rounding_after']:.4e} after a step of lr {args.lr:g}"
+    )
+    print(
+        f"share of the step the bf16 copy moves by: {result['step_reaching_bf16']:.3f} over all weights, "
+        f"{result['step_reaching_bf16_exact']:.3f} over the exact ones, {result['step_reaching_bf16_ties']:.1f} "
+        f"over the halfway ones, {result['step_reaching_bf16_other']:.3f} over the others"
+    )
+    print(
+        f"mean |log-prob difference| on {result['tokens']} sampled tokens (float32 compute): bf16 copy vs trainer "
+        f"{result['mismatch_before']:.4e} before, {result['mismatch_after']:.4e} after; the trainer's change "
+        f"{result['trainer_change']:.4e}, the copy's {result['bf16_change']:.4e}; the exact weights' part of the "
+        f"step alone {result['exact_part_alone']:.4e}; the halfway weights' moves alone (their bf16 copy after the "
+        f"step, the rest as before) {result['ties_alone']:.4e}"
+    )
     print(json.dumps({key: None if value != value else value for key, value in result.items()}))  # NaN: null
     return 0
 

@@ -47,8 +47,10 @@ def main() -> None:
             check.append(timed([str(bin_dir / "verl-dppo"), "check", *command]))
             imports.append(timed([sys.executable, "-c", "import verl.trainer.main_ppo"]))
     for name, times in (("verl-dppo check", check), ("import verl.trainer.main_ppo", imports)):
-        print(f"{name}: median {statistics.median(times):.2f} s, min {min(times):.2f} s "
-              f"({', '.join(f'{t:.2f}' for t in times)})")
+        print(
+            f"{name}: median {statistics.median(times):.2f} s, min {min(times):.2f} s "
+            f"({', '.join(f'{t:.2f}' for t in times)})"
+        )
     print(f"check less the import: median {statistics.median(c - i for c, i in zip(check, imports)):.2f} s")
 
 

@@ -65,8 +65,13 @@ def shim_folder(folder: Path) -> Path:
 
 def check_script(script: Path, shims: Path, lines_file: Path, work: Path, timeout_s: int) -> dict:
     results = Path(tempfile.mkdtemp(dir=work))
-    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "DPPO_SWITCH_LINES": str(lines_file),
-           "DPPO_RESULTS": str(results), "DPPO_CHECK": str(Path(sys.executable).parent / "verl-dppo")}
+    env = {
+        **os.environ,
+        "PATH": f"{shims}:{os.environ['PATH']}",
+        "DPPO_SWITCH_LINES": str(lines_file),
+        "DPPO_RESULTS": str(results),
+        "DPPO_CHECK": str(Path(sys.executable).parent / "verl-dppo"),
+    }
     try:
         subprocess.run(["bash", str(script)], cwd=script.parent, env=env, capture_output=True, timeout=timeout_s)
         timed_out = False
@@ -74,8 +79,12 @@ def check_script(script: Path, shims: Path, lines_file: Path, work: Path, timeou
         timed_out = True
     codes = (results / "rc").read_text().split() if (results / "rc").is_file() else []
     said = (results / "lines").read_text().splitlines() if (results / "lines").is_file() else []
-    first = {kind: next((line[len(f"verl-dppo: {kind}: "):] for line in said
-                         if line.startswith(f"verl-dppo: {kind}: ")), "") for kind in ("problem", "not here")}
+    first = {
+        kind: next(
+            (line[len(f"verl-dppo: {kind}: ") :] for line in said if line.startswith(f"verl-dppo: {kind}: ")), ""
+        )
+        for kind in ("problem", "not here")
+    }
     return {"codes": [int(code) for code in codes], **first, "lines": said, "timed_out": timed_out}
 
 
@@ -96,8 +105,9 @@ def main() -> None:
         lines_file = work / "switch_lines"
         lines_file.write_text("\n".join(FROM_GRPO) + "\n")
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            found = dict(zip(scripts, pool.map(
-                lambda s: check_script(s, shims, lines_file, work, args.timeout), scripts)))
+            found = dict(
+                zip(scripts, pool.map(lambda s: check_script(s, shims, lines_file, work, args.timeout), scripts))
+            )
     rows = ["| script | check's exit codes | first problem, else first not-here |", "|---|---|---|"]
     counts = collections.Counter()
     for script, result in found.items():

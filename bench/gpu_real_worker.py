@@ -192,7 +192,8 @@ def device_sampling_rollout_copy(driver, model_dir, device: str):
         def _generate(self, prompts, length, generator, topk):
             # one device generator per rollout, seeded from the caller's: the draws stay on the GPU
             self._sampler = torch.Generator(device=self.device).manual_seed(
-                int(torch.randint(0, 2**62, (), generator=generator)))
+                int(torch.randint(0, 2**62, (), generator=generator))
+            )
             return super()._generate(prompts, length, generator, topk)
 
         def _draw(self, logp, generator):
@@ -225,30 +226,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=None, help="ppo_max_token_len_per_gpu")
     parser.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
-    parser.add_argument("--trainer-mode", choices=["sync", "separate_async"], default="sync",
-                        help="sync: verl's ActorRolloutRefWorker; separate_async: the recipes' separate_async switch, "
-                        "verl's DetachActorWorker, a weight push (update_weights) after every step and the rollout "
-                        "from version 0, so that step i trains on samples i versions old")
-    parser.add_argument("--fused", choices=["off", "on", "both"], default="off",
-                        help="actor_rollout_ref.model.use_fused_kernels: off, on (the plugin's LM-head-fused paths and "
-                        "verl's own for dppo_binary_tv, torch backend), or both (each mode twice; the ratios compare "
-                        "runs of the same setting)")
-    parser.add_argument("--verl-paths", action="store_true",
-                        help=f"also run {BASELINE} on verl's own log-prob path (as before issue 54.1: verl's "
-                        "logprobs_from_logits and entropy_from_logits unfused, its FusedLinearForPPO fused), for each "
-                        "--fused setting, beside the plugin's one-read pass; the plugin's row gets time_vs_verl_path")
-    parser.add_argument("--moe", action="store_true",
-                        help="a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, top-8, hidden 2,048; with "
-                        "--tiny 8 experts, top-2) whose routes the rollout copy returns as vLLM does; each mode twice, "
-                        "without and with R3 on verl's FSDP engine (the plugin's replay): the R3 rows get "
-                        "time_vs_without_r3, memory_vs_without_r3 and the replay's metrics")
+    parser.add_argument(
+        "--trainer-mode",
+        choices=["sync", "separate_async"],
+        default="sync",
+        help="sync: verl's ActorRolloutRefWorker; separate_async: the recipes' separate_async switch, "
+        "verl's DetachActorWorker, a weight push (update_weights) after every step and the rollout "
+        "from version 0, so that step i trains on samples i versions old",
+    )
+    parser.add_argument(
+        "--fused",
+        choices=["off", "on", "both"],
+        default="off",
+        help="actor_rollout_ref.model.use_fused_kernels: off, on (the plugin's LM-head-fused paths and "
+        "verl's own for dppo_binary_tv, torch backend), or both (each mode twice; the ratios compare "
+        "runs of the same setting)",
+    )
+    parser.add_argument(
+        "--verl-paths",
+        action="store_true",
+        help=f"also run {BASELINE} on verl's own log-prob path (as before issue 54.1: verl's "
+        "logprobs_from_logits and entropy_from_logits unfused, its FusedLinearForPPO fused), for each "
+        "--fused setting, beside the plugin's one-read pass; the plugin's row gets time_vs_verl_path",
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, top-8, hidden 2,048; with "
+        "--tiny 8 experts, top-2) whose routes the rollout copy returns as vLLM does; each mode twice, "
+        "without and with R3 on verl's FSDP engine (the plugin's replay): the R3 rows get "
+        "time_vs_without_r3, memory_vs_without_r3 and the replay's metrics",
+    )
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
-    parser.add_argument("--json", default=None, help="also write the results here (rewritten after each mode, with "
-                        "\"complete\": false until the last, so a run stopped by a time limit keeps what it measured)")
-    parser.add_argument("--rollout-sampling", choices=["device", "cpu"], default="device",
-                        help="where the rollout copy draws each token: device (a generator of the run's device; on "
-                        "CPU the same as cpu) or cpu (the CPU suite's driver: the probabilities copied to the CPU at "
-                        "every token)")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="also write the results here (rewritten after each mode, with "
+        '"complete": false until the last, so a run stopped by a time limit keeps what it measured)',
+    )
+    parser.add_argument(
+        "--rollout-sampling",
+        choices=["device", "cpu"],
+        default="device",
+        help="where the rollout copy draws each token: device (a generator of the run's device; on "
+        "CPU the same as cpu) or cpu (the CPU suite's driver: the probabilities copied to the CPU at "
+        "every token)",
+    )
     return parser.parse_args(argv)
 
 
@@ -269,14 +292,39 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     if args.layers:
         size = replace(size, num_layers=args.layers)
     if args.tiny:
-        shape = driver.RunShape(prompts=4, samples_per_prompt=4, mini_batches=2, prompt_length=8, response_length=16,
-                                token_budget=64, lr=1e-2)
+        shape = driver.RunShape(
+            prompts=4,
+            samples_per_prompt=4,
+            mini_batches=2,
+            prompt_length=8,
+            response_length=16,
+            token_budget=64,
+            lr=1e-2,
+        )
     else:
-        shape = driver.RunShape(prompts=8, samples_per_prompt=4, mini_batches=2, prompt_length=256,
-                                response_length=1024, token_budget=8192, lr=None)
-    shape = replace(shape, **{k: v for k, v in {
-        "prompts": args.prompts, "samples_per_prompt": args.samples_per_prompt, "prompt_length": args.prompt_length,
-        "response_length": args.response_length, "token_budget": args.token_budget}.items() if v is not None})
+        shape = driver.RunShape(
+            prompts=8,
+            samples_per_prompt=4,
+            mini_batches=2,
+            prompt_length=256,
+            response_length=1024,
+            token_budget=8192,
+            lr=None,
+        )
+    shape = replace(
+        shape,
+        **{
+            k: v
+            for k, v in {
+                "prompts": args.prompts,
+                "samples_per_prompt": args.samples_per_prompt,
+                "prompt_length": args.prompt_length,
+                "response_length": args.response_length,
+                "token_budget": args.token_budget,
+            }.items()
+            if v is not None
+        },
+    )
     modes = [m for m in args.modes.split(",") if m] or ([BASELINE] if args.moe else driver.plugin_loss_modes())
     modes = [BASELINE] + [m for m in modes if m != BASELINE]
     unknown = set(modes) - set(driver.plugin_loss_modes())
@@ -297,21 +345,28 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     for fused in settings:
         for mode in modes:
             overrides = (*extra.get("overrides", ()), *(FUSED_OVERRIDES if fused else ()))
-            config = driver.compose_config(mode, model_dir, shape, device=args.device,
-                                           **{**extra, "overrides": overrides})
+            config = driver.compose_config(
+                mode, model_dir, shape, device=args.device, **{**extra, "overrides": overrides}
+            )
             configs[mode, fused, "plugin"] = config
             if args.verl_paths and mode == BASELINE:
                 configs[mode, fused, "verl"] = config
             if args.moe:  # the same mode with R3: the rollout's routes in the batch, replayed by the trainer's routers
                 configs[mode, fused, "r3"] = driver.compose_config(
-                    mode, model_dir, shape, device=args.device,
-                    **{**extra, "overrides": (*overrides, *driver.R3_OVERRIDES)})
+                    mode,
+                    model_dir,
+                    shape,
+                    device=args.device,
+                    **{**extra, "overrides": (*overrides, *driver.R3_OVERRIDES)},
+                )
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
     counted = count_plugin_passes()
     setup_seconds = time.perf_counter() - progress.start
     sampling = args.rollout_sampling if args.device != "cpu" else "cpu"
-    progress(f"model saved, {len(configs)} configs composed; sampling the rollout ({shape.batch_size} sequences, "
-             f"responses <= {shape.response_length}, tokens drawn on {sampling})")
+    progress(
+        f"model saved, {len(configs)} configs composed; sampling the rollout ({shape.batch_size} sequences, "
+        f"responses <= {shape.response_length}, tokens drawn on {sampling})"
+    )
     started = time.perf_counter()
     if sampling == "device":
         rollout_copy = device_sampling_rollout_copy(driver, model_dir, args.device)
@@ -331,17 +386,34 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
     rows = []
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     result = {
-        "device": device_name, "torch": torch.__version__, "trainer_mode": args.trainer_mode, "parameters": n_params,
-        "vocab_size": size.vocab_size, "layers": size.num_layers, "experts": size.num_experts,
-        "experts_per_token": size.experts_per_token, "sequences": shape.batch_size, "tokens": tokens,
-        "prompt_length": shape.prompt_length, "response_length": shape.response_length,
-        "token_budget": shape.token_budget, "topk": topk, "setup_seconds": setup_seconds,
-        "rollout_seconds": rollout_seconds, "rollout_sampling": sampling, "warmup": args.warmup,
-        "steps": args.steps, "modes_asked": modes, "complete": False, "modes": rows,
+        "device": device_name,
+        "torch": torch.__version__,
+        "trainer_mode": args.trainer_mode,
+        "parameters": n_params,
+        "vocab_size": size.vocab_size,
+        "layers": size.num_layers,
+        "experts": size.num_experts,
+        "experts_per_token": size.experts_per_token,
+        "sequences": shape.batch_size,
+        "tokens": tokens,
+        "prompt_length": shape.prompt_length,
+        "response_length": shape.response_length,
+        "token_budget": shape.token_budget,
+        "topk": topk,
+        "setup_seconds": setup_seconds,
+        "rollout_seconds": rollout_seconds,
+        "rollout_sampling": sampling,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "modes_asked": modes,
+        "complete": False,
+        "modes": rows,
     }
     for (mode, fused, path), config in configs.items():
-        label = (f"{mode}{' (fused)' if fused else ''}{' (verl path)' if path == 'verl' else ''}"
-                 f"{' (R3)' if path == 'r3' else ''}")
+        label = (
+            f"{mode}{' (fused)' if fused else ''}{' (verl path)' if path == 'verl' else ''}"
+            f"{' (R3)' if path == 'r3' else ''}"
+        )
         # What earlier modes' workers left allocated (measured on an H100: about 1 GiB more per earlier mode), before
         # this mode's worker is built: the mode's own peak is the allocator's peak minus this.
         leftover = float(torch.cuda.memory_allocated()) if args.device == "cuda" else 0.0
@@ -372,43 +444,52 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
                 times.append(elapsed)
                 peaks.append(memory.peak_bytes())
                 first = first or metrics
-            progress(f"{mode}: step {step + 1}/{args.warmup + args.steps} "
-                     f"({'timed' if step >= args.warmup else 'warm-up'}) {elapsed:.2f} s")
-        rows.append({
-            "mode": mode,
-            "fused": fused,
-            "logprob_path": path,
-            "plugin_pass_calls": counted["calls"],  # the plugin's log-prob passes over the mode's steps
-            "method": driver.method_for_mode(mode),
-            "step_seconds": statistics.median(times),
-            "peak_memory_gib": (max(peaks) - leftover) / 2**30,
-            "peak_memory_absolute_gib": max(peaks) / 2**30,
-            "left_by_earlier_modes_gib": leftover / 2**30,
-            "loss": first["actor/loss"],
-            "grad_norm": first["actor/grad_norm"],
-            "masked_frac": first["actor/pg_clipfrac"],
-            "mismatch_tv_mean": first["actor/dppo/mismatch_tv_mean"],
-            # |mu - pi| on the sampled tokens in the first step, whose first mini-batch every mode computes from the
-            # same weights: equal across modes when their log pi(a_t) are (issue 53.5)
-            "first_step_mismatch_tv_mean": warm["actor/dppo/mismatch_tv_mean"],
-            "tokens_per_second": tokens / statistics.median(times),
-            "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
-            "push_seconds": statistics.median(pushes) if pushes else math.nan,
-            "build_seconds": build_seconds,
-            # the replay in the first step (from version 0's weights, as the rollout's; later steps train on the
-            # same rollout with moved routers)
-            **({f"r3_{name}": warm.get(f"actor/dppo/r3_{name}", math.nan) for name in R3_METRICS}
-               if path == "r3" else {}),
-        })
+            progress(
+                f"{mode}: step {step + 1}/{args.warmup + args.steps} "
+                f"({'timed' if step >= args.warmup else 'warm-up'}) {elapsed:.2f} s"
+            )
+        rows.append(
+            {
+                "mode": mode,
+                "fused": fused,
+                "logprob_path": path,
+                "plugin_pass_calls": counted["calls"],  # the plugin's log-prob passes over the mode's steps
+                "method": driver.method_for_mode(mode),
+                "step_seconds": statistics.median(times),
+                "peak_memory_gib": (max(peaks) - leftover) / 2**30,
+                "peak_memory_absolute_gib": max(peaks) / 2**30,
+                "left_by_earlier_modes_gib": leftover / 2**30,
+                "loss": first["actor/loss"],
+                "grad_norm": first["actor/grad_norm"],
+                "masked_frac": first["actor/pg_clipfrac"],
+                "mismatch_tv_mean": first["actor/dppo/mismatch_tv_mean"],
+                # |mu - pi| on the sampled tokens in the first step, whose first mini-batch every mode computes from the
+                # same weights: equal across modes when their log pi(a_t) are (issue 53.5)
+                "first_step_mismatch_tv_mean": warm["actor/dppo/mismatch_tv_mean"],
+                "tokens_per_second": tokens / statistics.median(times),
+                "lag_mean": first.get("actor/dppo/lag_mean", math.nan),
+                "push_seconds": statistics.median(pushes) if pushes else math.nan,
+                "build_seconds": build_seconds,
+                # the replay in the first step (from version 0's weights, as the rollout's; later steps train on the
+                # same rollout with moved routers)
+                **(
+                    {f"r3_{name}": warm.get(f"actor/dppo/r3_{name}", math.nan) for name in R3_METRICS}
+                    if path == "r3"
+                    else {}
+                ),
+            }
+        )
         del worker, trainer
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
         add_ratios(rows)
         row = rows[-1]
-        progress(f"{label}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
-                 f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
-                 f"{BASELINE} {row['memory_vs_binary_tv']:.3f}")
+        progress(
+            f"{label}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
+            f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
+            f"{BASELINE} {row['memory_vs_binary_tv']:.3f}"
+        )
         if args.json:  # what is measured so far, should a time limit stop the run
             Path(args.json).write_text(json.dumps(result, indent=1))
     result["complete"] = True
@@ -419,8 +500,10 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
 R3_METRICS = ("replayed_frac", "route_fit", "router_differs_frac", "unrouted_frac")
 """The replay's metrics an R3 row records from its first step (docs/megatron.md says what they mean)."""
 
-FUSED_OVERRIDES = ("actor_rollout_ref.model.use_fused_kernels=True",
-                   "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch")
+FUSED_OVERRIDES = (
+    "actor_rollout_ref.model.use_fused_kernels=True",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
+)
 """--fused: verl's fused forward (no [T, V] logits) with its torch backend, the plugin's fused Top-K and TROLL."""
 
 
@@ -433,15 +516,30 @@ def add_ratios(rows: list[dict]) -> None:
         peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
         row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
         if row.get("logprob_path") == "r3":
-            without = next((r for r in rows if r["mode"] == row["mode"] and r.get("fused") == row.get("fused")
-                            and r.get("logprob_path") == "plugin"), None)
+            without = next(
+                (
+                    r
+                    for r in rows
+                    if r["mode"] == row["mode"]
+                    and r.get("fused") == row.get("fused")
+                    and r.get("logprob_path") == "plugin"
+                ),
+                None,
+            )
             if without is not None:
                 row["time_vs_without_r3"] = row["step_seconds"] / without["step_seconds"]
                 base = without["peak_memory_gib"]
-                row["memory_vs_without_r3"] = (row["peak_memory_gib"] / base if base and math.isfinite(base)
-                                               else math.nan)
-        verl = next((r for r in rows if r["mode"] == row["mode"] and r.get("fused") == row.get("fused")
-                     and r.get("logprob_path") == "verl"), None)
+                row["memory_vs_without_r3"] = (
+                    row["peak_memory_gib"] / base if base and math.isfinite(base) else math.nan
+                )
+        verl = next(
+            (
+                r
+                for r in rows
+                if r["mode"] == row["mode"] and r.get("fused") == row.get("fused") and r.get("logprob_path") == "verl"
+            ),
+            None,
+        )
         if verl is not None and row.get("logprob_path") == "plugin":
             row["time_vs_verl_path"] = row["step_seconds"] / verl["step_seconds"]
             verl_peak = verl["peak_memory_gib"]
@@ -478,10 +576,12 @@ def count_plugin_passes() -> dict:
 
     counted = {"calls": 0}
     for module, name in ((logits_logprob, "logits_logprobs"), (fused_logprob, "fused_token_logprobs")):
+
         def wrap(original):
             def counting(*args, **kwargs):
                 counted["calls"] += 1
                 return original(*args, **kwargs)
+
             return counting
 
         setattr(module, name, wrap(getattr(module, name)))
@@ -489,42 +589,70 @@ def count_plugin_passes() -> dict:
 
 
 def print_table(result: dict) -> None:
-    model = (f"Qwen3-MoE ({result['experts']} experts, top-{result['experts_per_token']})" if result.get("experts")
-             else "Qwen3")
-    print(f"\nverl's real worker, {result['device']}: {model} random init, {result['parameters'] / 1e6:.1f}M parameters, "
-          f"vocabulary {result['vocab_size']:,}, {result['layers']} layers; {result['sequences']} sequences, "
-          f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
-          f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up; "
-          f"trainer mode {result['trainer_mode']}")
-    print(f"setup (imports, model saved, configs) {result['setup_seconds']:.1f} s; rollout "
-          f"{result['rollout_seconds']:.1f} s (tokens drawn on {result['rollout_sampling']}); worker builds "
-          + ", ".join(f"{row['build_seconds']:.1f}" for row in result["modes"]) + " s")
-    print("every step trains on the one rollout sampled by version 0, so the first timed step's samples (loss, masked "
-          "fraction) are --warmup versions old" + ("; separate_async: verl's DetachActorWorker, a weight push "
-          "(update_weights, timed apart) after each step, the lag as the plugin logs it"
-          if result["trainer_mode"] == "separate_async" else ""))
+    model = (
+        f"Qwen3-MoE ({result['experts']} experts, top-{result['experts_per_token']})"
+        if result.get("experts")
+        else "Qwen3"
+    )
+    print(
+        f"\nverl's real worker, {result['device']}: {model} random init, {result['parameters'] / 1e6:.1f}M parameters, "
+        f"vocabulary {result['vocab_size']:,}, {result['layers']} layers; {result['sequences']} sequences, "
+        f"{result['tokens']:,} tokens, responses <= {result['response_length']}, {result['token_budget']} tokens "
+        f"per micro-batch, K={result['topk']}; median of {result['steps']} steps after {result['warmup']} warm-up; "
+        f"trainer mode {result['trainer_mode']}"
+    )
+    print(
+        f"setup (imports, model saved, configs) {result['setup_seconds']:.1f} s; rollout "
+        f"{result['rollout_seconds']:.1f} s (tokens drawn on {result['rollout_sampling']}); worker builds "
+        + ", ".join(f"{row['build_seconds']:.1f}" for row in result["modes"])
+        + " s"
+    )
+    print(
+        "every step trains on the one rollout sampled by version 0, so the first timed step's samples (loss, masked "
+        "fraction) are --warmup versions old"
+        + (
+            "; separate_async: verl's DetachActorWorker, a weight push "
+            "(update_weights, timed apart) after each step, the lag as the plugin logs it"
+            if result["trainer_mode"] == "separate_async"
+            else ""
+        )
+    )
     memory_label = "peak GiB" if result["device"] != "CPU" else "peak RSS GiB"
-    print(f"{'mode':<22} {'step s':>8} {'tokens/s':>9} {memory_label:>12} {'loss':>10} {'masked':>7} {'lag':>4} "
-          f"{'time vs ' + BASELINE:>24} {'memory vs ' + BASELINE:>26}")
+    print(
+        f"{'mode':<22} {'step s':>8} {'tokens/s':>9} {memory_label:>12} {'loss':>10} {'masked':>7} {'lag':>4} "
+        f"{'time vs ' + BASELINE:>24} {'memory vs ' + BASELINE:>26}"
+    )
     for row in result["modes"]:
-        ratios = (f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
-                  if row["mode"] != BASELINE or row.get("logprob_path") in ("verl", "r3") else f"{'':>24} {'':>26}")
+        ratios = (
+            f"{row['time_vs_binary_tv']:>24.3f} {row['memory_vs_binary_tv']:>26.3f}"
+            if row["mode"] != BASELINE or row.get("logprob_path") in ("verl", "r3")
+            else f"{'':>24} {'':>26}"
+        )
         lag = "" if math.isnan(row["lag_mean"]) else f"{row['lag_mean']:g}"
-        name = (row["mode"] + (" +fused" if row.get("fused") else "")
-                + (" @verl" if row.get("logprob_path") == "verl" else "")
-                + (" +R3" if row.get("logprob_path") == "r3" else ""))
-        print(f"{name:<22} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
-              f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}")
+        name = (
+            row["mode"]
+            + (" +fused" if row.get("fused") else "")
+            + (" @verl" if row.get("logprob_path") == "verl" else "")
+            + (" +R3" if row.get("logprob_path") == "r3" else "")
+        )
+        print(
+            f"{name:<22} {row['step_seconds']:>8.3f} {row['tokens_per_second']:>9.0f} "
+            f"{row['peak_memory_gib']:>12.2f} {row['loss']:>10.5f} {row['masked_frac']:>7.4f} {lag:>4} {ratios}"
+        )
     for row in result["modes"]:
         if "time_vs_without_r3" in row:
-            print(f"{row['mode']}{' +fused' if row.get('fused') else ''} with R3: {row['time_vs_without_r3']:.3f}x "
-                  f"the step without, {row['memory_vs_without_r3']:.3f}x its peak memory; replayed "
-                  f"{row['r3_replayed_frac']:.4f}, route fit {row['r3_route_fit']:.4f}, router differs "
-                  f"{row['r3_router_differs_frac']:.4f}, no route {row['r3_unrouted_frac']:.4f}")
+            print(
+                f"{row['mode']}{' +fused' if row.get('fused') else ''} with R3: {row['time_vs_without_r3']:.3f}x "
+                f"the step without, {row['memory_vs_without_r3']:.3f}x its peak memory; replayed "
+                f"{row['r3_replayed_frac']:.4f}, route fit {row['r3_route_fit']:.4f}, router differs "
+                f"{row['r3_router_differs_frac']:.4f}, no route {row['r3_unrouted_frac']:.4f}"
+            )
         if "time_vs_verl_path" in row:
-            print(f"{row['mode']}{' +fused' if row.get('fused') else ''}: the plugin's log-prob pass "
-                  f"{row['time_vs_verl_path']:.3f}x the step on verl's path, {row['memory_vs_verl_path']:.3f}x its "
-                  f"peak memory")
+            print(
+                f"{row['mode']}{' +fused' if row.get('fused') else ''}: the plugin's log-prob pass "
+                f"{row['time_vs_verl_path']:.3f}x the step on verl's path, {row['memory_vs_verl_path']:.3f}x its "
+                f"peak memory"
+            )
 
 
 def main(argv=None) -> int:

@@ -138,8 +138,12 @@ def measure(device: torch.device, fn, repeats: int, with_device_time: bool = Tru
     if not with_device_time:
         return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20}
     device_time = device_seconds(device, fn)
-    return {"seconds": seconds, "extra_peak_MiB": max(peaks) / 2**20, "device_seconds": device_time,
-            "device_share": device_time / seconds}
+    return {
+        "seconds": seconds,
+        "extra_peak_MiB": max(peaks) / 2**20,
+        "device_seconds": device_time,
+        "device_share": device_time / seconds,
+    }
 
 
 def device_seconds(device: torch.device, fn) -> float:
@@ -166,8 +170,11 @@ def profiled(device: torch.device, fn, row_limit: int = 0) -> tuple[float, int, 
             torch.cuda.synchronize()
     del out
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = [event for event in prof.events()
-              if event.device_type == kind and not getattr(event, "is_user_annotation", False)]
+    events = [
+        event
+        for event in prof.events()
+        if event.device_type == kind and not getattr(event, "is_user_annotation", False)
+    ]
     seconds = sum(event.self_device_time_total if cuda else event.self_cpu_time_total for event in events) / 1e6
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60) if row_limit else ""
@@ -191,6 +198,7 @@ def per_token(args, device, clock) -> dict:
             x = logits.detach().requires_grad_()
             (grad,) = torch.autograd.grad(loss_fn(x), x)
             return grad
+
         return run
 
     def troll_loss(x):
@@ -202,13 +210,19 @@ def per_token(args, device, clock) -> dict:
         "naive log_softmax(float) + gather": (None, lambda: torch.log_softmax(logits.float(), -1).gather(1, ids20)),
         "topk_divergence, kernels": ("auto", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp)),
         "topk_divergence, torch path, device chunks": (
-            "torch", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp)),
+            "torch",
+            lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp),
+        ),
         "topk_divergence, torch path, 8 MiB chunks": (
-            "torch", lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp, chunk_bytes=8 * 2**20)),
+            "torch",
+            lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp, chunk_bytes=8 * 2**20),
+        ),
     }
     both = {
         "fwd+bwd torch cross_entropy": (
-            None, backward_of(lambda x: (F.cross_entropy(x, sampled, reduction="none") * advantages).sum())),
+            None,
+            backward_of(lambda x: (F.cross_entropy(x, sampled, reduction="none") * advantages).sum()),
+        ),
         "fwd+bwd TROLL, kernels": ("auto", backward_of(troll_loss)),
         "fwd+bwd TROLL, kernels, Top(pi) by torch.topk": ("auto+topk", backward_of(troll_loss)),
         "fwd+bwd TROLL, torch path, device chunks": ("torch", backward_of(troll_loss)),
@@ -248,17 +262,31 @@ def launch_shapes(args, device, clock) -> dict:
             if device.type != "cuda" and (block, warps) != (1024, 4):
                 continue
             try:
-                first = measure(device, lambda: kernels.max_and_sum_exp_outside(
-                    logits, slots, block=block, num_warps=warps), args.repeats)["seconds"]
-                second = measure(device, lambda: kernels.scaled_exp_into(
-                    out, logits, base, coef, block=block, num_warps=warps), args.repeats)["seconds"]
-                threshold = measure(device, lambda: kernels.top_threshold(
-                    logits, 64, block=block, num_warps=warps), args.repeats)["seconds"]
+                first = measure(
+                    device,
+                    lambda: kernels.max_and_sum_exp_outside(logits, slots, block=block, num_warps=warps),
+                    args.repeats,
+                )["seconds"]
+                second = measure(
+                    device,
+                    lambda: kernels.scaled_exp_into(out, logits, base, coef, block=block, num_warps=warps),
+                    args.repeats,
+                )["seconds"]
+                threshold = measure(
+                    device, lambda: kernels.top_threshold(logits, 64, block=block, num_warps=warps), args.repeats
+                )["seconds"]
                 row_max, at = kernels.top_threshold(logits, 64, block=block, num_warps=warps)
-                below = measure(device, lambda: kernels.sum_exp_below(
-                    logits, slots, row_max, at, 260, block=block, num_warps=warps), args.repeats)["seconds"]
-                result[f"{block}/{warps}"] = {"max_and_sum_ms": first * 1e3, "scaled_exp_ms": second * 1e3,
-                                              "top_threshold_ms": threshold * 1e3, "sum_exp_below_ms": below * 1e3}
+                below = measure(
+                    device,
+                    lambda: kernels.sum_exp_below(logits, slots, row_max, at, 260, block=block, num_warps=warps),
+                    args.repeats,
+                )["seconds"]
+                result[f"{block}/{warps}"] = {
+                    "max_and_sum_ms": first * 1e3,
+                    "scaled_exp_ms": second * 1e3,
+                    "top_threshold_ms": threshold * 1e3,
+                    "sum_exp_below_ms": below * 1e3,
+                }
             except Exception as error:
                 result[f"{block}/{warps}"] = {"error": f"{type(error).__name__}: {error}"[:300]}
             clock(f"launch_shapes: BLOCK {block}, {warps} warps: {result[f'{block}/{warps}']}")
@@ -322,16 +350,20 @@ def fused(args, device, clock) -> dict:
     from bench_fused_topk import make_inputs
     from verl_dppo.math.kernels import backend_for
 
-    shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
-                               dtype="bfloat16" if device.type == "cuda" else "float32")
+    shape = argparse.Namespace(
+        t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5, dtype="bfloat16" if device.type == "cuda" else "float32"
+    )
     x = make_inputs(shape, device)
     rows, profiles = {}, {}
     for name, method, choice in FUSED_ROWS:
         step, stats = _fused_step(method, x)
         try:
             with kernels(choice):
-                rows[name] = {**measure(device, step, args.repeats), **stats,
-                              "backend": backend_for(x["hidden"].float())}
+                rows[name] = {
+                    **measure(device, step, args.repeats),
+                    **stats,
+                    "backend": backend_for(x["hidden"].float()),
+                }
                 if method in ("fused_topk", "fused_troll") and choice == "auto":
                     profiles[name] = profiled(device, step, row_limit=14)[2]
                     print(f"profile of {name}:\n{profiles[name]}", flush=True)
@@ -355,8 +387,7 @@ def fused(args, device, clock) -> dict:
         if "seconds" in rows[name] and "seconds" in rows.get("fused_binary, H=4096", {}):
             rows[name]["x_fused_binary"] = rows[name]["seconds"] / rows["fused_binary, H=4096"]["seconds"]
     del wide
-    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows,
-            "profiles": profiles}
+    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "chunk_tokens": 512, "rows": rows, "profiles": profiles}
 
 
 UNFUSED_STEPS = ("unfused_binary_verl", "unfused_binary_plugin", "unfused_troll_verl", "unfused_troll_plugin")
@@ -374,8 +405,9 @@ def unfused(args, device, clock) -> dict:
     from bench_fused_topk import make_inputs
 
     cuda = device.type == "cuda"
-    shape = argparse.Namespace(t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5,
-                               dtype="bfloat16" if cuda else "float32")
+    shape = argparse.Namespace(
+        t=args.fused_tokens, h=1024, v=args.vocab, noise=0.5, dtype="bfloat16" if cuda else "float32"
+    )
     x = make_inputs(shape, device)
     rows, profiles = {}, {}
     for name in UNFUSED_STEPS:
@@ -395,8 +427,16 @@ def unfused(args, device, clock) -> dict:
                 rows[name][f"x_{base}"] = rows[name]["seconds"] / rows[base]["seconds"]
     agreement = _logprob_agreement(x, min(args.fused_tokens, 2048))
     clock(f"unfused: agreement: {agreement}")
-    return {"T": args.fused_tokens, "H": 1024, "V": args.vocab, "dtype": shape.dtype, "rows": rows,
-            "profiles": profiles, "agreement": agreement, "flash_attn_cross_entropy": _flash_attn_ce()}
+    return {
+        "T": args.fused_tokens,
+        "H": 1024,
+        "V": args.vocab,
+        "dtype": shape.dtype,
+        "rows": rows,
+        "profiles": profiles,
+        "agreement": agreement,
+        "flash_attn_cross_entropy": _flash_attn_ce(),
+    }
 
 
 def _logprob_agreement(x: dict, rows: int) -> dict:
@@ -418,8 +458,12 @@ def _logprob_agreement(x: dict, rows: int) -> dict:
         values = {"float64": tuple(torch.cat(parts) for parts in zip(*exact))}
         values["verl"] = (logprobs_from_logits(logits, labels), entropy_from_logits(logits))
         values["plugin"] = logits_logprobs(logits, labels, entropy=True)
-    result = {"rows": rows, "logits_dtype": str(logits.dtype).replace("torch.", ""),
-              "entropy_mean": float(values["float64"][1].mean()), "log_p_mean": float(values["float64"][0].mean())}
+    result = {
+        "rows": rows,
+        "logits_dtype": str(logits.dtype).replace("torch.", ""),
+        "entropy_mean": float(values["float64"][1].mean()),
+        "log_p_mean": float(values["float64"][0].mean()),
+    }
     for a, b in (("verl", "float64"), ("plugin", "float64"), ("plugin", "verl")):
         result[f"{a}_vs_{b}"] = {
             "log_p_max_abs_diff": float((values[a][0].double() - values[b][0].double()).abs().max()),
@@ -433,8 +477,10 @@ def _flash_attn_ce() -> bool:
     try:
         from verl.utils import torch_functional
 
-        return bool(getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
-                    or getattr(torch_functional, "FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+        return bool(
+            getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+            or getattr(torch_functional, "FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+        )
     except Exception:  # noqa: BLE001
         return False
 
@@ -469,24 +515,38 @@ def troll_devices(args, device, clock) -> dict:
         log_p = (a.log_p_sampled.detach().cpu() - b.log_p_sampled.detach().cpu()).abs()
         return {
             "rows": rows,
-            "support_differs_rows": int((a.diagnostics["support_size"].cpu() != b.diagnostics["support_size"].cpu()).sum()),
+            "support_differs_rows": int(
+                (a.diagnostics["support_size"].cpu() != b.diagnostics["support_size"].cpu()).sum()
+            ),
             "projected_differs_rows": int((a.diagnostics["projected"].cpu() != b.diagnostics["projected"].cpu()).sum()),
             "log_p_max_abs_diff": float(log_p.max()),
             "log_p_rows_over_1e-5": int((log_p > 1e-5).sum()),
             "grad_max_abs_diff_x_max": float((grad_a - grad_b).abs().max() / grad_a.abs().max()),
         }
 
-    result = {"device_vs_cpu": compare(dev_terms, dev_grad, cpu_terms, cpu_grad),
-              "permuted_vocabulary_on_device": compare(dev_terms, dev_grad, perm_terms, perm_grad[:, new_id]),
-              "V": vocab, "K": k, "projected_rows": int(dev_terms.diagnostics["projected"].sum())}
+    result = {
+        "device_vs_cpu": compare(dev_terms, dev_grad, cpu_terms, cpu_grad),
+        "permuted_vocabulary_on_device": compare(dev_terms, dev_grad, perm_terms, perm_grad[:, new_id]),
+        "V": vocab,
+        "K": k,
+        "projected_rows": int(dev_terms.diagnostics["projected"].sum()),
+    }
     clock(f"troll_devices: {result}")
     return result
 
 
 def worker(args, device, clock) -> dict:
     out = Path(args.out) / "gpu_real_worker.json"
-    command = [sys.executable, str(HERE / "gpu_real_worker.py"), "--modes", "dppo_binary_tv,dppo_topk_tv,troll",
-               "--fused", "both", "--json", str(out)]
+    command = [
+        sys.executable,
+        str(HERE / "gpu_real_worker.py"),
+        "--modes",
+        "dppo_binary_tv,dppo_topk_tv,troll",
+        "--fused",
+        "both",
+        "--json",
+        str(out),
+    ]
     if device.type == "cpu":
         command += ["--device", "cpu", "--tiny"]
     else:  # dppo_binary_tv also on verl's own log-prob path, unfused and fused (FSDP1 here: verl's kernel runs)
@@ -502,8 +562,15 @@ def r3_worker(args, device, clock) -> dict:
     """R3 on verl's FSDP engine (issue 72.6): a Qwen3-MoE of Qwen3-30B-A3B's layer shape through verl's real worker,
     dppo_binary_tv without and with the rollout's routes replayed (gpu_real_worker.py --moe, a child process)."""
     out = Path(args.out) / "gpu_real_worker_r3.json"
-    command = [sys.executable, str(HERE / "gpu_real_worker.py"), "--moe", "--modes", "dppo_binary_tv",
-               "--json", str(out)]
+    command = [
+        sys.executable,
+        str(HERE / "gpu_real_worker.py"),
+        "--moe",
+        "--modes",
+        "dppo_binary_tv",
+        "--json",
+        str(out),
+    ]
     if device.type == "cpu":
         command += ["--device", "cpu", "--tiny"]
     else:
@@ -516,101 +583,155 @@ def r3_worker(args, device, clock) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# GPU check: {result['device']} (torch {result['torch']}, triton {result['triton']}), "
-             f"{result['date']}", ""]
+    lines = [
+        f"# GPU check: {result['device']} (torch {result['torch']}, triton {result['triton']}), {result['date']}",
+        "",
+    ]
     part = result.get("per_token")
     if part:
-        lines += [f"## Per-token work: N = {part['N']:,}, V = {part['V']:,}, bf16, K = 20 (Top-K) / 64 (TROLL)", "",
-                  "| method | time ms | device ms | x one read | x torch CE | extra peak MiB | x logits |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Per-token work: N = {part['N']:,}, V = {part['V']:,}, bf16, K = 20 (Top-K) / 64 (TROLL)",
+            "",
+            "| method | time ms | device ms | x one read | x torch CE | extra peak MiB | x logits |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, row in part["rows"].items():
             if "error" in row:
                 lines.append(f"| {name} | {row['error']} | | | | | |")
                 continue
             label = f"{name} ({row['backend']})" if "backend" in row else name
-            lines.append(f"| {label} | {row['seconds'] * 1e3:.2f} | {row.get('device_seconds', math.nan) * 1e3:.2f} | "
-                         f"{row.get('x_one_read', math.nan):.2f} | "
-                         f"{row.get('x_torch_ce', math.nan):.2f} | {row['extra_peak_MiB']:,.0f} | "
-                         f"{row.get('extra_peak_x_logits', math.nan):.3f} |")
+            lines.append(
+                f"| {label} | {row['seconds'] * 1e3:.2f} | {row.get('device_seconds', math.nan) * 1e3:.2f} | "
+                f"{row.get('x_one_read', math.nan):.2f} | "
+                f"{row.get('x_torch_ce', math.nan):.2f} | {row['extra_peak_MiB']:,.0f} | "
+                f"{row.get('extra_peak_x_logits', math.nan):.3f} |"
+            )
         lines.append("")
     part = result.get("launch_shapes")
     if part and "one_read_ms" in part:
-        lines += [f"## Launch shapes (BLOCK/warps): the kernels in ms; one read of the logits {part['one_read_ms']:.2f} ms",
-                  "", "| BLOCK/warps | max_and_sum_exp_outside | scaled_exp_into | top_threshold (K + 1 = 65) | "
-                  "sum_exp_below |", "|---|---|---|---|---|"]
+        lines += [
+            f"## Launch shapes (BLOCK/warps): the kernels in ms; one read of the logits {part['one_read_ms']:.2f} ms",
+            "",
+            "| BLOCK/warps | max_and_sum_exp_outside | scaled_exp_into | top_threshold (K + 1 = 65) | sum_exp_below |",
+            "|---|---|---|---|---|",
+        ]
         for name, row in part.items():
             if name != "one_read_ms":
-                lines.append(f"| {name} | {row.get('max_and_sum_ms', math.nan):.2f} | "
-                             f"{row.get('scaled_exp_ms', math.nan):.2f} | {row.get('top_threshold_ms', math.nan):.2f} | "
-                             f"{row.get('sum_exp_below_ms', math.nan):.2f} |" if "error" not in row else
-                             f"| {name} | {row['error']} | | | |")
+                lines.append(
+                    f"| {name} | {row.get('max_and_sum_ms', math.nan):.2f} | "
+                    f"{row.get('scaled_exp_ms', math.nan):.2f} | {row.get('top_threshold_ms', math.nan):.2f} | "
+                    f"{row.get('sum_exp_below_ms', math.nan):.2f} |"
+                    if "error" not in row
+                    else f"| {name} | {row['error']} | | | |"
+                )
         lines.append("")
     part = result.get("fused")
     if part:
-        lines += [f"## Fused with the LM head: T = {part['T']:,}, H = {part['H']:,}, 512 tokens a chunk, fwd + bwd", "",
-                  "| method | time ms | device ms | x fused_binary | extra peak MiB |", "|---|---|---|---|---|"]
+        lines += [
+            f"## Fused with the LM head: T = {part['T']:,}, H = {part['H']:,}, 512 tokens a chunk, fwd + bwd",
+            "",
+            "| method | time ms | device ms | x fused_binary | extra peak MiB |",
+            "|---|---|---|---|---|",
+        ]
         for name, row in part["rows"].items():
             if "error" in row:
                 lines.append(f"| {name} | {row['error']} | | | |")
             else:
                 label = f"{name} ({row['backend']})" if "backend" in row and name != "fused_binary" else name
-                lines.append(f"| {label} | {row['seconds'] * 1e3:.1f} | "
-                             f"{row.get('device_seconds', math.nan) * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
-                             f"{row['extra_peak_MiB']:,.0f} |")
+                lines.append(
+                    f"| {label} | {row['seconds'] * 1e3:.1f} | "
+                    f"{row.get('device_seconds', math.nan) * 1e3:.1f} | {row.get('x_fused_binary', math.nan):.3f} | "
+                    f"{row['extra_peak_MiB']:,.0f} |"
+                )
         lines.append("")
     part = result.get("unfused")
     if part and "rows" in part:
-        lines += [f"## Unfused steps (the [T, V] logits formed): T = {part['T']:,}, H = {part['H']:,}, fwd + bwd with "
-                  "the entropy", "", "| step | time ms | device ms | device events | x binary, verl's path | "
-                  "x binary, plugin's pass | extra peak MiB |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Unfused steps (the [T, V] logits formed): T = {part['T']:,}, H = {part['H']:,}, fwd + bwd with "
+            "the entropy",
+            "",
+            "| step | time ms | device ms | device events | x binary, verl's path | "
+            "x binary, plugin's pass | extra peak MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, row in part["rows"].items():
             if "error" in row:
                 lines.append(f"| {name} | {row['error']} | | | | | |")
             else:
-                lines.append(f"| {name} | {row['seconds'] * 1e3:.1f} | {row['device_seconds'] * 1e3:.1f} | "
-                             f"{row['device_events']:,} | {row.get('x_unfused_binary_verl', 1.0):.3f} | "
-                             f"{row.get('x_unfused_binary_plugin', 1.0):.3f} | {row['extra_peak_MiB']:,.0f} |")
+                lines.append(
+                    f"| {name} | {row['seconds'] * 1e3:.1f} | {row['device_seconds'] * 1e3:.1f} | "
+                    f"{row['device_events']:,} | {row.get('x_unfused_binary_verl', 1.0):.3f} | "
+                    f"{row.get('x_unfused_binary_plugin', 1.0):.3f} | {row['extra_peak_MiB']:,.0f} |"
+                )
         agreement = part["agreement"]
-        lines += ["", f"log pi(a_t) and the entropy on {agreement['rows']:,} rows of {agreement['logits_dtype']} "
-                  "logits, largest absolute differences:", "", "| pair | log pi(a_t) | entropy |", "|---|---|---|"]
+        lines += [
+            "",
+            f"log pi(a_t) and the entropy on {agreement['rows']:,} rows of {agreement['logits_dtype']} "
+            "logits, largest absolute differences:",
+            "",
+            "| pair | log pi(a_t) | entropy |",
+            "|---|---|---|",
+        ]
         for pair in ("verl_vs_float64", "plugin_vs_float64", "plugin_vs_verl"):
-            lines.append(f"| {pair} | {agreement[pair]['log_p_max_abs_diff']:.2e} | "
-                         f"{agreement[pair]['entropy_max_abs_diff']:.2e} |")
+            lines.append(
+                f"| {pair} | {agreement[pair]['log_p_max_abs_diff']:.2e} | "
+                f"{agreement[pair]['entropy_max_abs_diff']:.2e} |"
+            )
         lines.append("")
     part = result.get("troll_devices")
     if part:
-        lines += [f"## TROLL on bf16 ties: {part['device_vs_cpu']['rows']} rows, V = {part['V']:,}, K = {part['K']}, "
-                  f"{part['projected_rows']} rows projected", "",
-                  "| comparison | support differs | projected differs | max abs diff log p(a_t) | rows over 1e-5 | "
-                  "grad max diff / max |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## TROLL on bf16 ties: {part['device_vs_cpu']['rows']} rows, V = {part['V']:,}, K = {part['K']}, "
+            f"{part['projected_rows']} rows projected",
+            "",
+            "| comparison | support differs | projected differs | max abs diff log p(a_t) | rows over 1e-5 | "
+            "grad max diff / max |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in ("device_vs_cpu", "permuted_vocabulary_on_device"):
             row = part[name]
-            lines.append(f"| {name} | {row['support_differs_rows']} | {row['projected_differs_rows']} | "
-                         f"{row['log_p_max_abs_diff']:.2e} | {row['log_p_rows_over_1e-5']} | "
-                         f"{row['grad_max_abs_diff_x_max']:.2e} |")
+            lines.append(
+                f"| {name} | {row['support_differs_rows']} | {row['projected_differs_rows']} | "
+                f"{row['log_p_max_abs_diff']:.2e} | {row['log_p_rows_over_1e-5']} | "
+                f"{row['grad_max_abs_diff_x_max']:.2e} |"
+            )
         lines.append("")
     part = result.get("worker")
     if part and part.get("modes"):
-        lines += [f"## verl's real worker: {part.get('tokens', 0):,} tokens a step, responses <= "
-                  f"{part.get('response_length')}", "",
-                  "| mode | fused | log-prob path | step s | x binary (same fused) | peak GiB | "
-                  "first step's mean TV(mu, pi) on a_t |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## verl's real worker: {part.get('tokens', 0):,} tokens a step, responses <= "
+            f"{part.get('response_length')}",
+            "",
+            "| mode | fused | log-prob path | step s | x binary (same fused) | peak GiB | "
+            "first step's mean TV(mu, pi) on a_t |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in part["modes"]:
-            lines.append(f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
-                         f"{row['step_seconds']:.3f} | {row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} | "
-                         f"{row.get('first_step_mismatch_tv_mean', math.nan):.3g} |")
+            lines.append(
+                f"| {row['mode']} | {row.get('fused', False)} | {row.get('logprob_path', 'plugin')} | "
+                f"{row['step_seconds']:.3f} | {row['time_vs_binary_tv']:.3f} | {row['peak_memory_gib']:.2f} | "
+                f"{row.get('first_step_mismatch_tv_mean', math.nan):.3g} |"
+            )
     part = result.get("r3_worker")
     if part and part.get("modes"):
-        lines += ["", f"## R3 on verl's FSDP engine: a Qwen3-MoE of {part.get('experts')} experts, top-"
-                  f"{part.get('experts_per_token')}, {part.get('layers')} layers, {part.get('tokens', 0):,} tokens a "
-                  "step", "", "| replay | step s | x without R3 (goal <= 1.05) | peak GiB | x without | replayed | "
-                  "route fit | router differs |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## R3 on verl's FSDP engine: a Qwen3-MoE of {part.get('experts')} experts, top-"
+            f"{part.get('experts_per_token')}, {part.get('layers')} layers, {part.get('tokens', 0):,} tokens a "
+            "step",
+            "",
+            "| replay | step s | x without R3 (goal <= 1.05) | peak GiB | x without | replayed | "
+            "route fit | router differs |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for row in part["modes"]:
             r3 = row.get("logprob_path") == "r3"
-            lines.append(f"| {'R3' if r3 else 'none'} | {row['step_seconds']:.3f} | "
-                         f"{row.get('time_vs_without_r3', 1.0):.3f} | {row['peak_memory_gib']:.2f} | "
-                         f"{row.get('memory_vs_without_r3', 1.0):.3f} | {row.get('r3_replayed_frac', math.nan):.4f} | "
-                         f"{row.get('r3_route_fit', math.nan):.4f} | {row.get('r3_router_differs_frac', math.nan):.4f} |")
+            lines.append(
+                f"| {'R3' if r3 else 'none'} | {row['step_seconds']:.3f} | "
+                f"{row.get('time_vs_without_r3', 1.0):.3f} | {row['peak_memory_gib']:.2f} | "
+                f"{row.get('memory_vs_without_r3', 1.0):.3f} | {row.get('r3_replayed_frac', math.nan):.4f} | "
+                f"{row.get('r3_route_fit', math.nan):.4f} | {row.get('r3_router_differs_frac', math.nan):.4f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -645,8 +766,13 @@ def main(argv=None) -> int:
     clock = Clock()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU", "torch": torch.__version__,
-              "triton": triton_version(), "date": time.strftime("%Y-%m-%d"), "complete": False}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "complete": False,
+    }
     clock(f"{result['device']}, torch {result['torch']}, triton {result['triton']}; parts {', '.join(parts)}")
     for name in parts:
         try:

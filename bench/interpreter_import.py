@@ -55,8 +55,12 @@ def one_import(python: str, site_packages: str) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--python", action="append", help="an interpreter to time (repeatable); default: each "
-                        "Python 3.11 on PATH, the one .venv was made with first")
+    parser.add_argument(
+        "--python",
+        action="append",
+        help="an interpreter to time (repeatable); default: each "
+        "Python 3.11 on PATH, the one .venv was made with first",
+    )
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     pythons = args.python or candidates()
@@ -74,8 +78,10 @@ def main() -> None:
     print(f"import verl on {site_packages}, median of {args.repeats}, sides interleaved:")
     for python in pythons:
         median_cpu, median_wall = statistics.median(cpu[python]), statistics.median(wall[python])
-        print(f"  {python}: CPU {median_cpu:.2f} s ({median_cpu / base_cpu:.2f}x), "
-              f"wall {median_wall:.2f} s ({median_wall / base_wall:.2f}x)")
+        print(
+            f"  {python}: CPU {median_cpu:.2f} s ({median_cpu / base_cpu:.2f}x), "
+            f"wall {median_wall:.2f} s ({median_wall / base_wall:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -55,14 +55,18 @@ def main() -> None:
     sweep = {}
     for block in (1024, 2048, 4096):
         for warps in (4, 8, 16):
-            sweep[f"{block}/{warps}"] = timed(lambda: kernels.max_and_sum_exp_outside(
-                logits, slots, block=block, num_warps=warps))
+            sweep[f"{block}/{warps}"] = timed(
+                lambda: kernels.max_and_sum_exp_outside(logits, slots, block=block, num_warps=warps)
+            )
             print(block, warps, sweep[f"{block}/{warps}"], flush=True)
     result["sweep"] = sweep
     candidates = torch.cat([sampled[:, None], ids, logits.topk(65, dim=1).indices], dim=1)  # TROLL's 130 ids
     for block, warps in ((1024, 4), (2048, 8), (4096, 16)):
-        result[f"troll_candidates_{block}/{warps}"] = timed(lambda: kernels.max_and_sum_exp_outside(
-            logits, candidates, row_max=logits.amax(dim=-1).float(), block=block, num_warps=warps))
+        result[f"troll_candidates_{block}/{warps}"] = timed(
+            lambda: kernels.max_and_sum_exp_outside(
+                logits, candidates, row_max=logits.amax(dim=-1).float(), block=block, num_warps=warps
+            )
+        )
         print(block, warps, "troll candidates", result[f"troll_candidates_{block}/{warps}"], flush=True)
     result["topk_divergence_ms"] = timed(lambda: topk_divergence(logits, ids20, lps20, sampled, sampled_lp))
     print(result, flush=True)

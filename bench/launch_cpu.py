@@ -47,15 +47,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", default="sync-dppo_topk_kl", help="the pool's launch (DPPO_FULL_LOOP_ONLY)")
     parser.add_argument("--tier", default="tests/e2e/test_full_loop.py")
-    parser.add_argument("-k", help="pytest's -k (default: the tier's every test; those reading runs other than "
-                        "--run skip, as with DPPO_FULL_LOOP_ONLY)")
+    parser.add_argument(
+        "-k",
+        help="pytest's -k (default: the tier's every test; those reading runs other than "
+        "--run skip, as with DPPO_FULL_LOOP_ONLY)",
+    )
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--imports", action="store_true", help="also the seconds each process spends importing")
     args = parser.parse_args()
     env = dict(os.environ, DPPO_FULL_LOOP_ONLY=args.run, **({"PYTHONPROFILEIMPORTTIME": "1"} if args.imports else {}))
     basetemp = Path(tempfile.mkdtemp(prefix="launch-cpu-"))
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "e2e", args.tier, *(("-k", args.k) if args.k else ()),
-               "-p", "no:cacheprovider", f"--basetemp={basetemp}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "e2e",
+        args.tier,
+        *(("-k", args.k) if args.k else ()),
+        "-p",
+        "no:cacheprovider",
+        f"--basetemp={basetemp}",
+    ]
     log = tempfile.TemporaryFile("w+")  # not a pipe: a failing launch's output would fill it and stop pytest
     start = time.perf_counter()
     pytest = psutil.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
@@ -77,8 +91,10 @@ def main() -> None:
     for name, seconds in seen.values():
         by_name.setdefault(name, []).append(seconds)
     total = sum(seconds for _, seconds in seen.values())
-    print(f"{args.run}: pytest {wall:.0f} s, the launch {launch.split()[-2] if launch else '?'} s; CPU of every "
-          f"process seen: {total:.1f} s")
+    print(
+        f"{args.run}: pytest {wall:.0f} s, the launch {launch.split()[-2] if launch else '?'} s; CPU of every "
+        f"process seen: {total:.1f} s"
+    )
     print("| process | count | CPU (s) | share |\n|---|---|---|---|")
     for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1])):
         if sum(times) >= 0.5:
@@ -102,7 +118,7 @@ def import_table(launch_log: Path) -> None:
         prefix, imported = PREFIX.match(line), IMPORT_LINE.search(line)
         if prefix is not None and prefix.group(1):
             actors.setdefault(prefix.group(2), prefix.group(1))
-        if imported is None or not line[prefix.end() if prefix else 0:].lstrip("\x1b[0m ").startswith("import time:"):
+        if imported is None or not line[prefix.end() if prefix else 0 :].lstrip("\x1b[0m ").startswith("import time:"):
             continue
         process = prefix.group(2) if prefix else "driver"
         cumulative, indent, package = imported.groups()

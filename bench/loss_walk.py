@@ -63,9 +63,13 @@ def walk(mode: str, delta: float) -> list[str]:
     model_output, data, _ = micro_batch()
     sys.settrace(tracer)
     try:
-        config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, clip_ratio_high=0.28,
-                             policy_loss=DPPOLossConfig(loss_mode=mode, delta_low=delta, delta_high=delta,
-                                                        ratio_cap=10000.0))
+        config = ActorConfig(
+            strategy="fsdp",
+            rollout_n=1,
+            ppo_micro_batch_size_per_gpu=4,
+            clip_ratio_high=0.28,
+            policy_loss=DPPOLossConfig(loss_mode=mode, delta_low=delta, delta_high=delta, ratio_cap=10000.0),
+        )
         loss, _ = ppo_loss(config, model_output, data)
     finally:
         sys.settrace(None)
@@ -95,8 +99,10 @@ def main() -> None:
         if into in seen:
             distinct.add((left, left_fn, into, into_fn))
         seen.add(left)
-    print(f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left "
-          f"({len(distinct)} distinct: a call site counted once however often a loop makes it)")
+    print(
+        f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left "
+        f"({len(distinct)} distinct: a call site counted once however often a loop makes it)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,10 @@ class PeakMemory:
 def check_allocator(device: torch.device) -> None:
     """Refuse a CPU memory measurement in a process whose allocator keeps freed memory (see the module docstring)."""
     if device.type == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-        raise SystemExit(f"a CPU memory measurement needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}: run it through "
-                         "child_json (the benchmark's own entry point does)")
+        raise SystemExit(
+            f"a CPU memory measurement needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}: run it through "
+            "child_json (the benchmark's own entry point does)"
+        )
 
 
 def child_json(extra_args: list[str], device: str) -> dict:
@@ -72,6 +74,7 @@ def child_json(extra_args: list[str], device: str) -> dict:
         env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     child = subprocess.run([sys.executable, *sys.argv, *extra_args], env=env, capture_output=True, text=True)
     if child.returncode != 0:
-        raise SystemExit(f"the measurement child {' '.join(extra_args)} failed (exit {child.returncode}):\n"
-                         + child.stderr[-3000:])
+        raise SystemExit(
+            f"the measurement child {' '.join(extra_args)} failed (exit {child.returncode}):\n" + child.stderr[-3000:]
+        )
     return json.loads(child.stdout.strip().splitlines()[-1])

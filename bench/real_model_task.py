@@ -59,18 +59,26 @@ def main() -> int:
 
     start, right, lengths = time.perf_counter(), [], []
     for first in range(0, len(rows), 16):
-        batch = rows[first:first + 16]
-        texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-                 for row in batch]
+        batch = rows[first : first + 16]
+        texts = [
+            tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in batch
+        ]
         encoded = tokenizer(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
-            out = model.generate(**encoded, do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0,
-                                 max_new_tokens=args.max_new_tokens, num_return_sequences=args.samples,
-                                 pad_token_id=pad)
-        generated = out[:, encoded["input_ids"].shape[1]:]
+            out = model.generate(
+                **encoded,
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=args.max_new_tokens,
+                num_return_sequences=args.samples,
+                pad_token_id=pad,
+            )
+        generated = out[:, encoded["input_ids"].shape[1] :]
         for index, row in enumerate(batch):
             count = 0
-            for sample in generated[index * args.samples:(index + 1) * args.samples]:
+            for sample in generated[index * args.samples : (index + 1) * args.samples]:
                 text = tokenizer.decode(sample, skip_special_tokens=True)
                 count += int(last_number("", text, row["reward_model"]["ground_truth"]))
                 lengths.append(int(sample.ne(pad).sum()))
@@ -81,18 +89,23 @@ def main() -> int:
     agree = [(comb(c, n) + comb(k - c, n)) / comb(k, n) for c in right]
     mean_agree = sum(agree) / len(agree)
     result = {
-        "sums": len(rows), "samples": k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+        "sums": len(rows),
+        "samples": k,
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
         "reward_rate": sum(right) / (k * len(right)),
         "sums_never_right": sum(c == 0 for c in right) / len(right),
         "sums_always_right": sum(c == k for c in right) / len(right),
         "group_agrees": mean_agree,
-        "step_all_groups_agree": mean_agree ** args.prompts_per_step,
+        "step_all_groups_agree": mean_agree**args.prompts_per_step,
         "mean_response_tokens": sum(lengths) / len(lengths),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    print(f"reward rate {result['reward_rate']:.3f}; sums never right in {k} samples {result['sums_never_right']:.2f}, "
-          f"always right {result['sums_always_right']:.2f}; a group of {n} agrees {mean_agree:.3f}; a step's "
-          f"{args.prompts_per_step} groups all agree ~{result['step_all_groups_agree']:.3f}")
+    print(
+        f"reward rate {result['reward_rate']:.3f}; sums never right in {k} samples {result['sums_never_right']:.2f}, "
+        f"always right {result['sums_always_right']:.2f}; a group of {n} agrees {mean_agree:.3f}; a step's "
+        f"{args.prompts_per_step} groups all agree ~{result['step_all_groups_agree']:.3f}"
+    )
     print(json.dumps(result))
     return 0
 

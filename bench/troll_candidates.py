@@ -52,15 +52,19 @@ def main() -> None:
     peaked[:, -1] = rest + torch.log(torch.tensor((1 - 1e-6) / 1e-6))  # p(top) = 1 - 1e-6 against the rest
     coarse = (body * 2).round() / 2
     room = max(CANDIDATE_ROOM, 4 * (args.k + 1))
-    print(f"N = {args.n} rows, V = {args.vocab:,}, bf16, K = {args.k}: pi's top {args.k + 1} by the lanes' threshold, "
-          f"room {room} a row")
+    print(
+        f"N = {args.n} rows, V = {args.vocab:,}, bf16, K = {args.k}: pi's top {args.k + 1} by the lanes' threshold, "
+        f"room {room} a row"
+    )
     print("| rows | candidates per row: min | median | max | rows read again by torch's top-k |")
     print("|---|---|---|---|---|")
     for name, rows in (("body N(0, 4)", body), ("peaked (1 - 1e-6)", peaked), ("coarse (multiples of 0.5)", coarse)):
         count = candidates(rows.to(torch.bfloat16), args.k)
         crowded = int((count > room).sum())
-        print(f"| {name} | {int(count.min())} | {int(count.median())} | {int(count.max())} | "
-              f"{crowded} of {args.n} ({crowded / args.n:.1%}) |")
+        print(
+            f"| {name} | {int(count.min())} | {int(count.median())} | {int(count.max())} | "
+            f"{crowded} of {args.n} ({crowded / args.n:.1%}) |"
+        )
 
 
 if __name__ == "__main__":

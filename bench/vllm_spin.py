@@ -68,21 +68,33 @@ CHILD = textwrap.dedent("""
 
 
 def run_side(side: str, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCHDYNAMO_DISABLE": "1"}
+    env = {
+        **os.environ,
+        "VERL_PLATFORM": "cpu",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
     env.pop("VLLM_PLUGINS", None)
     if side == "shipped":
         from importlib.metadata import entry_points
 
-        env["VLLM_PLUGINS"] = ",".join(e.name for e in entry_points(group="vllm.general_plugins")
-                                       if e.name != "dppo_cpu")
-    result = subprocess.run([sys.executable, "-c", CHILD, args.model, args.dtype, str(args.requests),
-                             str(args.tokens), str(args.logprobs)], capture_output=True, text=True, env=env,
-                            timeout=1800)
+        env["VLLM_PLUGINS"] = ",".join(
+            e.name for e in entry_points(group="vllm.general_plugins") if e.name != "dppo_cpu"
+        )
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, args.model, args.dtype, str(args.requests), str(args.tokens), str(args.logprobs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result.returncode != 0 or line is None:
         sys.exit(f"side {side} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def engine_core(measured: dict) -> float:
@@ -108,22 +120,35 @@ def main() -> None:
         args.model = str(build_real_model()[0])
     runs = {"shipped": [], "plugin": []}
     for repeat in range(args.repeats):
-        for side in (("shipped", "plugin") if repeat % 2 == 0 else ("plugin", "shipped")):
+        for side in ("shipped", "plugin") if repeat % 2 == 0 else ("plugin", "shipped"):
             runs[side].append(run_side(side, args))
             m = runs[side][-1]
-            print(f"  {side:8s} wall {m['wall']:6.1f} s  worker {workers(m):6.1f} s CPU  engine core "
-                  f"{engine_core(m):6.1f} s CPU  front end {m['front']:5.1f} s CPU", flush=True)
-    median = {side: {key: statistics.median(f(m) for m in measured) for key, f in
-                     (("wall", lambda m: m["wall"]), ("worker", workers), ("engine_core", engine_core))}
-              for side, measured in runs.items()}
-    print(f"{args.requests} requests x {args.tokens} tokens, logprobs={args.logprobs}, {args.dtype}, "
-          f"median of {args.repeats}:")
+            print(
+                f"  {side:8s} wall {m['wall']:6.1f} s  worker {workers(m):6.1f} s CPU  engine core "
+                f"{engine_core(m):6.1f} s CPU  front end {m['front']:5.1f} s CPU",
+                flush=True,
+            )
+    median = {
+        side: {
+            key: statistics.median(f(m) for m in measured)
+            for key, f in (("wall", lambda m: m["wall"]), ("worker", workers), ("engine_core", engine_core))
+        }
+        for side, measured in runs.items()
+    }
+    print(
+        f"{args.requests} requests x {args.tokens} tokens, logprobs={args.logprobs}, {args.dtype}, "
+        f"median of {args.repeats}:"
+    )
     for side, m in median.items():
-        print(f"  {side:8s} wall {m['wall']:6.1f} s  worker {m['worker']:6.1f} s  engine core {m['engine_core']:6.1f} s"
-              f" ({m['engine_core'] / m['wall']:.0%} of a core)")
+        print(
+            f"  {side:8s} wall {m['wall']:6.1f} s  worker {m['worker']:6.1f} s  engine core {m['engine_core']:6.1f} s"
+            f" ({m['engine_core'] / m['wall']:.0%} of a core)"
+        )
     shipped, plugin = median["shipped"], median["plugin"]
-    print(f"plugin / shipped: wall {plugin['wall'] / shipped['wall']:.2f}x, engine core CPU "
-          f"{plugin['engine_core'] / max(shipped['engine_core'], 1e-9):.3f}x")
+    print(
+        f"plugin / shipped: wall {plugin['wall'] / shipped['wall']:.2f}x, engine core CPU "
+        f"{plugin['engine_core'] / max(shipped['engine_core'], 1e-9):.3f}x"
+    )
 
 
 if __name__ == "__main__":

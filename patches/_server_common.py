@@ -14,8 +14,17 @@ import contextvars
 import functools
 from typing import Any, Optional
 
-__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "RolloutTopKError", "rollout_topk", "warn_truncated_sampling",
-           "capture_outputs_of", "generate_capturing", "REQUEST_K"]
+__all__ = [
+    "CUSTOM_KEY",
+    "EXTRA_IDS",
+    "EXTRA_LOGPROBS",
+    "RolloutTopKError",
+    "rollout_topk",
+    "warn_truncated_sampling",
+    "capture_outputs_of",
+    "generate_capturing",
+    "REQUEST_K",
+]
 
 # The names and K's hand-over are defined once, in the plugin (the hf rollout uses them too).
 from verl_dppo.plugin.rollout_fields import (  # noqa: E402
@@ -35,7 +44,6 @@ REQUEST_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("verl_
 
 
 _CAPTURE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("verl_dppo_capture", default=None)
-
 
 
 def capture_outputs_of(engine: Any, name: str) -> None:

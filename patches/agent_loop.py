@@ -58,8 +58,9 @@ __all__ = [
 logger = logging.getLogger("verl_dppo")
 
 
-_TRAJECTORY: contextvars.ContextVar[Optional["_Trajectory"]] = contextvars.ContextVar("verl_dppo_topk_trajectory",
-                                                                                     default=None)
+_TRAJECTORY: contextvars.ContextVar[Optional["_Trajectory"]] = contextvars.ContextVar(
+    "verl_dppo_topk_trajectory", default=None
+)
 
 
 # ------------------------------------------------------------------------------------------ per-trajectory rows
@@ -104,7 +105,7 @@ class _Trajectory:
             while last < len(self.turns) and offsets[last] - offsets[first] < wanted.size:
                 last += 1
             if offsets[last] - offsets[first] == wanted.size and all(
-                np.array_equal(self.turns[i][0], wanted[offsets[i] - offsets[first]: offsets[i + 1] - offsets[first]])
+                np.array_equal(self.turns[i][0], wanted[offsets[i] - offsets[first] : offsets[i + 1] - offsets[first]])
                 for i in range(first, last)
             ):
                 self.merged_turns = last
@@ -124,7 +125,7 @@ class _Trajectory:
         rows = None
         if merge_result.kind == "assistant":
             merged = merge_result.token_ids
-            rows = self.rows_of_merge(merged[len(merged) - merge_result.appended_token_count:])
+            rows = self.rows_of_merge(merged[len(merged) - merge_result.appended_token_count :])
         _, layout = original_align(builder, merge_result, response_mask, layout, assistant_logprobs=rows)
         self.layouts.append((aligned_mask, [int(slot) for slot in layout]))
 
@@ -292,10 +293,12 @@ def patch_agent_loop(module: Any) -> None:
         return as_dict
 
     def make_align(original_align):
-        def align_response_metadata(self, merge_result, response_mask, response_logprobs=None, *,
-                                     assistant_logprobs=None):
-            aligned_mask, aligned_logprobs = original_align(self, merge_result, response_mask, response_logprobs,
-                                                            assistant_logprobs=assistant_logprobs)
+        def align_response_metadata(
+            self, merge_result, response_mask, response_logprobs=None, *, assistant_logprobs=None
+        ):
+            aligned_mask, aligned_logprobs = original_align(
+                self, merge_result, response_mask, response_logprobs, assistant_logprobs=assistant_logprobs
+            )
             current = _TRAJECTORY.get()
             if current is not None:
                 current.follow(self, original_align, merge_result, response_mask, aligned_mask)
@@ -310,5 +313,3 @@ def patch_agent_loop(module: Any) -> None:
     patch_once(module.AgentLoopWorker, "_run_agent_loop", make_run)
     patch_once(module.AgentLoopOutput, "as_dict", make_as_dict)
     patch_once(ContinuousTokenBuilder, "align_response_metadata", make_align)
-
-

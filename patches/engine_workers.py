@@ -66,8 +66,11 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
     megatron = getattr(engine_config, "strategy", None) == "megatron"
     if use_fused:  # the hook then runs fused with the LM head (verl_dppo.patches.fused_lm_head), where it can
         model = getattr(worker, "model_config", None)
-        backend = ((getattr(model, "fused_kernel_options", None) or {}).get("impl_backend", "torch")
-                   if model is not None else "torch")
+        backend = (
+            (getattr(model, "fused_kernel_options", None) or {}).get("impl_backend", "torch")
+            if model is not None
+            else "torch"
+        )
         problem = fused_kernels_problem(mode, megatron, backend, getattr(engine_config, "use_remove_padding", True))
         if problem is not None:
             raise ValueError(problem)
@@ -80,8 +83,10 @@ def prepare_train_batch(worker: Any, data: Any) -> None:
 
         check_context_parallel_layout(mode, engine_config, getattr(worker, "engine", None))
         # the split arguments the engine's forward gives the input ids, and the model's own vocabulary
-        tu.assign_non_tensor(data, **{LAYOUT_KEY: megatron_layout(getattr(worker, "engine", None),
-                                                                  getattr(worker, "model_config", None))})
+        tu.assign_non_tensor(
+            data,
+            **{LAYOUT_KEY: megatron_layout(getattr(worker, "engine", None), getattr(worker, "model_config", None))},
+        )
     missing = [key for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs") if key not in data.keys()]
     if missing:
         raise ValueError(f"{mode} needs {', '.join(missing)} in the training batch: set {ROLLOUT_SETTINGS}")
@@ -106,7 +111,9 @@ def _disable_inplace_cross_entropy(mode: str) -> None:
         os.environ["VERL_DISABLE_FLASH_ATTN_CE"] = "1"
         logging.getLogger("verl_dppo").warning(
             "%s with actor.use_kl_loss=True: VERL_DISABLE_FLASH_ATTN_CE=1 set in this worker, so that the KL loss's "
-            "backward through verl's log-probs does not overwrite the logits TROLL's backward reads", mode)
+            "backward through verl's log-probs does not overwrite the logits TROLL's backward reads",
+            mode,
+        )
 
 
 def patch_engine_workers(module: Any) -> None:

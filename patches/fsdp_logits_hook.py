@@ -45,12 +45,12 @@ __all__ = ["logits_processor", "fused_lm_head_outputs", "packed_rollout_fields",
 def _checked_mode(config: Any, data: Any) -> tuple[str, int]:
     loss_mode = policy_loss_get(config, "loss_mode")
     if not is_topk_mode(loss_mode):
-        raise RuntimeError(
-            f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {list(topk_modes())} use it"
-        )
+        raise RuntimeError(f"the Top-K logits hook ran for loss mode {loss_mode!r}; only {list(topk_modes())} use it")
     for key in (TOPK_IDS, TOPK_LOGPROBS, "rollout_log_probs"):
         if key not in data.keys():
-            raise ValueError(f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}")
+            raise ValueError(
+                f"{loss_mode} needs the rollout's {key} in the batch, which has none: set {ROLLOUT_SETTINGS}"
+            )
     return loss_mode, configured_topk(config)
 
 
@@ -85,8 +85,13 @@ def _topk_outputs(tv: torch.Tensor, kl: torch.Tensor, unusable: torch.Tensor) ->
 
 
 def fused_lm_head_outputs(
-    config: Any, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
-    data: Any, entropy: bool,
+    config: Any,
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    data: Any,
+    entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The hook's outputs under `use_fused_kernels` (FSDP), from the LM head's input instead of its logits: what
     verl's `FusedLinearForPPO` returns (log pi(labels) float32 and the entropy, shaped like `labels`; the entropy 0
@@ -110,14 +115,33 @@ def fused_lm_head_outputs(
     if logits_hook(loss_mode) == "troll":
         options = troll_mode.troll_options(config)
         terms, policy = fused_troll_token_terms(
-            hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable, temperature=temperature,
-            eps=options.eps, support_mass=options.support_mass, topk=options.topk, entropy=entropy,
+            hidden,
+            weight,
+            ids,
+            lps,
+            flat_labels,
+            sampled_lps,
+            mask & ~unusable,
+            temperature=temperature,
+            eps=options.eps,
+            support_mass=options.support_mass,
+            topk=options.topk,
+            entropy=entropy,
         )
         outputs = troll_mode.troll_dict(terms)
         log_p, ent = policy.log_p_sampled, policy.entropy
     else:
-        tv, kl, stats = fused_topk_divergence(hidden, weight, ids, lps, flat_labels, sampled_lps, mask & ~unusable,
-                                              temperature=temperature, entropy=entropy)
+        tv, kl, stats = fused_topk_divergence(
+            hidden,
+            weight,
+            ids,
+            lps,
+            flat_labels,
+            sampled_lps,
+            mask & ~unusable,
+            temperature=temperature,
+            entropy=entropy,
+        )
         outputs = _topk_outputs(tv, kl, unusable)
         log_p, ent = stats.log_p_sampled, stats.entropy
     ent = ent if ent is not None else torch.zeros_like(log_p)

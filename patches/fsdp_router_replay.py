@@ -1,4 +1,4 @@
-"""R3 on verl's FSDP engine (verl_dppo.plugin.router_replay has the why and the what).
+"""R3 on verl's FSDP engine (verl_dppo.plugin.moe.router_replay has the why and the what).
 
 | verl / transformers                                              | patched                                        |
 |------------------------------------------------------------------|------------------------------------------------|
@@ -17,13 +17,15 @@ from typing import Any, Optional
 import torch
 
 from verl_dppo.patches._import_hook import patch_once, when_imported
-from verl_dppo.plugin.router_replay import RouterReplayError, arm, replaying_forward
+from verl_dppo.plugin.moe.router_replay import RouterReplayError, arm, replaying_forward
 
 __all__ = ["install", "replay_rows", "replay_marks", "response_lengths", "r3_enabled", "replay_mode"]
 
-_ROUTER_MODULES = {"transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeTopKRouter",
-                   "transformers.models.qwen2_moe.modeling_qwen2_moe": "Qwen2MoeTopKRouter",
-                   "transformers.models.mixtral.modeling_mixtral": "MixtralTopKRouter"}
+_ROUTER_MODULES = {
+    "transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeTopKRouter",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe": "Qwen2MoeTopKRouter",
+    "transformers.models.mixtral.modeling_mixtral": "MixtralTopKRouter",
+}
 
 
 def replay_mode(engine: Any) -> str:
@@ -55,15 +57,17 @@ def replay_marks(lengths: torch.Tensor, responses: torch.Tensor) -> torch.Tensor
     that token, never feeds it); no token of a sequence without a response token (verl's padding samples)."""
     lengths, responses = lengths.long().cpu(), responses.long().cpu()
     if lengths.shape != responses.shape:
-        raise RouterReplayError(f"router replay: the micro-batch has {lengths.numel()} sequences, its response_mask "
-                                f"{responses.numel()}")
+        raise RouterReplayError(
+            f"router replay: the micro-batch has {lengths.numel()} sequences, its response_mask {responses.numel()}"
+        )
     replayed = torch.where(responses > 0, lengths - 1, torch.zeros_like(lengths))
     counts = torch.stack([replayed, lengths - replayed], dim=1).flatten()
     return torch.repeat_interleave(torch.tensor([True, False]).repeat(lengths.numel()), counts)
 
 
-def replay_rows(routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank: int,
-                responses: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_rows(
+    routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank: int, responses: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rollout's routes of a micro-batch ([sequences, tokens, layers, top-k], nested as verl packs `input_ids`)
     laid out as the model's MoE layers see the tokens: packed (`packed` rows), padded by verl's static pad, then
     padded to a multiple of the Ulysses group and this rank's slice taken (verl's rule for `input_ids`); and which of
@@ -72,8 +76,9 @@ def replay_rows(routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank
     nested = getattr(routes, "is_nested", False)
     rows = routes.values() if nested else routes.reshape(-1, *routes.shape[-2:])
     if rows.shape[0] != packed:
-        raise RouterReplayError(f"router replay: the micro-batch packs {packed} tokens, its routed_experts "
-                                f"{rows.shape[0]}")
+        raise RouterReplayError(
+            f"router replay: the micro-batch packs {packed} tokens, its routed_experts {rows.shape[0]}"
+        )
     lengths = routes.offsets().diff() if nested else torch.full((routes.shape[0],), routes.shape[1])
     marked = replay_marks(lengths, torch.ones_like(lengths) if responses is None else responses)
     pad = static_pad
@@ -84,8 +89,8 @@ def replay_rows(routes: Any, packed: int, static_pad: int, sp_size: int, sp_rank
         marked = torch.cat([marked, marked.new_zeros(pad)])
     if sp_size > 1:
         share = rows.shape[0] // sp_size
-        rows = rows[sp_rank * share:(sp_rank + 1) * share]
-        marked = marked[sp_rank * share:(sp_rank + 1) * share]
+        rows = rows[sp_rank * share : (sp_rank + 1) * share]
+        marked = marked[sp_rank * share : (sp_rank + 1) * share]
     return rows, marked
 
 
@@ -100,7 +105,8 @@ def patch_fsdp_engine(module: Any) -> None:
                 raise RouterReplayError(
                     "router_replay.mode=R3, but the micro-batch has no routed_experts: the rollout returned no routes "
                     "(set actor_rollout_ref.rollout.enable_rollout_routing_replay=True, on a rollout that returns "
-                    "them: vLLM)")
+                    "them: vLLM)"
+                )
             if not tu_bool(micro_batch, "use_remove_padding"):
                 raise RouterReplayError("router_replay.mode=R3 on the FSDP engine needs use_remove_padding=True")
             input_ids = micro_batch["input_ids"]
@@ -116,8 +122,9 @@ def patch_fsdp_engine(module: Any) -> None:
             rows, marked = replay_rows(routes, packed, self._get_packed_pad_size(packed), sp_size, sp_rank, responses)
             local = model_inputs["input_ids"].shape[-1]
             if rows.shape[0] != local:
-                raise RouterReplayError(f"router replay: this rank routes {local} rows, the routes were laid out for "
-                                        f"{rows.shape[0]}")
+                raise RouterReplayError(
+                    f"router replay: this rank routes {local} rows, the routes were laid out for {rows.shape[0]}"
+                )
             device = model_inputs["input_ids"].device
             arm(self.module, rows.to(device), marked.to(device), replay=replay_mode(self) == "R3")
             return model_inputs, output_args

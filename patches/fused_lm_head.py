@@ -85,14 +85,23 @@ def _announce(config: Any) -> None:
     """Once per process and mode, the line a user looks for to know the fused pass runs (as "in effect")."""
     mode = policy_loss_get(config, "loss_mode")
     what = "statistics" if is_topk_mode(mode) else "log-probs and entropy"
-    warn_once(("fused", mode), "verl-dppo %s: %s fused with the LM head in the plugin's one-read pass "
-              "(use_fused_kernels, torch backend): the [tokens, vocabulary] logits are never formed", mode, what)
+    warn_once(
+        ("fused", mode),
+        "verl-dppo %s: %s fused with the LM head in the plugin's one-read pass "
+        "(use_fused_kernels, torch backend): the [tokens, vocabulary] logits are never formed",
+        mode,
+        what,
+    )
 
 
 def _announce_unfused(config: Any) -> None:
     mode = policy_loss_get(config, "loss_mode")
-    warn_once(("unfused", mode), "verl-dppo %s: log-probs and entropy from the logits in the plugin's one-read pass "
-              "(use_fused_kernels=False) instead of verl's entropy_from_logits and logprobs_from_logits", mode)
+    warn_once(
+        ("unfused", mode),
+        "verl-dppo %s: log-probs and entropy from the logits in the plugin's one-read pass "
+        "(use_fused_kernels=False) instead of verl's entropy_from_logits and logprobs_from_logits",
+        mode,
+    )
 
 
 def _unfused_config(loss_function: Any, micro_batch: Any) -> Any:
@@ -307,8 +316,7 @@ def patch_fsdp_engine(module: Any) -> None:
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
             step = _STEP.get()
             if step is not None and not step.fused:
-                return _unfused_outputs(self, original, step, output, output_args, micro_batch,
-                                        logits_processor_func)
+                return _unfused_outputs(self, original, step, output, output_args, micro_batch, logits_processor_func)
             model_output = original(self, output, output_args, micro_batch, logits_processor_func)
             if step is None:
                 return model_output

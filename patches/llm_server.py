@@ -22,8 +22,7 @@ from typing import Any, Optional
 
 from verl_dppo.patches._import_hook import patch_once
 from verl_dppo.patches._server_common import CUSTOM_KEY
-from verl_dppo.plugin.rollout_fields import (HF_ROLLOUT, SAMPLE_KWARG, raw_logprobs_problem,
-                                             truncated_sampling_problem)
+from verl_dppo.plugin.rollout_fields import HF_ROLLOUT, SAMPLE_KWARG, raw_logprobs_problem, truncated_sampling_problem
 from verl_dppo.patches.agent_loop import current_sample, record_turn
 from verl_dppo.plugin.topk_mode import configured_fused_kernels_problem, configured_topk, is_topk_mode
 
@@ -55,10 +54,14 @@ def sync_rollout_config(config: Any) -> Optional[int]:
     k = configured_topk(arr.actor)  # policy_loss.topk, or the mode's default (20 for dppo_topk_*, 64 for troll)
     rollout = arr.rollout
     if rollout.name not in TOPK_ROLLOUTS:
-        raise ValueError(f"{mode} captures the top-K in vLLM, SGLang or the plugin's hf rollout: set "
-                         "actor_rollout_ref.rollout.name=vllm, sglang or hf")
+        raise ValueError(
+            f"{mode} captures the top-K in vLLM, SGLang or the plugin's hf rollout: set "
+            "actor_rollout_ref.rollout.name=vllm, sglang or hf"
+        )
     if not rollout.get("calculate_log_probs", False):
-        raise ValueError(f"{mode} needs the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True")
+        raise ValueError(
+            f"{mode} needs the rollout's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=True"
+        )
     if not config.get("trainer", {}).get("use_v1", True):
         raise ValueError(f"{mode} carries the top-K through verl's v1 trainer only: set trainer.use_v1=True")
     fused_problem = configured_fused_kernels_problem(mode, arr)  # None: off, or fused with the LM head

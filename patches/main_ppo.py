@@ -31,8 +31,9 @@ def patch_main_ppo(module: Any) -> None:
     def pprint(obj, *args, **kwargs):
         path = os.environ.get(CONFIG_FILE_VARIABLE)
         if path and is_run_config(obj):
-            print(f"verl-dppo: verl's resolved config is in {path} (main_ppo's dump of it, not repeated here)",
-                  flush=True)
+            print(
+                f"verl-dppo: verl's resolved config is in {path} (main_ppo's dump of it, not repeated here)", flush=True
+            )
             return None
         return original(obj, *args, **kwargs)
 

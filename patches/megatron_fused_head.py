@@ -82,15 +82,13 @@ def _forward_step_wrapper(original):
         if getattr(getattr(self, "engine_config", None), "use_fused_kernels", False):
             from verl_dppo.patches.fused_lm_head import _WORKER_LOSS
 
-            config = _plugin_config(logits_processor_func if logits_processor_func is not None
-                                    else _WORKER_LOSS.get())
+            config = _plugin_config(logits_processor_func if logits_processor_func is not None else _WORKER_LOSS.get())
         if config is None:
             return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         step = _Step(config)
         token = _STEP.set(step)
         try:
-            return original(self, _Taken(batch_iter, step), model, logits_processor_func,
-                            postprocess_micro_batch_func)
+            return original(self, _Taken(batch_iter, step), model, logits_processor_func, postprocess_micro_batch_func)
         finally:
             _STEP.reset(token)
 
@@ -115,14 +113,22 @@ def plugin_linear_cross_entropy(step: _Step, hidden, weight, labels, temperature
     vocab_start = dist.get_rank(group) * weight.shape[0] if parallel else 0
     entropy = step.batch is None or bool(tu.get_non_tensor_data(step.batch, key="calculate_entropy", default=False))
     log_p, ent = vocab_parallel_token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), vocab_start, float(temperature),
-        group if parallel else None, entropy=entropy,
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        vocab_start,
+        float(temperature),
+        group if parallel else None,
+        entropy=entropy,
         reduce_grad_hidden=not _through_sequence_parallel_gather(hidden),
     )
     mode = policy_loss_get(step.config, "loss_mode")
-    warn_once(("megatron_fused", mode), "verl-dppo %s: log-probs and entropy fused with Megatron's vocabulary-parallel "
-              "LM head in the plugin's pass (use_fused_kernels) instead of verl's linear_cross_entropy kernel",
-              mode)
+    warn_once(
+        ("megatron_fused", mode),
+        "verl-dppo %s: log-probs and entropy fused with Megatron's vocabulary-parallel "
+        "LM head in the plugin's pass (use_fused_kernels) instead of verl's linear_cross_entropy kernel",
+        mode,
+    )
     return log_p.float(), (ent.float() if ent is not None else torch.zeros_like(log_p, dtype=torch.float32))
 
 

@@ -31,8 +31,13 @@ from verl_dppo.patches.topk_fields import packed_rollout_fields, unusable_rows
 from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
 from verl_dppo.math.topk import vocab_parallel_topk_divergence
 
-__all__ = ["LAYOUT_KEY", "megatron_layout", "megatron_logits_processor", "megatron_troll_processor",
-           "check_context_parallel_layout"]
+__all__ = [
+    "LAYOUT_KEY",
+    "megatron_layout",
+    "megatron_logits_processor",
+    "megatron_troll_processor",
+    "check_context_parallel_layout",
+]
 
 
 def check_context_parallel_layout(mode: str, engine_config: Any, engine: Any) -> None:
@@ -86,8 +91,9 @@ def _split_like_input_ids(values: torch.Tensor, data: Any, data_format: str) -> 
     fp8 = bool(layout.get("use_fp8_padding", False))
     nested = torch.nested.nested_tensor_from_jagged(values, data["input_ids"].offsets())
     if data_format == "thd":
-        return preprocess_thd_engine(nested, pre_process=True, use_fp8_padding=fp8,
-                                     cp_layout=layout.get("cp_layout", "zigzag"))[0]
+        return preprocess_thd_engine(
+            nested, pre_process=True, use_fp8_padding=fp8, cp_layout=layout.get("cp_layout", "zigzag")
+        )[0]
     if data_format == "bshd":
         forced = tu.get_non_tensor_data(data, key="forced_max_seqlen", default=None)
         return preprocess_bshd_engine(nested, pre_process=True, use_fp8_padding=fp8, forced_max_seqlen=forced)[0]
@@ -105,8 +111,9 @@ class _Local:
         slot_lps = _split_like_input_ids(torch.cat([logprobs, sampled_logprobs[:, None]], dim=1), data, data_format)
         unusable = unusable_rows(logprobs, sampled_logprobs, mask)
         # One split for both masks: bit 0 = the row is read, bit 1 = its rollout statistics are unusable (D = NaN).
-        flags = _split_like_input_ids((mask & ~unusable).to(torch.int8) + 2 * unusable.to(torch.int8), data,
-                                      data_format)
+        flags = _split_like_input_ids(
+            (mask & ~unusable).to(torch.int8) + 2 * unusable.to(torch.int8), data, data_format
+        )
         mask, unusable = (flags & 1).bool(), (flags & 2).bool()
         if tuple(mask.shape) != tuple(logits.shape[:2]):
             raise ValueError(
@@ -177,6 +184,7 @@ def megatron_troll_processor(
         full = logits.clone()
     vocab = _layout(data).get("vocab_size") or full.shape[-1]
     rows = local.rows(full)[:, :vocab]
-    outputs = troll_outputs(config, rows, local.ids, local.logprobs, local.sampled, local.sampled_logprobs,
-                            local.mask & ~local.unusable)
+    outputs = troll_outputs(
+        config, rows, local.ids, local.logprobs, local.sampled, local.sampled_logprobs, local.mask & ~local.unusable
+    )
     return {key: local.shaped(value.squeeze(0)) for key, value in outputs.items()}

@@ -2,7 +2,7 @@
 
 | verl                                                                        | patched                                       |
 |-----------------------------------------------------------------------------|-----------------------------------------------|
-| workers.engine.megatron.transformer_impl `set_router_replay_data` (as the engine calls it) | then: a micro-batch's counts start (verl_dppo.plugin.router_replay.begin_counting) |
+| workers.engine.megatron.transformer_impl `set_router_replay_data` (as the engine calls it) | then: a micro-batch's counts start (verl_dppo.plugin.moe.router_replay.begin_counting) |
 | utils.megatron.router_replay_patch `RouterReplay.get_replay_topk`           | then, replaying forward: the rows counted (`count_rows`) |
 
 verl 0.9.1 replays the rollout's routes in its Megatron engine (`RouterReplay`, one per MoE router: the experts of
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from verl_dppo.patches._import_hook import patch_once, when_imported
-from verl_dppo.plugin.router_replay import begin_counting, count_rows
+from verl_dppo.plugin.moe.router_replay import begin_counting, count_rows
 
 __all__ = ["install", "patch_engine", "patch_router_replay"]
 
@@ -54,13 +54,18 @@ def patch_router_replay(module: Any) -> None:
             if self.router_replay_action != forward or targets is None or compute is None:
                 return result
             with torch.no_grad():
-                _, own = compute(scores.detach(), topk, num_groups=kwargs.get("num_groups"),
-                                 group_topk=kwargs.get("group_topk"))
+                _, own = compute(
+                    scores.detach(), topk, num_groups=kwargs.get("num_groups"), group_topk=kwargs.get("group_topk")
+                )
                 mask = self.target_replay_mask
-                has_route = (torch.ones(scores.shape[0], dtype=torch.bool, device=own.device) if mask is None
-                             else mask.reshape(-1).to(own.device).bool())
-                count_rows(targets.to(own.device).long(), has_route, result[1].long(), own.long(),
-                           scores=scores.detach())
+                has_route = (
+                    torch.ones(scores.shape[0], dtype=torch.bool, device=own.device)
+                    if mask is None
+                    else mask.reshape(-1).to(own.device).bool()
+                )
+                count_rows(
+                    targets.to(own.device).long(), has_route, result[1].long(), own.long(), scores=scores.detach()
+                )
             return result
 
         return get_replay_topk

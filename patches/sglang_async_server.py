@@ -66,8 +66,9 @@ def check_original_logprob(sampling_params: dict) -> None:
     import os
 
     flag = os.environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    temperature = float(sampling_params.get("temperature", 1.0) if sampling_params.get("temperature") is not None
-                        else 1.0)
+    temperature = float(
+        sampling_params.get("temperature", 1.0) if sampling_params.get("temperature") is not None else 1.0
+    )
     if flag and abs(temperature - 1.0) > 1e-6:
         raise RolloutTopKError(
             f"{ORIGINAL_LOGPROB_ENV} is set in the SGLang server's environment and the rollout samples at temperature "

@@ -94,7 +94,11 @@ def unusable_rows(topk_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, m
     """Rows of `mask` whose rollout statistics give no divergence: log mu(a_t) NaN or +-inf (the loss drops such a
     token for every mode, docs/bad-input.md), or a top-K log-prob NaN or +inf (-inf is a probability of 0, valid).
     The hook leaves them out of the reduction and reports D = NaN there, so the loss drops them too."""
-    bad = ~torch.isfinite(sampled_logprobs) | torch.isnan(topk_logprobs).any(dim=-1) | (topk_logprobs == math.inf).any(dim=-1)
+    bad = (
+        ~torch.isfinite(sampled_logprobs)
+        | torch.isnan(topk_logprobs).any(dim=-1)
+        | (topk_logprobs == math.inf).any(dim=-1)
+    )
     return bad & mask
 
 

@@ -42,7 +42,9 @@ from verl_dppo.patches._server_common import (
 __all__ = ["extract_vllm_topk", "flat_layout_pays", "patch_vllm_server"]
 
 
-def extract_vllm_topk(position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+def extract_vllm_topk(
+    position_logprobs: Sequence[Any], token_ids: Sequence[int], k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """mu's top-K per generated token from vLLM's `CompletionOutput.logprobs`, without a per-token Python loop.
 
     With `SamplingParams(logprobs=K)` vLLM builds each position from (sampled token, top-K by rank), the sampled
@@ -145,10 +147,12 @@ def patch_vllm_server(module: Any) -> None:
                 ids, lps = extract_vllm_topk(final.outputs[0].logprobs, list(result.token_ids), k)
                 result.extra_fields[EXTRA_IDS], result.extra_fields[EXTRA_LOGPROBS] = ids, lps
             if result.stop_reason == "aborted":  # a weight push (partial rollout): verl resumes the request
-                warn_once(("aborted", bool(result.token_ids)),
-                          "verl-dppo Top-K: a weight push cut a vLLM request after %d generated tokens (their top-K "
-                          "rows go with them); verl resumes the request on the new weights (said once per server)",
-                          len(result.token_ids))
+                warn_once(
+                    ("aborted", bool(result.token_ids)),
+                    "verl-dppo Top-K: a weight push cut a vLLM request after %d generated tokens (their top-K "
+                    "rows go with them); verl resumes the request on the new weights (said once per server)",
+                    len(result.token_ids),
+                )
             return result
 
         return generate
@@ -179,12 +183,20 @@ def engine_line(vllm_config: Any) -> str:
     except Exception:  # noqa: BLE001  (an older vLLM without the property, or one that cannot decide here)
         v2 = None
     runner = "V2" if v2 is True else "V1" if v2 is False else "not reported by this vLLM"
-    how = f"VLLM_USE_V2_MODEL_RUNNER={setting}" if setting is not None else "VLLM_USE_V2_MODEL_RUNNER unset: vLLM's default"
-    line = (f"verl-dppo: vLLM server: vLLM {version}, model runner {runner} ({how}"
-            f"{' for ' + '/'.join(architectures) if architectures else ''})")
+    how = (
+        f"VLLM_USE_V2_MODEL_RUNNER={setting}"
+        if setting is not None
+        else "VLLM_USE_V2_MODEL_RUNNER unset: vLLM's default"
+    )
+    line = (
+        f"verl-dppo: vLLM server: vLLM {version}, model runner {runner} ({how}"
+        f"{' for ' + '/'.join(architectures) if architectures else ''})"
+    )
     if v2 is not False:
-        line += ("; the CPU tier tests the V1 runner: should this run's rollout log-probs disagree with the trainer's, "
-                 "VLLM_USE_V2_MODEL_RUNNER=0 keeps that runner")
+        line += (
+            "; the CPU tier tests the V1 runner: should this run's rollout log-probs disagree with the trainer's, "
+            "VLLM_USE_V2_MODEL_RUNNER=0 keeps that runner"
+        )
     return line
 
 
@@ -220,5 +232,3 @@ def _one_line_server_args(module: Any) -> None:
 
     pprint._verl_dppo = True
     module.pprint = pprint
-
-

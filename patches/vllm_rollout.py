@@ -25,8 +25,14 @@ from typing import Any
 
 from verl_dppo.patches._import_hook import patch_once
 
-__all__ = ["JOB_VARIABLE", "SOCKET_PREFIX", "patch_server_adapter", "patch_server_job_id", "rescoped_handle",
-           "scoped_job_id"]
+__all__ = [
+    "JOB_VARIABLE",
+    "SOCKET_PREFIX",
+    "patch_server_adapter",
+    "patch_server_job_id",
+    "rescoped_handle",
+    "scoped_job_id",
+]
 
 SOCKET_PREFIX = "ipc:///tmp/rl-colocate-zmq-"
 JOB_VARIABLE = "VERL_RAY_JOB_ID"
@@ -56,7 +62,7 @@ def rescoped_handle(handle: str, context: Any = None) -> str:
             f"'{verl_prefix}...' as verl 0.9.1 does; the patch that keeps two Ray clusters on one host apart does "
             f"not know this verl"
         )
-    return f"{SOCKET_PREFIX}{scoped_job_id(context)}-replica-" + handle[len(verl_prefix):]
+    return f"{SOCKET_PREFIX}{scoped_job_id(context)}-replica-" + handle[len(verl_prefix) :]
 
 
 def patch_server_adapter(module: Any) -> None:

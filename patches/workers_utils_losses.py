@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from verl_dppo.plugin import mismatch_dump, router_replay
+from verl_dppo.plugin import mismatch_dump
+from verl_dppo.plugin.moe import router_replay
 from verl_dppo.plugin.extras import DPPO_MODES, BatchExtras, bind_extras
 from verl_dppo.plugin.metrics import finalize_metrics, ratios
 from verl_dppo.plugin.staleness import sample_lags

@@ -24,9 +24,7 @@ def actor_config(
     **dppo_fields,
 ) -> ActorConfig:
     """A real verl ActorConfig whose policy_loss is DPPOLossConfig (or verl's PolicyLossConfig with plain=True)."""
-    policy_loss = (
-        PolicyLossConfig(loss_mode=loss_mode) if plain else DPPOLossConfig(loss_mode=loss_mode, **dppo_fields)
-    )
+    policy_loss = PolicyLossConfig(loss_mode=loss_mode) if plain else DPPOLossConfig(loss_mode=loss_mode, **dppo_fields)
     return ActorConfig(
         strategy="fsdp",
         rollout_n=1,

@@ -50,8 +50,10 @@ def token_coefficient(mode, A, pi_lp, mu_lp, anchor_lp, delta_low, delta_high, c
 def reference_loss(mode, A, pi, mu, anchor, lens, agg, delta_low, delta_high, cap, horizon=None, **relax):
     """Returns (loss, per-token gradient d loss / d log pi) for rows of lists, rows truncated to `lens`."""
     coefs = [
-        [token_coefficient(mode, A[i][t], pi[i][t], mu[i][t], anchor[i][t], delta_low, delta_high, cap, **relax)
-         for t in range(lens[i])]
+        [
+            token_coefficient(mode, A[i][t], pi[i][t], mu[i][t], anchor[i][t], delta_low, delta_high, cap, **relax)
+            for t in range(lens[i])
+        ]
         for i in range(len(lens))
     ]
     n_tokens = sum(lens)
@@ -238,8 +240,18 @@ def entropy_reference(logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Waits for the device, counted on the CPU (issue 54.2).
 
-_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-               "masked_select")
+_HOST_READS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "nonzero",
+    "masked_select",
+)
 """Tensor methods that read a tensor back to the host: on a GPU each one waits for the device to get there."""
 _HOST_COPIES = ("tensor", "as_tensor", "nonzero", "masked_select", "unique", "repeat_interleave")
 """torch functions that either read back (an output sized by the data) or copy host data to the device (a
@@ -261,13 +273,15 @@ def host_reads():
         @functools.wraps(original)
         def counting(*args, **kwargs):
             frame = sys._getframe(1)
-            while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
-                                         or frame.f_code.co_filename == here):
+            while frame is not None and (
+                f"{os.sep}torch{os.sep}" in frame.f_code.co_filename or frame.f_code.co_filename == here
+            ):
                 frame = frame.f_back
             if frame is not None and frame.f_code.co_filename.startswith(package):
                 if name not in ("__getitem__", "__setitem__") or any(
-                        isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                        for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+                ):
                     counted.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
             return original(*args, **kwargs)
 

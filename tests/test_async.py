@@ -47,8 +47,13 @@ from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 SETUP = "sanity_1p5b"  # data.train_batch_size 64 = verl's default parameter_sync_step 4 x ppo_mini_batch_size 16
 # One recipe per loss mode the plugin registers.
 METHOD_OF_MODE = {
-    "dppo_binary_tv": "dppo_binary_tv", "dppo_binary_kl": "dppo_binary_kl", "dppo_topk_tv": "dppo_topk_tv",
-    "dppo_topk_kl": "dppo_topk_kl", "grpo_clip": "grpo_clip_higher", "pg_is": "pg_is", "troll": "troll",
+    "dppo_binary_tv": "dppo_binary_tv",
+    "dppo_binary_kl": "dppo_binary_kl",
+    "dppo_topk_tv": "dppo_topk_tv",
+    "dppo_topk_kl": "dppo_topk_kl",
+    "grpo_clip": "grpo_clip_higher",
+    "pg_is": "pg_is",
+    "troll": "troll",
 }
 _cache: dict = {}
 
@@ -87,21 +92,31 @@ def test_every_loss_mode_composes_under_both_async_trainers(mode):
         assert check_run_config(config) == []
 
 
-@pytest.mark.parametrize("values, key", [
-    # PPOTrainerSeparateAsync.__init__: weights reach the rollout every parameter_sync_step mini-batches
-    ({"data.train_batch_size": 48}, "data.train_batch_size=64"),
-    ({"trainer.v1.separate_async.parameter_sync_step": 2}, "data.train_batch_size=32"),
-    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 32}, "data.train_batch_size=128"),
-    # ... the standalone rollout pool (verl's default rollout.nnodes is 0)
-    ({"actor_rollout_ref.rollout.nnodes": 0}, "actor_rollout_ref.rollout.nnodes > 0"),
-    ({"actor_rollout_ref.rollout.n_gpus_per_node": 0}, "actor_rollout_ref.rollout.n_gpus_per_node > 0"),
-    # ... weights pushed to that pool (verl's default backend is naive)
-    ({"actor_rollout_ref.rollout.checkpoint_engine.backend": "naive"},
-     "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"),
-    ({"reward.reward_model.enable": True}, "reward.reward_model.enable_resource_pool=True"),
-    ({"trainer.v1.separate_async.hybrid_rollout.enable_switch": True,
-      "actor_rollout_ref.rollout.disaggregation.enabled": True}, "actor_rollout_ref.rollout.disaggregation.enabled"),
-])
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        # PPOTrainerSeparateAsync.__init__: weights reach the rollout every parameter_sync_step mini-batches
+        ({"data.train_batch_size": 48}, "data.train_batch_size=64"),
+        ({"trainer.v1.separate_async.parameter_sync_step": 2}, "data.train_batch_size=32"),
+        ({"actor_rollout_ref.actor.ppo_mini_batch_size": 32}, "data.train_batch_size=128"),
+        # ... the standalone rollout pool (verl's default rollout.nnodes is 0)
+        ({"actor_rollout_ref.rollout.nnodes": 0}, "actor_rollout_ref.rollout.nnodes > 0"),
+        ({"actor_rollout_ref.rollout.n_gpus_per_node": 0}, "actor_rollout_ref.rollout.n_gpus_per_node > 0"),
+        # ... weights pushed to that pool (verl's default backend is naive)
+        (
+            {"actor_rollout_ref.rollout.checkpoint_engine.backend": "naive"},
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ),
+        ({"reward.reward_model.enable": True}, "reward.reward_model.enable_resource_pool=True"),
+        (
+            {
+                "trainer.v1.separate_async.hybrid_rollout.enable_switch": True,
+                "actor_rollout_ref.rollout.disaggregation.enabled": True,
+            },
+            "actor_rollout_ref.rollout.disaggregation.enabled",
+        ),
+    ],
+)
 def test_separate_async_start_up_asserts_are_refused_naming_the_key(values, key):
     config = separate_async("dppo_binary_tv")
     config.trainer.v1.separate_async.parameter_sync_step = 4  # set by hand: no longer follows the batch
@@ -174,10 +189,13 @@ def test_the_hybrid_switch_is_refused_exactly_where_verls_init_raises(method, ca
                 table[case] = verl_separate_async_init(config, caplog)
                 assert plugin_check(config) == table[case], case
     # verl's table: it raises only with the hybrid engine on (as by default); without it, it turns the switch off
-    assert {case for case, outcome in table.items() if outcome == "raises"} == {(True, True, True),
-                                                                                ("unset", True, True)}
+    assert {case for case, outcome in table.items() if outcome == "raises"} == {
+        (True, True, True),
+        ("unset", True, True),
+    }
     assert {case for case, outcome in table.items() if outcome == "warns"} == {
-        (off, True, disaggregation) for off in (False, None) for disaggregation in (True, False)}
+        (off, True, disaggregation) for off in (False, None) for disaggregation in (True, False)
+    }
 
 
 @pytest.mark.parametrize("setup, sync_step", [("sanity_1p5b", 4), ("efficiency_1p7b", 4), ("moe_base", 8)])
@@ -187,9 +205,12 @@ def test_the_switch_pushes_weights_once_per_training_step_whatever_the_setups_ba
     config = compose_recipe(setup, "dppo_binary_tv", trainer_mode="separate_async")
     assert config.trainer.v1.separate_async.parameter_sync_step == sync_step
     assert check_run_config(config) == []
-    config = compose_recipe(setup, "dppo_binary_tv", ["data.train_batch_size=96",
-                                                      "actor_rollout_ref.actor.ppo_mini_batch_size=32"],
-                            trainer_mode="separate_async")
+    config = compose_recipe(
+        setup,
+        "dppo_binary_tv",
+        ["data.train_batch_size=96", "actor_rollout_ref.actor.ppo_mini_batch_size=32"],
+        trainer_mode="separate_async",
+    )
     assert config.trainer.v1.separate_async.parameter_sync_step == 3 and check_run_config(config) == []
     config.data.train_batch_size = 100
     with pytest.raises(Exception, match="not a whole number"):
@@ -207,16 +228,23 @@ def test_the_bare_trainer_mode_key_is_refused_pointing_at_the_switch():
 
 def test_verls_assert_is_checked_for_every_loss_mode_not_only_ours():
     """verl's start-up asserts hold for any loss mode; the plugin's own needs only for its modes."""
-    config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48,
-                         trainer__v1__separate_async__parameter_sync_step=4)
+    config = with_values(
+        separate_async("dppo_binary_tv"), data__train_batch_size=48, trainer__v1__separate_async__parameter_sync_step=4
+    )
     config.actor_rollout_ref.actor.policy_loss.loss_mode = "vanilla"
     with pytest.raises(RunConfigError, match="data.train_batch_size"):
         check_run_config(config)
     # colocate_async asserts none of them; sync and the v0 trainer ignore trainer.v1 altogether
-    for values in ({"trainer.v1.trainer_mode": "colocate_async"}, {"trainer.v1.trainer_mode": "sync"},
-                   {"trainer.use_v1": False}):
-        config = with_values(separate_async("dppo_binary_tv"), data__train_batch_size=48,
-                             trainer__v1__separate_async__parameter_sync_step=4)
+    for values in (
+        {"trainer.v1.trainer_mode": "colocate_async"},
+        {"trainer.v1.trainer_mode": "sync"},
+        {"trainer.use_v1": False},
+    ):
+        config = with_values(
+            separate_async("dppo_binary_tv"),
+            data__train_batch_size=48,
+            trainer__v1__separate_async__parameter_sync_step=4,
+        )
         for name, value in values.items():
             OmegaConf.update(config, name, value)
         assert check_run_config(config) == []
@@ -226,11 +254,17 @@ def test_verls_assert_is_checked_for_every_loss_mode_not_only_ours():
 def test_async_dppo_without_rollout_log_probs_is_refused(trainer_mode):
     """A resumed response's mu exists only as the rollout reported it, token by token: without
     calculate_log_probs nothing can stand in for it (sync mode, decoupled, only warns)."""
-    config = with_values(separate_async("dppo_binary_kl"), trainer__v1__trainer_mode=trainer_mode,
-                         algorithm__rollout_correction__bypass_mode=False,
-                         actor_rollout_ref__rollout__calculate_log_probs=False)
-    with pytest.raises(RunConfigError, match=rf"under trainer.v1.trainer_mode={trainer_mode} .*"
-                                             r"set actor_rollout_ref.rollout.calculate_log_probs=True"):
+    config = with_values(
+        separate_async("dppo_binary_kl"),
+        trainer__v1__trainer_mode=trainer_mode,
+        algorithm__rollout_correction__bypass_mode=False,
+        actor_rollout_ref__rollout__calculate_log_probs=False,
+    )
+    with pytest.raises(
+        RunConfigError,
+        match=rf"under trainer.v1.trainer_mode={trainer_mode} .*"
+        r"set actor_rollout_ref.rollout.calculate_log_probs=True",
+    ):
         check_run_config(config)
     config.trainer.v1.trainer_mode = "sync"
     assert len(check_run_config(config)) == 1  # the sync trainer's warning, as before
@@ -244,8 +278,11 @@ def test_bypass_without_rollout_log_probs_is_refused_for_every_loss_mode(trainer
     """verl's `_compute_old_log_prob` reads `rollout_log_probs` in bypass mode: refused before the run, any mode."""
     for method in ("dppo_binary_tv", "grpo_clip_higher"):
         config = with_values(composed(method, trainer_mode), actor_rollout_ref__rollout__calculate_log_probs=False)
-        with pytest.raises(RunConfigError, match=r"bypass_mode=True .* set actor_rollout_ref.rollout.calculate_log_probs"
-                                                 r"=True"):
+        with pytest.raises(
+            RunConfigError,
+            match=r"bypass_mode=True .* set actor_rollout_ref.rollout.calculate_log_probs"
+            r"=True",
+        ):
             check_run_config(config)
 
 
@@ -284,19 +321,46 @@ def test_dry_run_refuses_in_one_line_and_warns_on_recompute(tmp_path):
     """The real command line: a refused async setting is exit 2 and one line; a warned one still prints the YAML."""
     env = dict(os.environ, DPPO_ROOT=str(tmp_path))
     refused = subprocess.run(
-        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_topk_kl", "--dry-run",
-         "--trainer-mode", "separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
-         "data.train_batch_size=48"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "verl_dppo.cli",
+            "run",
+            SETUP,
+            "--method",
+            "dppo_topk_kl",
+            "--dry-run",
+            "--trainer-mode",
+            "separate_async",
+            "trainer.v1.separate_async.parameter_sync_step=4",
+            "data.train_batch_size=48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert refused.returncode == 2, refused.stderr
     error_lines = [line for line in refused.stderr.splitlines() if "data.train_batch_size" in line]
     assert len(error_lines) == 1 and "data.train_batch_size=64" in error_lines[0], refused.stderr
     assert "Traceback" not in refused.stderr and refused.stdout == ""
     warned = subprocess.run(
-        [sys.executable, "-m", "verl_dppo.cli", "run", SETUP, "--method", "dppo_binary_kl_decoupled", "--dry-run",
-         "--trainer-mode", "colocate_async"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "verl_dppo.cli",
+            "run",
+            SETUP,
+            "--method",
+            "dppo_binary_kl_decoupled",
+            "--dry-run",
+            "--trainer-mode",
+            "colocate_async",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert warned.returncode == 0, warned.stderr
     assert warned.stderr.count("policy_loss.anchor=recompute under trainer.v1.trainer_mode=colocate_async") == 1
@@ -333,7 +397,7 @@ class AbortingServer:
         count, stop_reason, version = SEGMENTS[len(self.calls)]
         self.calls.append({"prompt_ids": list(prompt_ids), "max_tokens": sampling_params.get("max_tokens")})
         count = len(self.answer) - self.done if count is None else count
-        token_ids = self.answer[self.done:self.done + count]
+        token_ids = self.answer[self.done : self.done + count]
         ids, lps = np.zeros((count, K), np.int64), np.zeros((count, K), np.float32)
         for row, token in enumerate(token_ids):
             n = self.done + row + 1
@@ -348,8 +412,9 @@ class AbortingServer:
                 extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = engine_shaped_rows(self.engine, token_ids, ids, lps)
         elif count or self.empty_rows:
             extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = ids, lps
-        return TokenOutput(token_ids=token_ids, log_probs=lps[:, 0].tolist(), stop_reason=stop_reason,
-                           extra_fields=extra)
+        return TokenOutput(
+            token_ids=token_ids, log_probs=lps[:, 0].tolist(), stop_reason=stop_reason, extra_fields=extra
+        )
 
 
 def engine_shaped_rows(engine, token_ids, ids, lps):
@@ -358,11 +423,15 @@ def engine_shaped_rows(engine, token_ids, ids, lps):
     meta_info["output_top_logprobs"] tuples (logprob, token_id, text) with one entry more than K (the patch keeps
     K), each through the patch's extraction."""
     if engine == "vllm":
-        positions = [{int(i): Logprob(float(lp), rank + 1, "") for rank, (i, lp) in enumerate(zip(row_ids, row_lps))}
-                     for row_ids, row_lps in zip(ids, lps)]
+        positions = [
+            {int(i): Logprob(float(lp), rank + 1, "") for rank, (i, lp) in enumerate(zip(row_ids, row_lps))}
+            for row_ids, row_lps in zip(ids, lps)
+        ]
         return extract_vllm_topk(positions, list(token_ids), K)
-    top = [[(float(lp), int(i), None) for i, lp in zip(row_ids, row_lps)] + [(float(row_lps[-1]) - 1.0, 7, None)]
-           for row_ids, row_lps in zip(ids, lps)]
+    top = [
+        [(float(lp), int(i), None) for i, lp in zip(row_ids, row_lps)] + [(float(row_lps[-1]) - 1.0, 7, None)]
+        for row_ids, row_lps in zip(ids, lps)
+    ]
     return extract_sglang_topk(top, K)
 
 
@@ -388,10 +457,12 @@ def no_resume_pause(monkeypatch):
     monkeypatch.setattr(llm_server.asyncio, "sleep", lambda delay, *args: sleep(0, *args))
 
 
-@pytest.mark.parametrize("empty_rows, engine", [(False, None), (True, None), (False, "vllm"), (False, "sglang")],
-                         ids=["empty-abort-without-rows", "empty-abort-with-0xK-rows", "vllm-shaped", "sglang-shaped"])
-def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_it(empty_rows, engine,
-                                                                                  no_resume_pause):
+@pytest.mark.parametrize(
+    "empty_rows, engine",
+    [(False, None), (True, None), (False, "vllm"), (False, "sglang")],
+    ids=["empty-abort-without-rows", "empty-abort-with-0xK-rows", "vllm-shaped", "sglang-shaped"],
+)
+def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_it(empty_rows, engine, no_resume_pause):
     tokenizer = family_named("default").make_tokenizer()
     config = compose_config(response_length=64)
     server = AbortingServer(tokenizer, empty_rows, engine)
@@ -405,8 +476,12 @@ def test_resumed_response_keeps_one_row_per_token_from_the_reply_that_generated_
     output, turns = asyncio.run(scenario())
     answer = server.answer
     # verl's loop: four server calls, each resuming from the prompt and the tokens generated so far
-    assert [call["prompt_ids"] for call in server.calls] == [prompt, prompt + answer[:6], prompt + answer[:6],
-                                                             prompt + answer[:13]]
+    assert [call["prompt_ids"] for call in server.calls] == [
+        prompt,
+        prompt + answer[:6],
+        prompt + answer[:6],
+        prompt + answer[:13],
+    ]
     assert [call["max_tokens"] for call in server.calls] == [64, 58, 58, 51]
     assert output.token_ids == answer and output.stop_reason == "completed"
     assert (output.extra_fields["min_global_steps"], output.extra_fields["max_global_steps"]) == (1, 3)
@@ -433,8 +508,15 @@ def test_resumed_response_rows_reach_the_training_batch_through_the_agent_loop(n
     server = AbortingServer(tokenizer)
 
     async def scenario():
-        loop = SingleTurnAgentLoop(DictConfigWrap(config), ResumingClient(config, server), tokenizer, None,
-                                   RLHFDataset, DictConfigWrap(config.data), hf_model_type=family.model_type)
+        loop = SingleTurnAgentLoop(
+            DictConfigWrap(config),
+            ResumingClient(config, server),
+            tokenizer,
+            None,
+            RLHFDataset,
+            DictConfigWrap(config.data),
+            hf_model_type=family.model_type,
+        )
         with trajectory():
             output = await loop.run(sampling_params={}, raw_prompt=list(PROMPT))
             return output.as_dict()

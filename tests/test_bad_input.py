@@ -67,8 +67,7 @@ def test_mismatched_shapes_name_every_tensor():
 
 def test_mismatched_rollout_log_probs_through_the_hook():
     pi = torch.full((2, 3), -1.0)
-    model_output, data, _ = v1_micro_batch(pi, pi, torch.ones(2, 3), [3, 2], rollout_log_prob=pi,
-                                           nested_fields=False)
+    model_output, data, _ = v1_micro_batch(pi, pi, torch.ones(2, 3), [3, 2], rollout_log_prob=pi, nested_fields=False)
     data["rollout_log_probs"] = torch.full((2, 2), -1.0)
     with pytest.raises(ValueError, match="rollout_log_probs=\\(2, 2\\)"):
         ppo_loss(actor_config("dppo_binary_tv"), model_output, data)
@@ -90,29 +89,44 @@ def test_zero_advantages_give_zero_loss():
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_empty_responses_give_a_zero_loss_that_still_backpropagates(agg):
     mask = torch.zeros(2, 3, dtype=torch.bool)
-    loss, metrics, grad = direct("dppo_binary_kl", torch.full((2, 3), -1.0), torch.full((2, 3), -1.0),
-                                 torch.ones(2, 3), mask=mask, agg=agg)
+    loss, metrics, grad = direct(
+        "dppo_binary_kl", torch.full((2, 3), -1.0), torch.full((2, 3), -1.0), torch.ones(2, 3), mask=mask, agg=agg
+    )
     assert loss.item() == 0.0 and loss.requires_grad is True and (grad == 0).all()
     assert all(math.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("anchor", "old", "anchor must be one of"),
-    ("relax_side", "up", "relax_side must be one of"),
-    ("delta_low", -0.1, "delta_low must be a finite number >= 0"),
-    ("delta_high", math.nan, "delta_high must be a finite number >= 0"),
-    ("ratio_cap", 0.0, "ratio_cap must be > 0"),
-    ("relax_below", 1.5, "relax_below"),
-    ("topk", 0, "topk must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("anchor", "old", "anchor must be one of"),
+        ("relax_side", "up", "relax_side must be one of"),
+        ("delta_low", -0.1, "delta_low must be a finite number >= 0"),
+        ("delta_high", math.nan, "delta_high must be a finite number >= 0"),
+        ("ratio_cap", 0.0, "ratio_cap must be > 0"),
+        ("relax_below", 1.5, "relax_below"),
+        ("topk", 0, "topk must be an integer >= 1"),
+    ],
+)
 def test_bad_options_are_rejected_by_the_config(field, value, message):
     with pytest.raises(ValueError, match=message):
         DPPOLossConfig(loss_mode="dppo_binary_tv", **{field: value})
 
 
-BAD_VALUES = {"delta_low": -0.1, "delta_high": math.nan, "ratio_cap": 0.0, "anchor": "old", "relax_below": 1.5,
-              "relax_side": "up", "topk": 0, "max_off_policy_threshold": 0, "troll_eps": 0.0, "troll_alpha": -1.0,
-              "troll_support_mass": 1.5, "ipo_tau": -1.0}
+BAD_VALUES = {
+    "delta_low": -0.1,
+    "delta_high": math.nan,
+    "ratio_cap": 0.0,
+    "anchor": "old",
+    "relax_below": 1.5,
+    "relax_side": "up",
+    "topk": 0,
+    "max_off_policy_threshold": 0,
+    "troll_eps": 0.0,
+    "troll_alpha": -1.0,
+    "troll_support_mass": 1.5,
+    "ipo_tau": -1.0,
+}
 
 
 def test_each_option_has_one_rule_that_the_config_and_the_loss_both_apply():
@@ -135,29 +149,44 @@ def test_each_option_has_one_rule_that_the_config_and_the_loss_both_apply():
             DPPOLossConfig(loss_mode="dppo_binary_tv", **{name: value})
         assert f"policy_loss.{name} must be" in str(by_config.value)
         plain = OmegaConf.create({"policy_loss": {"loss_mode": "troll", name: value}, "clip_ratio": 0.2})
-        reader = {"troll_eps": troll_options, "troll_alpha": troll_options, "troll_support_mass": troll_options,
-                  "ipo_tau": ipo_tau}.get(name, lambda config: resolve_options(config, True))
+        reader = {
+            "troll_eps": troll_options,
+            "troll_alpha": troll_options,
+            "troll_support_mass": troll_options,
+            "ipo_tau": ipo_tau,
+        }.get(name, lambda config: resolve_options(config, True))
         with pytest.raises(ValueError) as by_loss:
             reader(plain)
         assert str(by_loss.value) == str(by_config.value), name
 
 
-@pytest.mark.parametrize("policy_loss,message", [
-    ({"loss_mode": "dppo_binary_tv", "anchor": "old"}, "anchor must be one of"),
-    ({"loss_mode": "grpo_clip", "relax_below": 0.1, "relax_side": "up"}, "relax_side must be one of"),
-])
+@pytest.mark.parametrize(
+    "policy_loss,message",
+    [
+        ({"loss_mode": "dppo_binary_tv", "anchor": "old"}, "anchor must be one of"),
+        ({"loss_mode": "grpo_clip", "relax_below": 0.1, "relax_side": "up"}, "relax_side must be one of"),
+    ],
+)
 def test_bad_options_in_a_plain_dictconfig_are_rejected_at_the_loss(policy_loss, message):
-    config = OmegaConf.create({"policy_loss": policy_loss, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
-                               "clip_ratio_c": 3.0})
+    config = OmegaConf.create(
+        {"policy_loss": policy_loss, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    )
     with pytest.raises(ValueError, match=message):
-        get_policy_loss_fn(policy_loss["loss_mode"])(torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1,
-                                                     torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                                                     "token-mean", config)
+        get_policy_loss_fn(policy_loss["loss_mode"])(
+            torch.zeros(1, 1) - 1,
+            torch.zeros(1, 1) - 1,
+            torch.ones(1, 1),
+            torch.ones(1, 1, dtype=torch.bool),
+            "token-mean",
+            config,
+        )
 
 
 def test_negative_verl_clip_ratio_fallback_is_rejected():
     config = actor_config("dppo_binary_tv", clip_ratio_low=-0.2)
-    with pytest.raises(ValueError, match=r"delta_low \(unset: verl.s actor.clip_ratio_low\) must be a finite number >= 0"):
+    with pytest.raises(
+        ValueError, match=r"delta_low \(unset: verl.s actor.clip_ratio_low\) must be a finite number >= 0"
+    ):
         direct("dppo_binary_tv", torch.zeros(1, 1) - 1, torch.zeros(1, 1) - 1, torch.ones(1, 1), config=config)
 
 
@@ -183,20 +212,28 @@ def test_recompute_anchor_accepts_old_log_probs_equal_to_the_rollouts(mode):
     # The same tokens anchored on the rollout (old == mu here) give the same loss.
     pi_leaf2 = pi.clone().requires_grad_()
     model_output, data, _ = v1_micro_batch(pi_leaf2, mu, adv, [3, 2], rollout_log_prob=mu)
-    rollout_loss, _ = ppo_loss(actor_config(mode, delta_low=0.15, delta_high=0.15, ratio_cap=10.0),
-                               model_output, data)
+    rollout_loss, _ = ppo_loss(actor_config(mode, delta_low=0.15, delta_high=0.15, ratio_cap=10.0), model_output, data)
     assert loss.item() == pytest.approx(rollout_loss.item())
 
 
-def _run_config(mode="dppo_binary_kl", anchor="rollout", bypass=True, calculate=True, logprobs_mode=None,
-                temperature=1.0, name="vllm"):
+def _run_config(
+    mode="dppo_binary_kl",
+    anchor="rollout",
+    bypass=True,
+    calculate=True,
+    logprobs_mode=None,
+    temperature=1.0,
+    name="vllm",
+):
     rollout = {"name": name, "calculate_log_probs": calculate, "temperature": temperature}
     if logprobs_mode is not None:
         rollout["logprobs_mode"] = logprobs_mode
-    return OmegaConf.create({
-        "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": mode, "anchor": anchor}}, "rollout": rollout},
-        "algorithm": {"rollout_correction": {"bypass_mode": bypass}},
-    })
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": mode, "anchor": anchor}}, "rollout": rollout},
+            "algorithm": {"rollout_correction": {"bypass_mode": bypass}},
+        }
+    )
 
 
 def test_recompute_anchor_in_bypass_mode_is_refused_from_the_configuration():
@@ -256,8 +293,14 @@ def test_huge_log_ratio_gives_a_finite_loss_and_gradient(mode, cap):
 
 def test_config_none_is_an_error():
     with pytest.raises(ValueError, match="actor config"):
-        get_policy_loss_fn("pg_is")(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                                    torch.ones(1, 1, dtype=torch.bool), "token-mean", None)
+        get_policy_loss_fn("pg_is")(
+            torch.zeros(1, 1),
+            torch.zeros(1, 1),
+            torch.ones(1, 1),
+            torch.ones(1, 1, dtype=torch.bool),
+            "token-mean",
+            None,
+        )
 
 
 def test_diagnostics_on_hand_checked_tokens():
@@ -305,6 +348,7 @@ def test_diagnostics_need_two_scalar_host_transfers_per_call(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", counting(original_item))
     monkeypatch.setattr(torch.Tensor, "__bool__", counting(original_bool))
     mu, pi = torch.full((4, 64), -1.0), torch.full((4, 64), -0.9)
-    get_policy_loss_fn("dppo_binary_kl")(mu, pi, torch.ones(4, 64), torch.ones(4, 64, dtype=torch.bool),
-                                         "token-mean", actor_config("dppo_binary_kl"))
+    get_policy_loss_fn("dppo_binary_kl")(
+        mu, pi, torch.ones(4, 64), torch.ones(4, 64, dtype=torch.bool), "token-mean", actor_config("dppo_binary_kl")
+    )
     assert len(transfers) == 2 and transfers[0] == 1 and transfers[1] <= 20

@@ -18,26 +18,48 @@ def verl_grpo_example(tmp_path) -> list[str]:
     one node of 8 GPUs), its data files made here."""
     for name in ("train", "test"):
         (tmp_path / f"{name}.parquet").write_bytes(b"")
-    return ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
-            f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
-            "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
-            "data.filter_overlong_prompts=True", "data.truncation=error", "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
-            "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
-            "trainer.critic_warmup=0", "trainer.logger=['console','wandb']",
-            "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen2_7b_function_rm",
-            "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
-            "trainer.total_epochs=15"]
+    return [
+        "python3",
+        "-m",
+        "verl.trainer.main_ppo",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/test.parquet",
+        "data.train_batch_size=1024",
+        "data.max_prompt_length=512",
+        "data.max_response_length=1024",
+        "data.filter_overlong_prompts=True",
+        "data.truncation=error",
+        "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=5",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.logger=['console','wandb']",
+        "trainer.project_name=verl_grpo_example_gsm8k",
+        "trainer.experiment_name=qwen2_7b_function_rm",
+        "trainer.n_gpus_per_node=8",
+        "trainer.nnodes=1",
+        "trainer.save_freq=20",
+        "trainer.test_freq=5",
+        "trainer.total_epochs=15",
+    ]
 
 
 def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
@@ -54,20 +76,25 @@ def test_verls_grpo_example_passes_and_its_switch_is_checked(tmp_path, capsys):
     assert main(["check", *command, *FROM_GRPO]) == 0
     err = capsys.readouterr().err
     assert "warning" not in err, err
-    assert err.splitlines()[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the "
-                                     "plugin's; nothing found that would stop the launch from here"], err
+    assert err.splitlines()[-2:] == [
+        README_RULE,
+        "verl-dppo: check: the command passed verl's checks and the "
+        "plugin's; nothing found that would stop the launch from here",
+    ], err
 
 
-README_RULE = ("verl-dppo: check: trains dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's "
-               "log-probs, bypass on (no recompute pass), K -; beside it, unlike the paper's recipe: KL loss low_var_kl "
-               "x 0.001 (and a reference model), token-mean aggregation (the paper: seq-mean-token-sum-norm), "
-               "advantages divided by the group's std (the paper: not)")
+README_RULE = (
+    "verl-dppo: check: trains dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's "
+    "log-probs, bypass on (no recompute pass), K -; beside it, unlike the paper's recipe: KL loss low_var_kl "
+    "x 0.001 (and a reference model), token-mean aggregation (the paper: seq-mean-token-sum-norm), "
+    "advantages divided by the group's std (the paper: not)"
+)
 """Issue 43.1: what `check` prints for verl's GRPO example switched by the README's lines."""
 
 
 def test_the_readme_shows_the_rule_as_check_prints_it():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
+    block = readme[readme.index("## From GRPO") : readme.index("## Loss modes")]
     assert README_RULE in block
 
 
@@ -82,20 +109,31 @@ def assert_problems(capsys, argv, *fragments) -> list[str]:
     for fragment in fragments:
         assert any(fragment in line for line in problems + not_here), (fragment, err)
     more = f"; {len(not_here)} more only here" if not_here else ""
-    assert err.splitlines()[-1] == (f"verl-dppo: check: the command is wrong: {len(problems)} problem(s) above, on any "
-                                    f"machine{more} (exit 2)"), err
+    assert err.splitlines()[-1] == (
+        f"verl-dppo: check: the command is wrong: {len(problems)} problem(s) above, on any machine{more} (exit 2)"
+    ), err
     return problems
 
 
-@pytest.mark.parametrize("extra, fragments", [
-    (["actor_rollout_ref.actor.ppo_epochs=1.5"], ["ppo_epochs=1.5: expected an integer"]),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"], ["Did you mean 'dppo_binary_tv'"]),
-    (["+actor_rollout_ref.actor.policy_loss.delta_low=0.1", FROM_GRPO[0]], ["_target_=verl_dppo.DPPOLossConfig"]),
-    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-      "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"], ["attn_implementation=sdpa"]),
-    (["actor_rollout_ref.rollout.gpu_memory_utilisation=0.6"],
-     ["did you mean actor_rollout_ref.rollout.gpu_memory_utilization?"]),
-])
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["actor_rollout_ref.actor.ppo_epochs=1.5"], ["ppo_epochs=1.5: expected an integer"]),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"], ["Did you mean 'dppo_binary_tv'"]),
+        (["+actor_rollout_ref.actor.policy_loss.delta_low=0.1", FROM_GRPO[0]], ["_target_=verl_dppo.DPPOLossConfig"]),
+        (
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            ],
+            ["attn_implementation=sdpa"],
+        ),
+        (
+            ["actor_rollout_ref.rollout.gpu_memory_utilisation=0.6"],
+            ["did you mean actor_rollout_ref.rollout.gpu_memory_utilization?"],
+        ),
+    ],
+)
 def test_each_mistake_in_a_main_ppo_command_is_one_problem_line(tmp_path, capsys, extra, fragments):
     assert len(assert_problems(capsys, ["check", *verl_grpo_example(tmp_path), *extra], *fragments)) == 1
 
@@ -108,14 +146,25 @@ def test_every_problem_of_a_command_is_named_in_one_run(tmp_path, capsys):
     """Issue 40.4: four mistakes (a misspelled key, two values of the wrong type, a misspelled loss mode) and a data
     file that is not there: all five named in one run, the misspelled key with the key it is nearest to (not Hydra's
     "To append to your config use +"), before verl's own validation."""
-    command = [item.replace(f"{tmp_path}/train.parquet", f"{tmp_path}/nowhere.parquet")
-               for item in verl_grpo_example(tmp_path)]
+    command = [
+        item.replace(f"{tmp_path}/train.parquet", f"{tmp_path}/nowhere.parquet") for item in verl_grpo_example(tmp_path)
+    ]
     problems = assert_problems(
-        capsys, ["check", *command, "actor_rollout_ref.rollout.gpu_memory_utilisation=0.5",
-                 "actor_rollout_ref.actor.ppo_epochs=1.5", "trainer.nnodes=two",
-                 "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv"],
-        "did you mean actor_rollout_ref.rollout.gpu_memory_utilization?", "ppo_epochs=1.5: expected an integer",
-        "trainer.nnodes=two: expected an integer", "Did you mean 'dppo_binary_tv'", "nowhere.parquet does not exist")
+        capsys,
+        [
+            "check",
+            *command,
+            "actor_rollout_ref.rollout.gpu_memory_utilisation=0.5",
+            "actor_rollout_ref.actor.ppo_epochs=1.5",
+            "trainer.nnodes=two",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv",
+        ],
+        "did you mean actor_rollout_ref.rollout.gpu_memory_utilization?",
+        "ppo_epochs=1.5: expected an integer",
+        "trainer.nnodes=two: expected an integer",
+        "Did you mean 'dppo_binary_tv'",
+        "nowhere.parquet does not exist",
+    )
     assert len(problems) == 4 and not any("append" in line for line in problems), problems
 
 
@@ -128,9 +177,13 @@ def test_exit_codes_tell_a_wrong_command_from_one_that_cannot_start_here(tmp_pat
     err = capsys.readouterr().err.splitlines()
     assert [line for line in err if line.startswith("verl-dppo: not here: ")] == [
         f"verl-dppo: not here: data.{key}_files: {tmp_path}/nowhere/{name}.parquet does not exist here"
-        for key, name in (("train", "train"), ("val", "test"))]
-    assert err[-2:] == [README_RULE, "verl-dppo: check: the command passed verl's checks and the plugin's, but cannot "
-                        "start here: 2 thing(s) above that it needs are not on this machine (exit 3)"], err
+        for key, name in (("train", "train"), ("val", "test"))
+    ]
+    assert err[-2:] == [
+        README_RULE,
+        "verl-dppo: check: the command passed verl's checks and the plugin's, but cannot "
+        "start here: 2 thing(s) above that it needs are not on this machine (exit 3)",
+    ], err
     # wrong and not here: the command's problem decides
     assert_problems(capsys, ["check", *elsewhere, "actor_rollout_ref.actor.ppo_epochs=1.5"], "ppo_epochs=1.5")
     assert main(["check", *right]) == EXIT_FINE == 0
@@ -145,11 +198,17 @@ def test_the_rehearsal_keeps_the_commands_update_rule(tmp_path):
 
     overrides, path, name = split_command([*verl_grpo_example(tmp_path), FROM_GRPO[0]])
     rehearsal = rehearsal_overrides(compose_main_ppo(overrides, path, name)[0])
-    for expected in ("++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
-                     "actor_rollout_ref.actor.policy_loss.delta_low=null", "++actor_rollout_ref.actor.clip_ratio_c=3.0",
-                     "++actor_rollout_ref.actor.use_kl_loss=true", "++actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-                     "++actor_rollout_ref.actor.ppo_epochs=1", "++actor_rollout_ref.rollout.n=5",
-                     "++algorithm.adv_estimator=grpo", "++algorithm.norm_adv_by_std_in_grpo=true"):
+    for expected in (
+        "++actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
+        "actor_rollout_ref.actor.policy_loss.delta_low=null",
+        "++actor_rollout_ref.actor.clip_ratio_c=3.0",
+        "++actor_rollout_ref.actor.use_kl_loss=true",
+        "++actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "++actor_rollout_ref.actor.ppo_epochs=1",
+        "++actor_rollout_ref.rollout.n=5",
+        "++algorithm.adv_estimator=grpo",
+        "++algorithm.norm_adv_by_std_in_grpo=true",
+    ):
         assert expected in rehearsal, (expected, rehearsal)
     assert not any("model.path" in item or "train_files" in item or "n_gpus" in item for item in rehearsal)
     overrides, path, name = split_command([*verl_grpo_example(tmp_path), *FROM_GRPO])
@@ -167,37 +226,76 @@ def test_the_rehearsal_keeps_the_commands_shape_and_names_what_it_leaves_out(tmp
     from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version
 
     command = [item.replace("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen3-30B-A3B") for item in verl_grpo_example(tmp_path)]
-    r3 = ["actor_rollout_ref.actor.strategy=fsdp2", "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.model.lora_rank=8",
-          "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16", "trainer.nnodes=4"]
+    r3 = [
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        "actor_rollout_ref.model.lora_rank=8",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "trainer.nnodes=4",
+    ]
     shape = rehearsal_shape(_verdict([*command, *FROM_GRPO, *r3]).config)
     vllm = ["actor_rollout_ref.rollout.name=vllm"] if cpu_build_version() else []
-    assert shape.overrides == [*vllm, "dppo.tiny_model.num_experts=4",
-                               "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-                               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-                               "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-                               "actor_rollout_ref.model.target_modules=all-linear",
-                               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
-                               *([] if vllm else ["actor_rollout_ref.rollout.dtype=bfloat16"])], shape.overrides
+    assert shape.overrides == [
+        *vllm,
+        "dppo.tiny_model.num_experts=4",
+        "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.model.target_modules=all-linear",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        *([] if vllm else ["actor_rollout_ref.rollout.dtype=bfloat16"]),
+    ], shape.overrides
     line = " ".join(shape.lines("dppo_binary_tv", 2))
-    for part in ("a MoE (cpu_tiny's, 4 experts top-2", "router replay R3 (the plugin's, FSDP)", "LoRA rank 8",
-                 "bf16 (the actor", "the KL term and its reference", "FSDP2", "left out: the model Qwen/Qwen3-30B-A3B",
-                 "4 node(s) x 8 GPU(s)", "the rollout's tensor parallelism 2"):
+    for part in (
+        "a MoE (cpu_tiny's, 4 experts top-2",
+        "router replay R3 (the plugin's, FSDP)",
+        "LoRA rank 8",
+        "bf16 (the actor",
+        "the KL term and its reference",
+        "FSDP2",
+        "left out: the model Qwen/Qwen3-30B-A3B",
+        "4 node(s) x 8 GPU(s)",
+        "the rollout's tensor parallelism 2",
+    ):
         assert part in line, (part, line)
     assert ("vLLM (its CPU build)" in line) == bool(vllm), line
     megatron = _megatron_example(tmp_path)
-    shape = rehearsal_shape(_verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
-                                      "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-                                      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-                                      "trainer.v1.trainer_mode=colocate_async"]).config)
+    shape = rehearsal_shape(
+        _verdict(
+            [
+                *megatron[:3],
+                "--config-name=ppo_megatron_trainer",
+                *megatron[3:],
+                *FROM_GRPO,
+                "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                "trainer.v1.trainer_mode=colocate_async",
+            ]
+        ).config
+    )
     if vllm:
-        assert shape.overrides == [*vllm, "model_engine=megatron", "dppo.tiny_model.num_experts=4",
-                                   "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-                                   "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], shape.overrides
+        assert shape.overrides == [
+            *vllm,
+            "model_engine=megatron",
+            "dppo.tiny_model.num_experts=4",
+            "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        ], shape.overrides
     assert shape.trainer_mode == "colocate_async" and "the colocate_async trainer" in shape.kept, shape
-    shape = rehearsal_shape(_verdict([*megatron[:3], "model_engine=veomni", *megatron[3:], *FROM_GRPO,
-                                      "actor_rollout_ref.actor.veomni.router_replay.mode=R3",
-                                      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]).config)
+    shape = rehearsal_shape(
+        _verdict(
+            [
+                *megatron[:3],
+                "model_engine=veomni",
+                *megatron[3:],
+                *FROM_GRPO,
+                "actor_rollout_ref.actor.veomni.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            ]
+        ).config
+    )
     assert "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3" in shape.overrides, shape.overrides
     assert "the VeOmni engine (it does not run on the CPU: FSDP2 instead)" in shape.left_out, shape.left_out
     assert any("for the veomni engine's" in item for item in shape.kept), shape.kept
@@ -209,28 +307,54 @@ def verl_lora_example(tmp_path) -> list[str]:
     made here."""
     for name in ("train", "test"):
         (tmp_path / f"{name}.parquet").write_bytes(b"")
-    return ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
-            f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
-            "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
-            "data.filter_overlong_prompts=True", "data.truncation='error'", "data.prompt_key=messages",
-            "data.shuffle=False", "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
-            "actor_rollout_ref.model.use_shm=True", "actor_rollout_ref.actor.optim.lr=3e-6",
-            "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
-            "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-            "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
-            "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
-            "trainer.critic_warmup=0", "trainer.logger=['console','wandb']",
-            "trainer.project_name='verl_grpo_example_gsm8k'", "trainer.experiment_name='qwen2_7b_function_rm'",
-            "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
-            "trainer.total_epochs=15", "$@"]
+    return [
+        "python3",
+        "-m",
+        "verl.trainer.main_ppo",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/test.parquet",
+        "data.train_batch_size=1024",
+        "data.max_prompt_length=512",
+        "data.max_response_length=1024",
+        "data.filter_overlong_prompts=True",
+        "data.truncation='error'",
+        "data.prompt_key=messages",
+        "data.shuffle=False",
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
+        "actor_rollout_ref.model.use_shm=True",
+        "actor_rollout_ref.actor.optim.lr=3e-6",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=5",
+        "actor_rollout_ref.rollout.load_format=safetensors",
+        "actor_rollout_ref.rollout.layered_summon=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.logger=['console','wandb']",
+        "trainer.project_name='verl_grpo_example_gsm8k'",
+        "trainer.experiment_name='qwen2_7b_function_rm'",
+        "trainer.n_gpus_per_node=8",
+        "trainer.nnodes=1",
+        "trainer.save_freq=20",
+        "trainer.test_freq=5",
+        "trainer.total_epochs=15",
+        "$@",
+    ]
 
 
 PL = "actor_rollout_ref.actor.policy_loss."
@@ -238,30 +362,48 @@ KL_LINES = [f"{PL}loss_mode=dppo_binary_kl", *[line.replace("0.15", "0.05") for 
 """The README's lines for DPPO-Binary-KL: its delta 0.05."""
 
 
-@pytest.mark.parametrize("extra, rule", [
-    (KL_LINES, "dppo_binary_kl: delta 0.05/0.05, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no "
-               "recompute pass), K -"),
-    ([*FROM_GRPO, f"{PL}loss_mode=dppo_topk_tv"],
-     "dppo_topk_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no recompute "
-     "pass), K 20"),
-    ([*FROM_GRPO, f"{PL}loss_mode=troll", f"+{PL}troll_eps=0.1"],
-     "troll: eps 0.1, K 64, support mass 0.99999, alpha 1, anchored on the rollout's log-probs, bypass on (no "
-     "recompute pass)"),
-    ([*FROM_GRPO[1:], f"{PL}loss_mode=grpo_clip", "actor_rollout_ref.actor.clip_ratio_high=0.28"],
-     "grpo_clip: ratio clip eps 0.2/0.28 (clip_ratio_low/high), ratio cap 10000, anchored on the rollout's "
-     "log-probs, bypass on (no recompute pass), K -"),
-    # the loss_mode line alone, no bypass mode: every inherited value and the paper's beside it
-    ([f"{PL}loss_mode=dppo_binary_tv"],
-     "dppo_binary_tv: delta 0.2/0.2 (inherited from clip_ratio_low/clip_ratio_high; the paper's 0.15), ratio cap 3 "
-     "(inherited from clip_ratio_c; the paper's 10000), anchored on the rollout's log-probs, bypass off (verl "
-     "recomputes the old log-probs every step), K -"),
-    ([*FROM_GRPO, f"+{PL}anchor=recompute", "algorithm.rollout_correction.bypass_mode=False"],
-     "dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the recomputed old log-probs (anchor=recompute), "
-     "bypass off (verl recomputes the old log-probs every step), K -"),
-    (["algorithm.rollout_correction.bypass_mode=True"],
-     "vanilla, verl's own policy loss (not the plugin's): clip_ratio_low/high 0.2/0.2, clip_ratio_c 3, old "
-     "log-probs from the rollout (bypass on, no recompute pass)"),
-])
+@pytest.mark.parametrize(
+    "extra, rule",
+    [
+        (
+            KL_LINES,
+            "dppo_binary_kl: delta 0.05/0.05, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no "
+            "recompute pass), K -",
+        ),
+        (
+            [*FROM_GRPO, f"{PL}loss_mode=dppo_topk_tv"],
+            "dppo_topk_tv: delta 0.15/0.15, ratio cap 10000, anchored on the rollout's log-probs, bypass on (no recompute "
+            "pass), K 20",
+        ),
+        (
+            [*FROM_GRPO, f"{PL}loss_mode=troll", f"+{PL}troll_eps=0.1"],
+            "troll: eps 0.1, K 64, support mass 0.99999, alpha 1, anchored on the rollout's log-probs, bypass on (no "
+            "recompute pass)",
+        ),
+        (
+            [*FROM_GRPO[1:], f"{PL}loss_mode=grpo_clip", "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+            "grpo_clip: ratio clip eps 0.2/0.28 (clip_ratio_low/high), ratio cap 10000, anchored on the rollout's "
+            "log-probs, bypass on (no recompute pass), K -",
+        ),
+        # the loss_mode line alone, no bypass mode: every inherited value and the paper's beside it
+        (
+            [f"{PL}loss_mode=dppo_binary_tv"],
+            "dppo_binary_tv: delta 0.2/0.2 (inherited from clip_ratio_low/clip_ratio_high; the paper's 0.15), ratio cap 3 "
+            "(inherited from clip_ratio_c; the paper's 10000), anchored on the rollout's log-probs, bypass off (verl "
+            "recomputes the old log-probs every step), K -",
+        ),
+        (
+            [*FROM_GRPO, f"+{PL}anchor=recompute", "algorithm.rollout_correction.bypass_mode=False"],
+            "dppo_binary_tv: delta 0.15/0.15, ratio cap 10000, anchored on the recomputed old log-probs (anchor=recompute), "
+            "bypass off (verl recomputes the old log-probs every step), K -",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=True"],
+            "vanilla, verl's own policy loss (not the plugin's): clip_ratio_low/high 0.2/0.2, clip_ratio_c 3, old "
+            "log-probs from the rollout (bypass on, no recompute pass)",
+        ),
+    ],
+)
 def test_the_rule_in_effect_is_the_workers(tmp_path, extra, rule):
     """Issue 43.1: verl's LoRA example switched to each mode: the one line of what trains, and its values those the
     loss resolves at its first call from the worker's own config object (verl's ActorConfig, built by verl's
@@ -293,9 +435,11 @@ def test_costly_settings_are_named(tmp_path, capsys):
     command = verl_lora_example(tmp_path)
     gspo = ["actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"]
     (problem,) = assert_problems(capsys, ["check", *command, *gspo, f"{PL}loss_mode=dppo_binary_tv"])
-    assert ("dppo_binary_tv: delta_low=0.0003 (actor.clip_ratio_low) delta_high=0.0004 (actor.clip_ratio_high) "
-            "inherited from verl's ratio clip, outside the TV thresholds the paper and the recipes use (0.15 to 1, "
-            "DPPO's 0.15): a threshold that small blocks nearly every update") in problem, problem
+    assert (
+        "dppo_binary_tv: delta_low=0.0003 (actor.clip_ratio_low) delta_high=0.0004 (actor.clip_ratio_high) "
+        "inherited from verl's ratio clip, outside the TV thresholds the paper and the recipes use (0.15 to 1, "
+        "DPPO's 0.15): a threshold that small blocks nearly every update"
+    ) in problem, problem
     assert "+actor_rollout_ref.actor.policy_loss.delta_low=0.15" in problem
     # set for the mode, the same GSPO command trains DPPO as the paper does
     assert main(["check", *command, *gspo, *FROM_GRPO]) == 0
@@ -304,11 +448,14 @@ def test_costly_settings_are_named(tmp_path, capsys):
     assert main(["check", *command, *kl_with_tv_delta]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verl-dppo: warning: ")]
     assert len(warnings) == 2, warnings
-    assert ("dppo_binary_kl: delta_low=0.15 delta_high=0.15: a TV-sized threshold (DPPO-TV's 0.15, the README's TV "
-            "lines), outside the KL thresholds the paper and the recipes use (0.05): set delta_low and delta_high to "
-            "the paper's KL value 0.05") in warnings[0]
-    assert ("verl recomputes the old log-probs every step" in warnings[1]
-            and warnings[1].endswith("set algorithm.rollout_correction.bypass_mode=True"))
+    assert (
+        "dppo_binary_kl: delta_low=0.15 delta_high=0.15: a TV-sized threshold (DPPO-TV's 0.15, the README's TV "
+        "lines), outside the KL thresholds the paper and the recipes use (0.05): set delta_low and delta_high to "
+        "the paper's KL value 0.05"
+    ) in warnings[0]
+    assert "verl recomputes the old log-probs every step" in warnings[1] and warnings[1].endswith(
+        "set algorithm.rollout_correction.bypass_mode=True"
+    )
 
 
 class Calls(list):
@@ -333,7 +480,8 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
     command = [*verl_lora_example(tmp_path), f"{PL}loss_mode=dppo_binary_tv"]
     assert main(["check", "--rehearse", *command, "trainer.nnodes=two"]) == EXIT_WRONG
     assert calls == [] and capsys.readouterr().err.splitlines()[-1] == (
-        "verl-dppo: check: not rehearsed: the command's problems above come first")
+        "verl-dppo: check: not rehearsed: the command's problems above come first"
+    )
     elsewhere = [item.replace(str(tmp_path), str(tmp_path / "nowhere")) for item in command]
     assert main(["check", "--rehearse", *elsewhere]) == EXIT_NOT_HERE
     (args,) = calls
@@ -349,7 +497,8 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
     calls.exit_code = 1
     assert main(["check", "--rehearse", *elsewhere]) == EXIT_REHEARSAL
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "verl-dppo: check: the rehearsal of dppo_binary_tv did not train (exit 1 above)")
+        "verl-dppo: check: the rehearsal of dppo_binary_tv did not train (exit 1 above)"
+    )
 
 
 # The rehearsal through verl's trainer on this CPU (exit 0, the command's values in effect, its KL loss logged): the
@@ -359,20 +508,35 @@ def test_the_rehearsal_says_what_it_rehearses_and_its_exit_reflects_both(tmp_pat
 # Issue 51: the scripts verl users actually run (the shapes of verl's examples/**/*.sh near 0.9.1), switched by the
 # README's lines.
 
+
 def _verdict(argv):
     from verl_dppo.launch.check import check_command
 
     return check_command(argv)
 
 
-@pytest.mark.parametrize("launcher", [
-    ["uv", "run", "--frozen", "--all-packages", "--extra", "vllm", "--extra", "fsdp", "python3", "-m",
-     "verl.trainer.main_ppo"],
-    ["PYTHONUNBUFFERED=1", "HYDRA_FULL_ERROR=1", "python3", "-m", "verl.trainer.main_ppo"],
-    ["torchrun", "--nproc_per_node=8", "verl/trainer/main_ppo.py"],
-    ["ray", "job", "submit", "--address=http://127.0.0.1:8265", "--", "python3", "-m", "verl.trainer.main_ppo"],
-    ["HYDRA_FULL_ERROR=1"],
-])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        [
+            "uv",
+            "run",
+            "--frozen",
+            "--all-packages",
+            "--extra",
+            "vllm",
+            "--extra",
+            "fsdp",
+            "python3",
+            "-m",
+            "verl.trainer.main_ppo",
+        ],
+        ["PYTHONUNBUFFERED=1", "HYDRA_FULL_ERROR=1", "python3", "-m", "verl.trainer.main_ppo"],
+        ["torchrun", "--nproc_per_node=8", "verl/trainer/main_ppo.py"],
+        ["ray", "job", "submit", "--address=http://127.0.0.1:8265", "--", "python3", "-m", "verl.trainer.main_ppo"],
+        ["HYDRA_FULL_ERROR=1"],
+    ],
+)
 def test_launch_lines_as_users_type_them(tmp_path, launcher):
     """51.6: the words before main_ppo are the launcher's, whatever launches it (verl's 0.9-era scripts: uv run)."""
     command = verl_grpo_example(tmp_path)[3:]  # the overrides, behind each launcher
@@ -381,10 +545,13 @@ def test_launch_lines_as_users_type_them(tmp_path, launcher):
     assert verdict.rule == README_RULE.removeprefix("verl-dppo: check: ")
 
 
-@pytest.mark.parametrize("entry, fragment", [
-    ("verl.experimental.fully_async_policy.fully_async_main", "another entry point than verl.trainer.main_ppo"),
-    ("verl.trainer.main_generation_server_nope", "has no such module"),
-])
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ("verl.experimental.fully_async_policy.fully_async_main", "another entry point than verl.trainer.main_ppo"),
+        ("verl.trainer.main_generation_server_nope", "has no such module"),
+    ],
+)
 def test_another_entry_point_is_one_line(tmp_path, capsys, entry, fragment):
     command = ["python3", "-m", entry, *verl_grpo_example(tmp_path)[3:]]
     assert_one_line_error(capsys, ["check", *command], fragment)
@@ -401,8 +568,9 @@ def test_a_relative_config_path_is_read_from_main_ppos_folder(tmp_path, monkeypa
     folder (here a folder with no config in it), and the Megatron config is what gets checked."""
     monkeypatch.chdir(tmp_path)
     command = _megatron_example(tmp_path)
-    verdict = _verdict([*command[:3], f"--config-path={path}", "--config-name", "ppo_megatron_trainer",
-                        *command[3:], *FROM_GRPO])
+    verdict = _verdict(
+        [*command[:3], f"--config-path={path}", "--config-name", "ppo_megatron_trainer", *command[3:], *FROM_GRPO]
+    )
     assert verdict.problems == [] and verdict.config.actor_rollout_ref.actor.strategy == "megatron", verdict.problems
 
 
@@ -410,9 +578,17 @@ def test_router_replay_r2_with_bypass_and_more_of_verls_complaints_in_one_run(tm
     """51.2 and 51.8: verl refuses R2 with bypass mode; the plugin's line says what to do with a DPPO switch, and
     verl's batch-size complaint before it does not hide it."""
     command = _megatron_example(tmp_path)
-    verdict = _verdict([*command[:3], "--config-path=config", "--config-name=ppo_megatron_trainer", *command[3:],
-                        *FROM_GRPO, "actor_rollout_ref.actor.megatron.router_replay.mode=R2",
-                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    verdict = _verdict(
+        [
+            *command[:3],
+            "--config-path=config",
+            "--config-name=ppo_megatron_trainer",
+            *command[3:],
+            *FROM_GRPO,
+            "actor_rollout_ref.actor.megatron.router_replay.mode=R2",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+        ]
+    )
     assert len(verdict.problems) == 2, verdict.problems
     assert "must be divisible by model_parallel_size (3)" in verdict.problems[0]
     assert "router_replay.mode='R2' requires" in verdict.problems[1]
@@ -420,8 +596,15 @@ def test_router_replay_r2_with_bypass_and_more_of_verls_complaints_in_one_run(tm
     # 73.5: R3's key is the one the command's engine reads (a VeOmni script is not sent to the Megatron engine)
     assert "(actor_rollout_ref.actor.megatron.router_replay.mode=R3 and" in verdict.problems[1]
     assert "verl's Megatron engine" in verdict.problems[1], verdict.problems[1]
-    verdict = _verdict([*command[:3], "model_engine=veomni", *command[3:], *FROM_GRPO,
-                        "actor_rollout_ref.actor.veomni.router_replay.mode=R2"])
+    verdict = _verdict(
+        [
+            *command[:3],
+            "model_engine=veomni",
+            *command[3:],
+            *FROM_GRPO,
+            "actor_rollout_ref.actor.veomni.router_replay.mode=R2",
+        ]
+    )
     r2 = [problem for problem in verdict.problems if "router_replay.mode='R2' requires" in problem]
     assert r2 and "(actor_rollout_ref.actor.veomni.router_replay.mode=R3 and" in r2[0], verdict.problems
     assert "verl's VeOmni engine" in r2[0] and "Megatron" not in r2[0], r2[0]
@@ -442,30 +625,39 @@ def test_each_hint_names_the_line_that_works(tmp_path, capsys):
     assert len(found) == 1 and found[0].endswith("not a key of actor_rollout_ref.actor: write model_engine=megatron")
     r3 = "actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"
     found, warned = problems(r3, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
-    assert found == [f"{r3}: the plugin's key, which verl's config does not have, so Hydra adds it only with +: "
-                     f"write +{r3}"] and not any("did you mean" in line for line in found + warned), (found, warned)
+    assert found == [
+        f"{r3}: the plugin's key, which verl's config does not have, so Hydra adds it only with +: write +{r3}"
+    ] and not any("did you mean" in line for line in found + warned), (found, warned)
     found, _ = problems("actor_rollout_ref.actor.policy_loss.ratio_cap=100")
     assert len(found) == 1 and "write +actor_rollout_ref.actor.policy_loss.ratio_cap=100" in found[0], found
     found, _ = problems("trainer.n_gpus_per_node=")
     assert len(found) == 1 and "leaves trainer.n_gpus_per_node= empty" in found[0], found
     found, _ = problems("actor_rollout_ref.actor.optim.lr=1e-6,2e-6")
     assert len(found) == 1 and "--multirun" in found[0] and "ChoiceSweep" not in found[0], found
-    found, _ = problems("actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
-                        "+actor_rollout_ref.actor.policy_loss.tau_pos=1.0")
+    found, _ = problems(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"
+    )
     assert len(found) == 1 and "verl reads tau_pos at actor_rollout_ref.actor.tau_pos" in found[0], found
     found, warned = problems("actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tw")
     assert len(found) == 1 and "not registered" in found[0] and not any("verl's own" in w for w in warned), warned
     verdict = _verdict([" ".join(command)])
     assert verdict.problems == [] and verdict.config.actor_rollout_ref.actor.policy_loss.delta_low == 0.15
-    assert_one_line_error(capsys, ["check", "examples/grpo_trainer/run_qwen3_8b.sh"],
-                          "a shell script", "pass that line's words")
+    assert_one_line_error(
+        capsys, ["check", "examples/grpo_trainer/run_qwen3_8b.sh"], "a shell script", "pass that line's words"
+    )
 
 
 def test_a_config_package_that_is_not_installed_is_one_not_here_line(tmp_path):
     """51.4: a script that adds a config package to Hydra's search path: one line naming it (exit 3), not a problem
     for each key it would define."""
-    verdict = _verdict([*verl_grpo_example(tmp_path), "hydra.searchpath=[pkg://verl_dppo_no_such_pkg.config]",
-                        "actor_rollout_ref.actor.no_such_key=1", *FROM_GRPO])
+    verdict = _verdict(
+        [
+            *verl_grpo_example(tmp_path),
+            "hydra.searchpath=[pkg://verl_dppo_no_such_pkg.config]",
+            "actor_rollout_ref.actor.no_such_key=1",
+            *FROM_GRPO,
+        ]
+    )
     assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
     assert len(verdict.not_here) == 1 and "'verl_dppo_no_such_pkg' is not installed here" in verdict.not_here[0]
 
@@ -476,41 +668,56 @@ def test_a_critic_model_that_is_not_here_is_named_without_retries(tmp_path):
     import time
 
     start = time.monotonic()
-    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "algorithm.adv_estimator=gae",
-                        "critic.model.path=verl-dppo-tests/no-such-critic", "critic.ppo_micro_batch_size_per_gpu=8"])
+    verdict = _verdict(
+        [
+            *verl_grpo_example(tmp_path),
+            *FROM_GRPO,
+            "algorithm.adv_estimator=gae",
+            "critic.model.path=verl-dppo-tests/no-such-critic",
+            "critic.ppo_micro_batch_size_per_gpu=8",
+        ]
+    )
     assert time.monotonic() - start < 15
     assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
-    assert len(verdict.not_here) == 1 and "verl-dppo-tests/no-such-critic is neither a local folder" in \
-        verdict.not_here[0]
+    assert (
+        len(verdict.not_here) == 1 and "verl-dppo-tests/no-such-critic is neither a local folder" in verdict.not_here[0]
+    )
     assert "gae advantages (the paper: grpo)" in verdict.rule
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("algorithm.rollout_correction.rollout_is_threshold=0.5_4.0", None),  # str | float in verl's dataclass
-    ("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", None),
-    ("algorithm.rollout_correction.bypass_mode=maybe", "expected a boolean (true/false) like verl's value False"),
-    ("actor_rollout_ref.actor.entropy_coeff=0.01", None),  # a float in verl's ActorConfig, 0 in its YAML
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algorithm.rollout_correction.rollout_is_threshold=0.5_4.0", None),  # str | float in verl's dataclass
+        ("algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", None),
+        ("algorithm.rollout_correction.bypass_mode=maybe", "expected a boolean (true/false) like verl's value False"),
+        ("actor_rollout_ref.actor.entropy_coeff=0.01", None),  # a float in verl's ActorConfig, 0 in its YAML
+    ],
+)
 def test_types_come_from_verls_config_classes(tmp_path, override, expected):
     """51.5: a value verl accepts is no problem; one it refuses is, said against verl's value (no recipe here)."""
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, override])
     found = [problem for problem in verdict.problems if override.split("=")[0] in problem]
-    assert (found[0] if found else None) == (expected and f"{override}: {expected}, got str 'maybe'"), \
-        verdict.problems
+    assert (found[0] if found else None) == (expected and f"{override}: {expected}, got str 'maybe'"), verdict.problems
 
 
 def test_distillation_without_task_rewards_is_a_problem(tmp_path):
     """51.3: verl's distillation_ppo_loss multiplies the policy loss by zero without task rewards."""
     command = [*verl_grpo_example(tmp_path), *FROM_GRPO, "distillation.enabled=True"]
     verdict = _verdict([*command, "distillation.distillation_loss.use_task_rewards=False"])
-    assert len(verdict.problems) == 1 and "multiplies the policy loss (dppo_binary_tv) by zero" in \
-        verdict.problems[0], verdict.problems
+    assert (
+        len(verdict.problems) == 1 and "multiplies the policy loss (dppo_binary_tv) by zero" in verdict.problems[0]
+    ), verdict.problems
     verdict = _verdict([*command, "distillation.distillation_loss.use_task_rewards=True"])
     assert verdict.problems == [] and "plus the distillation loss k3 x 1" in verdict.rule, verdict.problems
 
 
-PAPER_LINES = ["actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-               "actor_rollout_ref.actor.loss_scale_factor=1024", "algorithm.norm_adv_by_std_in_grpo=False"]
+PAPER_LINES = [
+    "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    "actor_rollout_ref.actor.loss_scale_factor=1024",
+    "algorithm.norm_adv_by_std_in_grpo=False",
+]
 """The README's lines for the paper's whole update, on verl's GRPO example (max_response_length 1024)."""
 
 
@@ -520,16 +727,19 @@ def test_the_summary_names_the_rest_of_the_update(tmp_path, capsys):
     command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
     verdict = _verdict([*command, *PAPER_LINES])
     assert verdict.problems == [] and verdict.rule == README_RULE.split("; beside it")[0].removeprefix(
-        "verl-dppo: check: "), verdict.rule
+        "verl-dppo: check: "
+    ), verdict.rule
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert all(line.split("=")[0] in readme for line in PAPER_LINES)
-    verdict = _verdict([*command, "algorithm.rollout_correction.rollout_rs=token_k1",
-                        "actor_rollout_ref.actor.entropy_coeff=0.001"])
+    verdict = _verdict(
+        [*command, "algorithm.rollout_correction.rollout_rs=token_k1", "actor_rollout_ref.actor.entropy_coeff=0.001"]
+    )
     assert any("rollout_rs=token_k1: bypass_mode=True makes verl's trainer skip" in w for w in verdict.warnings)
     assert "entropy bonus 0.001" in verdict.rule and "rollout_rs=token_k1 dropped" in verdict.rule
-    verdict = _verdict([*command[:len(command) - len(FROM_GRPO)], *FROM_GRPO[1:]])
-    assert any("loss_mode=vanilla is verl's own and does not read them" in w for w in verdict.warnings), \
+    verdict = _verdict([*command[: len(command) - len(FROM_GRPO)], *FROM_GRPO[1:]])
+    assert any("loss_mode=vanilla is verl's own and does not read them" in w for w in verdict.warnings), (
         verdict.warnings
+    )
 
 
 def test_router_replay_on_verls_fsdp_engine_where_it_can_act_and_where_not(tmp_path):
@@ -538,28 +748,47 @@ def test_router_replay_on_verls_fsdp_engine_where_it_can_act_and_where_not(tmp_p
     word, under verl's own loss as under a plugin mode (issue 73.2: the plugin's patch acts whatever the loss mode,
     and stopped the run at its first micro-batch where `check` had warned); routes returned and read by nothing are a
     warning."""
-    r3, returned = "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3", \
-        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    r3, returned = (
+        "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    )
     command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
     verdict = _verdict([*command, r3, returned])
     assert verdict.problems == [], verdict.problems
-    for extra, fragment in (([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
-                            ([r3.replace("R3", "R2"), returned], "the FSDP engine replays R3 only"),
-                            ([r3, returned, "actor_rollout_ref.model.use_remove_padding=False"],
-                             "set actor_rollout_ref.model.use_remove_padding=True")):
+    for extra, fragment in (
+        ([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+        ([r3.replace("R3", "R2"), returned], "the FSDP engine replays R3 only"),
+        (
+            [r3, returned, "actor_rollout_ref.model.use_remove_padding=False"],
+            "set actor_rollout_ref.model.use_remove_padding=True",
+        ),
+    ):
         verdict = _verdict([*command, *extra])
         assert len(verdict.problems) == 1 and fragment in verdict.problems[0], (extra, verdict.problems)
-    for extra, fragment in (([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
-                            ([r3, returned, "actor_rollout_ref.model.use_remove_padding=False"],
-                             "set actor_rollout_ref.model.use_remove_padding=True")):
+    for extra, fragment in (
+        ([r3], "returns only with actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+        (
+            [r3, returned, "actor_rollout_ref.model.use_remove_padding=False"],
+            "set actor_rollout_ref.model.use_remove_padding=True",
+        ),
+    ):
         verdict = _verdict([*verl_grpo_example(tmp_path), *extra])  # verl's own loss (vanilla): refused too
         assert len(verdict.problems) == 1 and fragment in verdict.problems[0], (extra, verdict.problems)
     verdict = _verdict([*verl_grpo_example(tmp_path), returned])
     assert verdict.problems == [] and any("nothing replays them" in warning for warning in verdict.warnings)
     megatron = _megatron_example(tmp_path)
-    verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
-                        "actor_rollout_ref.actor.megatron.router_replay.mode=R3", returned])
+    verdict = _verdict(
+        [
+            *megatron[:3],
+            "--config-name=ppo_megatron_trainer",
+            *megatron[3:],
+            *FROM_GRPO,
+            "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+            returned,
+        ]
+    )
     assert not any("replay" in line for line in verdict.problems + verdict.warnings), verdict.problems
+
 
 @pytest.mark.parametrize("engine", ["dp", "megatron"])
 def test_a_dry_runs_yaml_alone_is_checked_as_main_ppo_runs_it_and_agrees(tmp_path, engine):
@@ -573,9 +802,10 @@ def test_a_dry_runs_yaml_alone_is_checked_as_main_ppo_runs_it_and_agrees(tmp_pat
     verdict = _verdict(["python3", "-m", "verl.trainer.main_ppo", f"--config-path={tmp_path}", "--config-name=run"])
     assert verdict.problems == [] and verdict.config.model_engine == engine, verdict.problems
     assert verdict.not_here, "the 30B model and the data are not on this machine"
-    assert verdict.arm == ("MoE arm: R3: the rollout's routes replayed on the "
-                           + {"dp": "FSDP engine (the plugin's replay)", "megatron": "Megatron engine (verl's replay)"}
-                           [engine]), verdict.arm
+    assert verdict.arm == (
+        "MoE arm: R3: the rollout's routes replayed on the "
+        + {"dp": "FSDP engine (the plugin's replay)", "megatron": "Megatron engine (verl's replay)"}[engine]
+    ), verdict.arm
 
 
 def test_the_summary_names_the_moe_arm_and_a_replay_on_a_dense_model_is_a_problem(tmp_path):
@@ -586,25 +816,45 @@ def test_the_summary_names_the_moe_arm_and_a_replay_on_a_dense_model_is_a_proble
     import json
 
     moe, dense = tmp_path / "moe", tmp_path / "dense"
-    for folder, config in ((moe, {"model_type": "qwen3_moe", "num_experts": 128}),
-                           (dense, {"model_type": "qwen3", "hidden_size": 8})):
+    for folder, config in (
+        (moe, {"model_type": "qwen3_moe", "num_experts": 128}),
+        (dense, {"model_type": "qwen3", "hidden_size": 8}),
+    ):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
     returned = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
     command = [*verl_grpo_example(tmp_path), *FROM_GRPO]
-    cases = (([f"actor_rollout_ref.model.path={moe}"], "MoE arm: without R3 (the paper's without-R3 arm: the FSDP "
-              "trainer's 128-expert routers"),
-             ([f"actor_rollout_ref.model.path={moe}", "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=measure",
-               returned], "MoE arm: without R3, its routing mismatch measured"),
-             ([f"actor_rollout_ref.model.path={dense}"], None))
+    cases = (
+        (
+            [f"actor_rollout_ref.model.path={moe}"],
+            "MoE arm: without R3 (the paper's without-R3 arm: the FSDP trainer's 128-expert routers",
+        ),
+        (
+            [
+                f"actor_rollout_ref.model.path={moe}",
+                "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=measure",
+                returned,
+            ],
+            "MoE arm: without R3, its routing mismatch measured",
+        ),
+        ([f"actor_rollout_ref.model.path={dense}"], None),
+    )
     for extra, arm in cases:
         verdict = _verdict([*command, *extra])
         assert verdict.problems == [], (extra, verdict.problems)
         assert verdict.arm is None if arm is None else verdict.arm.startswith(arm), (extra, verdict.arm)
     megatron = _megatron_example(tmp_path)
-    verdict = _verdict([*megatron[:3], "--config-name=ppo_megatron_trainer", *megatron[3:], *FROM_GRPO,
-                        f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-                        returned])
+    verdict = _verdict(
+        [
+            *megatron[:3],
+            "--config-name=ppo_megatron_trainer",
+            *megatron[3:],
+            *FROM_GRPO,
+            f"actor_rollout_ref.model.path={dense}",
+            "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+            returned,
+        ]
+    )
     assert any("names no routed experts: a dense model routes nothing" in p for p in verdict.problems), verdict.problems
     # one rule for check, `run --dry-run` and the launch (check_run_config runs in each), on every engine
     from omegaconf import OmegaConf
@@ -612,11 +862,23 @@ def test_the_summary_names_the_moe_arm_and_a_replay_on_a_dense_model_is_a_proble
     from verl_dppo.plugin.run_config import RunConfigError, check_run_config
 
     for strategy, section in (("megatron", "megatron"), ("veomni", "veomni"), ("fsdp", "fsdp_config")):
+
         def run_config(path):
-            return OmegaConf.create({"trainer": {}, "algorithm": {}, "actor_rollout_ref": {
-                "model": {"path": str(path)}, "rollout": {"name": "vllm", "enable_rollout_routing_replay": True},
-                "actor": {"strategy": strategy, "policy_loss": {"loss_mode": "vanilla"},
-                          section: {"router_replay": {"mode": "R3"}}}}})
+            return OmegaConf.create(
+                {
+                    "trainer": {},
+                    "algorithm": {},
+                    "actor_rollout_ref": {
+                        "model": {"path": str(path)},
+                        "rollout": {"name": "vllm", "enable_rollout_routing_replay": True},
+                        "actor": {
+                            "strategy": strategy,
+                            "policy_loss": {"loss_mode": "vanilla"},
+                            section: {"router_replay": {"mode": "R3"}},
+                        },
+                    },
+                }
+            )
 
         with pytest.raises(RunConfigError, match="names no routed experts: a dense model routes nothing"):
             check_run_config(run_config(dense))
@@ -629,25 +891,52 @@ def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     verl moved is answered with where it lives now; every `+key` Hydra refuses to add again is named in one run; a
     Dr.GRPO aggregation without loss_scale_factor is said."""
     command = _megatron_example(tmp_path)
-    verdict = _verdict([*command[:3], f"--config-path={tmp_path}/examples/sglang_multiturn/config",
-                        "--config-name=gsm8k_multiturn_grpo", *command[3:], *FROM_GRPO])
-    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE and "no such folder here" in \
-        verdict.not_here[0], (verdict.problems, verdict.not_here)
-    verdict = _verdict([*command[:3], "--config-name=ppo_megatron_trainer", *command[3:], *FROM_GRPO,
-                        "algorithm.gamma=", "data.return_raw_chat=", "actor_rollout_ref.actor.router_replay.mode=R2",
-                        "actor_rollout_ref.distillation.enabled=True", "+data.trust_remote_code=True",
-                        "+actor_rollout_ref.model.trust_remote_code=True"])
+    verdict = _verdict(
+        [
+            *command[:3],
+            f"--config-path={tmp_path}/examples/sglang_multiturn/config",
+            "--config-name=gsm8k_multiturn_grpo",
+            *command[3:],
+            *FROM_GRPO,
+        ]
+    )
+    assert (
+        verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE and "no such folder here" in verdict.not_here[0]
+    ), (verdict.problems, verdict.not_here)
+    verdict = _verdict(
+        [
+            *command[:3],
+            "--config-name=ppo_megatron_trainer",
+            *command[3:],
+            *FROM_GRPO,
+            "algorithm.gamma=",
+            "data.return_raw_chat=",
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+            "actor_rollout_ref.distillation.enabled=True",
+            "+data.trust_remote_code=True",
+            "+actor_rollout_ref.model.trust_remote_code=True",
+        ]
+    )
     assert len(verdict.problems) == 4, verdict.problems
     assert "did you mean actor_rollout_ref.actor.megatron.router_replay.mode?" in verdict.problems[0]
     assert "did you mean distillation.enabled?" in verdict.problems[1]
     assert all("Hydra refuses to add it again" in problem for problem in verdict.problems[2:])
     # 73.1: a `+key` for a key verl holds as null is one Hydra adds (15 of verl's Megatron scripts)
-    verdict = _verdict([*command[:3], "--config-name=ppo_megatron_trainer", *command[3:], *FROM_GRPO,
-                        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform"])
+    verdict = _verdict(
+        [
+            *command[:3],
+            "--config-name=ppo_megatron_trainer",
+            *command[3:],
+            *FROM_GRPO,
+            "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform",
+        ]
+    )
     assert verdict.problems == [], verdict.problems
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "critic.model.fsdp_config.param_offload=False"])
-    assert verdict.problems == ["critic.model.fsdp_config.param_offload=False: verl's config has no key "
-                                "critic.model.fsdp_config.param_offload; did you mean critic.fsdp.param_offload?"]
+    assert verdict.problems == [
+        "critic.model.fsdp_config.param_offload=False: verl's config has no key "
+        "critic.model.fsdp_config.param_offload; did you mean critic.fsdp.param_offload?"
+    ]
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
     assert "loss_scale_factor unset" in verdict.rule, verdict.rule
 
@@ -662,16 +951,30 @@ def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_
     from test_cli_errors import BIN
 
     command = [item for item in verl_grpo_example(tmp_path) if ".fsdp_config." not in item]
-    done = subprocess.run([os.path.join(BIN, "verl-dppo"), "check", "--library-output", *command[:3],
-                           "model_engine=veomni", *command[3:], *FROM_GRPO], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [
+            os.path.join(BIN, "verl-dppo"),
+            "check",
+            "--library-output",
+            *command[:3],
+            "model_engine=veomni",
+            *command[3:],
+            *FROM_GRPO,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == EXIT_FINE, done.stderr[-3000:]
     lines = done.stderr.splitlines()
-    ours = lines[:next(i for i, line in enumerate(lines) if "what other libraries printed meanwhile" in line)]
+    ours = lines[: next(i for i, line in enumerate(lines) if "what other libraries printed meanwhile" in line)]
     assert ours and all(line.startswith("verl-dppo: ") for line in ours), lines
     assert "Replacing attn_implementation" in done.stderr.split("what other libraries printed meanwhile")[1]
     (machine,) = [line for line in ours if "launched from this machine" in line]
     assert "8 GPU(s) asked (1 node(s) x 8), 0 visible here" in machine, machine
     assert "the model Qwen/Qwen2-7B-Instruct is not in this machine's Hugging Face cache" in machine, machine
-    assert ours[-1] == ("verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that "
-                        "would stop the launch from here"), ours
+    assert ours[-1] == (
+        "verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that "
+        "would stop the launch from here"
+    ), ours

@@ -87,17 +87,20 @@ def test_demo_help_lists_every_method(capsys):
 def test_data_unreadable_input_files(tmp_path, capsys, name, content, fragments):
     source = tmp_path / name
     source.write_text(content)
-    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", str(tmp_path / "o")],
-                          *fragments)
+    assert_one_line_error(
+        capsys, ["data", "aime24", "--from-file", str(source), "--out", str(tmp_path / "o")], *fragments
+    )
 
 
 def test_data_unwritable_out_is_refused_before_reading(tmp_path, capsys):
     source = tmp_path / "good.jsonl"
     source.write_text('{"problem": "1+1", "answer": "2"}\n')
-    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", "/proc/verl-dppo-x"],
-                          "--out /proc/verl-dppo-x")
-    assert_one_line_error(capsys, ["data", "aime24", "--from-file", str(source), "--out", str(source)],
-                          "is a file, not a folder")
+    assert_one_line_error(
+        capsys, ["data", "aime24", "--from-file", str(source), "--out", "/proc/verl-dppo-x"], "--out /proc/verl-dppo-x"
+    )
+    assert_one_line_error(
+        capsys, ["data", "aime24", "--from-file", str(source), "--out", str(source)], "is a file, not a folder"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- plot
@@ -111,8 +114,9 @@ def test_plot_on_plain_text_says_not_a_verl_log(tmp_path, capsys, content):
 # --------------------------------------------------------------------------------------------------- doctor
 def test_doctor_with_a_silent_ray_address_answers_at_once(capsys):
     # Nothing listens on port 9: ray.init would retry for minutes; the doctor checks the address first.
-    seconds = assert_one_line_error(capsys, ["doctor", "--ray-address", "127.0.0.1:9"],
-                                    "--ray-address=127.0.0.1:9", "ray start --head")
+    seconds = assert_one_line_error(
+        capsys, ["doctor", "--ray-address", "127.0.0.1:9"], "--ray-address=127.0.0.1:9", "ray start --head"
+    )
     assert seconds < 10
 
 
@@ -125,18 +129,30 @@ def test_ray_probe_is_killed_at_its_deadline():
     assert time.perf_counter() - started < 10
 
 
-PLUGIN_MODES = ("dppo_binary_kl", "dppo_binary_tv", "dppo_topk_kl", "dppo_topk_tv", "grpo_clip", "ipo", "pg_is",
-                "troll")
+PLUGIN_MODES = (
+    "dppo_binary_kl",
+    "dppo_binary_tv",
+    "dppo_topk_kl",
+    "dppo_topk_tv",
+    "grpo_clip",
+    "ipo",
+    "pg_is",
+    "troll",
+)
 
 
-@pytest.mark.parametrize("engines, flags, code, verdict", [
-    ({"vllm": "0.11.0", "sglang": None}, [], 0, "READY: verl-dppo loads"),
-    ({"vllm": None, "sglang": "0.5.0"}, [], 0, "READY: verl-dppo loads"),
-    ({"vllm": None, "sglang": None}, [], 1, "NOT READY."),
-    ({"vllm": None, "sglang": None}, ["--plugin-only"], 0, "OK (--plugin-only)"),
-])
-def test_doctor_ready_means_the_plugin_loads_and_a_rollout_engine_is_there(capsys, monkeypatch, engines, flags,
-                                                                            code, verdict):
+@pytest.mark.parametrize(
+    "engines, flags, code, verdict",
+    [
+        ({"vllm": "0.11.0", "sglang": None}, [], 0, "READY: verl-dppo loads"),
+        ({"vllm": None, "sglang": "0.5.0"}, [], 0, "READY: verl-dppo loads"),
+        ({"vllm": None, "sglang": None}, [], 1, "NOT READY."),
+        ({"vllm": None, "sglang": None}, ["--plugin-only"], 0, "OK (--plugin-only)"),
+    ],
+)
+def test_doctor_ready_means_the_plugin_loads_and_a_rollout_engine_is_there(
+    capsys, monkeypatch, engines, flags, code, verdict
+):
     """Issue 18.9: README's "exit code 0 = ready" = every mode of the plugin (troll included) in verl's registry,
     the hook installed, and vLLM or SGLang importable; without an engine, a named problem (exit 1), or a named
     warning under --plugin-only (a machine that will not train: CI, this suite)."""
@@ -173,8 +189,13 @@ def test_doctor_expects_the_plugins_own_modes_and_names_a_missing_one(capsys, mo
 def test_recipes_into_a_closed_pipe_exits_quietly():
     # `verl-dppo recipes -v | head -1`: the reader closes the pipe after one line.
     reader = subprocess.Popen(["head", "-n", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-    writer = subprocess.run([os.path.join(BIN, "verl-dppo"), "recipes", "-v"], stdout=reader.stdin,
-                            stderr=subprocess.PIPE, text=True, timeout=120)
+    writer = subprocess.run(
+        [os.path.join(BIN, "verl-dppo"), "recipes", "-v"],
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
     reader.stdin.close()
     reader.wait(timeout=30)
     assert writer.returncode == 0 and writer.stderr == "", writer.stderr
@@ -197,8 +218,13 @@ def root(tmp_path, monkeypatch):
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (tmp_path / "data").mkdir()
-    row = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "1+1"}], "ability": "math",
-           "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}
+    row = {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": "1+1"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"index": 0},
+    }
     for name in ("dapo-math", "aime24", "aime25"):
         pq.write_table(pa.Table.from_pylist([row]), tmp_path / "data" / f"{name}.parquet")
     return tmp_path
@@ -218,8 +244,10 @@ DRY = ["run", "dense_8b", "--method", "dppo_binary_tv", "--dry-run"]
         ("optim.lr=1e-6", ["did you mean actor_rollout_ref.actor.optim.lr"]),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binray_tv", ["Did you mean 'dppo_binary_tv'"]),
         # DPPOLossConfig's own check is reported as the plugin's, not as verl's validate_config
-        ("actor_rollout_ref.actor.policy_loss.anchor=both", ["verl-dppo rejects actor_rollout_ref.actor.policy_loss",
-                                                              "anchor must be one of"]),
+        (
+            "actor_rollout_ref.actor.policy_loss.anchor=both",
+            ["verl-dppo rejects actor_rollout_ref.actor.policy_loss", "anchor must be one of"],
+        ),
     ],
 )
 def test_dry_run_refuses_what_the_launch_refuses(root, capsys, override, fragments):
@@ -232,10 +260,14 @@ def test_dry_run_refuses_what_the_launch_refuses(root, capsys, override, fragmen
     [
         (["--trainer-mode", "async"], ["unknown trainer mode 'async'", "separate_async"]),
         (["trainer.v1.trainer_mode=separate_async"], ["choose the trainer with --trainer-mode separate_async"]),
-        (["--trainer-mode", "separate_async", "data.train_batch_size=100"],
-         ["parameter_sync_step", "not a whole number", "ppo_mini_batch_size=32"]),
-        (["--trainer-mode", "separate_async", "actor_rollout_ref.rollout.calculate_log_probs=False"],
-         ["calculate_log_probs=True"]),
+        (
+            ["--trainer-mode", "separate_async", "data.train_batch_size=100"],
+            ["parameter_sync_step", "not a whole number", "ppo_mini_batch_size=32"],
+        ),
+        (
+            ["--trainer-mode", "separate_async", "actor_rollout_ref.rollout.calculate_log_probs=False"],
+            ["calculate_log_probs=True"],
+        ),
     ],
 )
 def test_trainer_mode_switch_bad_input_is_one_line(root, capsys, extra, fragments):
@@ -253,12 +285,15 @@ def test_separate_async_launch_counts_the_rollout_pool_gpus(root, capsys):
         assert "trainer.n_gpus_per_node=1 + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = 1" in err
 
 
-@pytest.mark.parametrize("override, resolved", [
-    # a recipe's integer where verl's config dataclass declares a float takes a fraction (issue 34.4)
-    ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff: 0.01"),
-    ("actor_rollout_ref.actor.clip_ratio_c=3.0", "clip_ratio_c: 3.0"),
-    ("actor_rollout_ref.rollout.over_sample_rate=0.1", "over_sample_rate: 0.1"),
-])
+@pytest.mark.parametrize(
+    "override, resolved",
+    [
+        # a recipe's integer where verl's config dataclass declares a float takes a fraction (issue 34.4)
+        ("actor_rollout_ref.actor.entropy_coeff=0.01", "entropy_coeff: 0.01"),
+        ("actor_rollout_ref.actor.clip_ratio_c=3.0", "clip_ratio_c: 3.0"),
+        ("actor_rollout_ref.rollout.over_sample_rate=0.1", "over_sample_rate: 0.1"),
+    ],
+)
 def test_a_number_verl_declares_float_takes_a_fraction(root, capsys, override, resolved):
     assert main([*DRY, override]) == 0
     assert resolved in capsys.readouterr().out
@@ -268,16 +303,25 @@ def test_ulysses_sequence_parallelism_without_flash_attention_is_refused(root, c
     """Issue 34: verl 0.9.1's Ulysses SP exchanges the slices around flash-attention only; with sdpa (the CPU's) each
     rank would attend within its own slice. Refused, naming both settings; with flash-attention (the recipes') it runs."""
     sp2 = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
-    assert_one_line_error(capsys, [*DRY, sp2, "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"],
-                          "ulysses_sequence_parallel_size=2", "attn_implementation=sdpa", "flash-attention")
+    assert_one_line_error(
+        capsys,
+        [*DRY, sp2, "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"],
+        "ulysses_sequence_parallel_size=2",
+        "attn_implementation=sdpa",
+        "flash-attention",
+    )
     assert main([*DRY, sp2]) == 0
 
 
-FROM_GRPO = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
-             "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig",
-             "+actor_rollout_ref.actor.policy_loss.delta_low=0.15", "+actor_rollout_ref.actor.policy_loss.delta_high=0.15",
-             "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000", "algorithm.rollout_correction.bypass_mode=True",
-             "actor_rollout_ref.rollout.calculate_log_probs=True"]
+FROM_GRPO = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv",
+    "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig",
+    "+actor_rollout_ref.actor.policy_loss.delta_low=0.15",
+    "+actor_rollout_ref.actor.policy_loss.delta_high=0.15",
+    "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000",
+    "algorithm.rollout_correction.bypass_mode=True",
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+]
 """The README's "From GRPO" overrides (issue 32.3), bypass mode included (issue 43.2)."""
 
 
@@ -289,12 +333,17 @@ def test_a_grpo_command_switched_by_loss_mode_alone_is_warned_and_the_readme_swi
     assert main([*grpo, *FROM_GRPO]) == 0
     captured = capsys.readouterr()
     assert "inherited" not in captured.err
-    assert "delta_low: 0.15" in captured.out and "delta_high: 0.15" in captured.out and "ratio_cap: 10000" in captured.out
+    assert (
+        "delta_low: 0.15" in captured.out and "delta_high: 0.15" in captured.out and "ratio_cap: 10000" in captured.out
+    )
 
 
 def test_an_integer_verl_declares_int_refuses_a_fraction(root, capsys):
-    assert_one_line_error(capsys, [*DRY, "actor_rollout_ref.actor.ppo_epochs=1.5"],
-                          "ppo_epochs=1.5: expected an integer like the recipe's value 1")
+    assert_one_line_error(
+        capsys,
+        [*DRY, "actor_rollout_ref.actor.ppo_epochs=1.5"],
+        "ppo_epochs=1.5: expected an integer like the recipe's value 1",
+    )
 
 
 def test_plus_prefixed_overrides_are_accepted_as_in_main_ppo(root, capsys):
@@ -310,10 +359,13 @@ def test_launch_pre_flight_checks_the_model_folder_and_the_data_files(root, caps
     assert main(DRY) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("actor_rollout_ref:") or "actor_rollout_ref:" in captured.out
-    for fragment in ("holds no config.json", "hf download Qwen/Qwen3-8B-Base",
-                     "aime24.parquet is not readable as parquet",
-                     "aime25.parquet lacks the column(s) verl reads: prompt, data_source, reward_model",
-                     "at launch from here"):
+    for fragment in (
+        "holds no config.json",
+        "hf download Qwen/Qwen3-8B-Base",
+        "aime24.parquet is not readable as parquet",
+        "aime25.parquet lacks the column(s) verl reads: prompt, data_source, reward_model",
+        "at launch from here",
+    ):
         assert fragment in captured.err, fragment
     assert main(DRY[:-1]) == 2
     err = capsys.readouterr().err
@@ -338,8 +390,9 @@ def test_launch_pre_flight_checks_gpus_engine_and_nodes_here(root, capsys):
 
 def test_run_with_no_ray_cluster_is_one_line_not_a_ray_traceback(root):
     env = dict(os.environ, RAY_ADDRESS="127.0.0.1:9", DPPO_ROOT=str(root))
-    result = subprocess.run([os.path.join(BIN, "verl-dppo"), *DRY[:-1]], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run(
+        [os.path.join(BIN, "verl-dppo"), *DRY[:-1]], capture_output=True, text=True, timeout=300, env=env
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "RAY_ADDRESS=127.0.0.1:9: no Ray cluster answers there" in result.stderr
     assert result.stdout == ""
@@ -373,14 +426,17 @@ def test_a_run_of_no_step_is_refused_at_once(tmp_path, capsys, monkeypatch, step
 
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
     monkeypatch.setattr(launch, "_launch", lambda *a: pytest.fail("launched"))
-    assert_one_line_error(capsys, ["run", "cpu_tiny", "--method", "dppo_binary_tv",
-                          f"trainer.total_training_steps={steps}"],
-                          f"trainer.total_training_steps={steps}: a run trains at least one step")
+    assert_one_line_error(
+        capsys,
+        ["run", "cpu_tiny", "--method", "dppo_binary_tv", f"trainer.total_training_steps={steps}"],
+        f"trainer.total_training_steps={steps}: a run trains at least one step",
+    )
     assert list(tmp_path.iterdir()) == []  # no model, data, record or log written
 
 
-@pytest.mark.parametrize("flag, values", [("--method", ("dppo_binary_tv", "pg_is")),
-                                          ("--trainer-mode", ("sync", "separate_async"))])
+@pytest.mark.parametrize(
+    "flag, values", [("--method", ("dppo_binary_tv", "pg_is")), ("--trainer-mode", ("sync", "separate_async"))]
+)
 def test_an_option_given_twice_is_refused(capsys, flag, values):
     """Issue 24.5: the last `--method` won silently."""
     argv = ["run", "cpu_tiny", "--method", "dppo_binary_tv", "--dry-run"]
@@ -399,11 +455,12 @@ def test_doctor_names_what_verls_trainer_imports_and_is_missing(capsys, monkeypa
     from verl_dppo.launch import doctor
     from verl_dppo.launch.install_probe import TRAINER_MODULES
 
-    required = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0].lower() for r in requires("verl-dppo")
-                if "extra ==" not in r}
+    required = {re.split(r"[<>=;\[ ]", r, maxsplit=1)[0].lower() for r in requires("verl-dppo") if "extra ==" not in r}
     assert {p.lower() for p in TRAINER_MODULES.values()} <= required
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue" else real(name, *a)
+    )
     monkeypatch.setattr(doctor, "engines_here", lambda: {"vllm": "0.11.0", "sglang": None})
     assert main(["doctor", "--no-ray"]) == 1
     out = capsys.readouterr().out
@@ -418,9 +475,11 @@ def test_a_tv_threshold_above_one_is_warned_in_one_line(root, capsys):
 
     assert main([*DRY, "actor_rollout_ref.actor.policy_loss.delta_high=5"]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "exceeds 1" in line]
-    assert lines == ["verl-dppo: warning: dppo_binary_tv: delta_high=5 exceeds 1, the largest total variation: that "
-                     "side masks nothing (no trust region; 1.0 says so on purpose). TV thresholds are fractions such "
-                     "as 0.15, not KL values or percentages"]
+    assert lines == [
+        "verl-dppo: warning: dppo_binary_tv: delta_high=5 exceeds 1, the largest total variation: that "
+        "side masks nothing (no trust region; 1.0 says so on purpose). TV thresholds are fractions such "
+        "as 0.15, not KL values or percentages"
+    ]
     assert main([*DRY[:3], "minimal_mask_0.5", "--dry-run"]) == 0
     assert "exceeds 1" not in capsys.readouterr().err
     assert tv_threshold_warning("dppo_binary_kl", 5.0, 5.0) is None
@@ -452,23 +511,46 @@ def test_doctor_says_what_this_environment_can_train(capsys, monkeypatch):
 
 def test_the_readme_from_grpo_switch_is_the_one_tested():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme[readme.index("## From GRPO"):readme.index("## Loss modes")]
+    block = readme[readme.index("## From GRPO") : readme.index("## Loss modes")]
     lines = [line.strip().rstrip("\\").strip() for line in block.splitlines()]
     for line in FROM_GRPO:
         assert line in lines, line
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    # verl's own loss mode given as a method: the plugin's method of the same rule (issue 32.5)
-    (["run", "cpu_tiny", "--method", "dppo_tv", "--dry-run"], ["Did you mean 'dppo_binary_tv'", "verl's loss mode"]),
-    # a typo in a DPPOLossConfig key: the field it is close to
-    (["run", "cpu_tiny", "--method", "dppo_binary_tv", "+actor_rollout_ref.actor.policy_loss.delta_hi=0.1",
-      "--dry-run"], ["'delta_hi'", "Did you mean actor_rollout_ref.actor.policy_loss.delta_high?"]),
-    # a plugin key under verl's PolicyLossConfig: the _target_ switch
-    (["run", "cpu_tiny", "--method", "dppo_binary_tv",
-      "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig", "--dry-run"],
-     ["PolicyLossConfig", "_target_=verl_dppo.DPPOLossConfig"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        # verl's own loss mode given as a method: the plugin's method of the same rule (issue 32.5)
+        (
+            ["run", "cpu_tiny", "--method", "dppo_tv", "--dry-run"],
+            ["Did you mean 'dppo_binary_tv'", "verl's loss mode"],
+        ),
+        # a typo in a DPPOLossConfig key: the field it is close to
+        (
+            [
+                "run",
+                "cpu_tiny",
+                "--method",
+                "dppo_binary_tv",
+                "+actor_rollout_ref.actor.policy_loss.delta_hi=0.1",
+                "--dry-run",
+            ],
+            ["'delta_hi'", "Did you mean actor_rollout_ref.actor.policy_loss.delta_high?"],
+        ),
+        # a plugin key under verl's PolicyLossConfig: the _target_ switch
+        (
+            [
+                "run",
+                "cpu_tiny",
+                "--method",
+                "dppo_binary_tv",
+                "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+                "--dry-run",
+            ],
+            ["PolicyLossConfig", "_target_=verl_dppo.DPPOLossConfig"],
+        ),
+    ],
+)
 def test_near_misses_name_the_fix(tmp_path, monkeypatch, capsys, argv, fragments):
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
     assert_one_line_error(capsys, argv, *fragments)
@@ -478,18 +560,31 @@ def test_a_misspelled_existing_key_is_answered_with_the_key_not_with_hydras_appe
     """Issue 43.5: `run` passed on Hydra's "To append to your config use +KEY" for a misspelled key of verl's, telling
     the user to add the typo; it answers with the nearest existing key alone, as `check` does."""
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
-    argv = ["run", "cpu_tiny", "--method", "dppo_binary_tv", "actor_rollout_ref.rollout.calculate_log_prob=True",
-            "--dry-run"]
-    assert_one_line_error(capsys, argv, "actor_rollout_ref.rollout.calculate_log_prob=True: verl's config has no key "
-                          "actor_rollout_ref.rollout.calculate_log_prob; did you mean "
-                          "actor_rollout_ref.rollout.calculate_log_probs?")
+    argv = [
+        "run",
+        "cpu_tiny",
+        "--method",
+        "dppo_binary_tv",
+        "actor_rollout_ref.rollout.calculate_log_prob=True",
+        "--dry-run",
+    ]
+    assert_one_line_error(
+        capsys,
+        argv,
+        "actor_rollout_ref.rollout.calculate_log_prob=True: verl's config has no key "
+        "actor_rollout_ref.rollout.calculate_log_prob; did you mean "
+        "actor_rollout_ref.rollout.calculate_log_probs?",
+    )
     assert main(argv) == 2 and "append" not in capsys.readouterr().err
     # a key that a group choice brings (the README's Megatron line): looked up after the choice, and near-missed there
     from verl_dppo.launch.compose import RecipeError, compose_recipe
 
     with pytest.raises(RecipeError, match="did you mean actor_rollout_ref.actor.megatron.tensor_model_parallel_size"):
-        compose_recipe("cpu_tiny", "troll", ["model_engine=megatron",
-                                             "actor_rollout_ref.actor.megatron.tensor_model_paralel_size=2"])
+        compose_recipe(
+            "cpu_tiny",
+            "troll",
+            ["model_engine=megatron", "actor_rollout_ref.actor.megatron.tensor_model_paralel_size=2"],
+        )
 
 
 def test_an_unwritable_dppo_root_is_named_by_the_dry_run_and_the_launch(monkeypatch, capsys):
@@ -498,8 +593,12 @@ def test_an_unwritable_dppo_root_is_named_by_the_dry_run_and_the_launch(monkeypa
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert main(["run", "cpu_tiny", "--method", "dppo_binary_tv", "--dry-run"]) == 0
     assert "DPPO_ROOT=/proc/nope: cannot create /proc/nope/checkpoints" in capsys.readouterr().err
-    assert_one_line_error(capsys, ["run", "cpu_tiny", "--method", "dppo_binary_tv"], "DPPO_ROOT=/proc/nope",
-                          "set DPPO_ROOT to a writable folder")
+    assert_one_line_error(
+        capsys,
+        ["run", "cpu_tiny", "--method", "dppo_binary_tv"],
+        "DPPO_ROOT=/proc/nope",
+        "set DPPO_ROOT to a writable folder",
+    )
 
 
 def test_a_method_run_with_another_loss_mode_is_named_after_both(root, capsys):
@@ -508,8 +607,10 @@ def test_a_method_run_with_another_loss_mode_is_named_after_both(root, capsys):
     switch = "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv"
     assert main(["run", "dense_8b", "--method", "grpo_clip_higher", switch, "--dry-run"]) == 0
     assert "experiment_name: dense_8b-grpo_clip_higher+dppo_binary_tv\n" in capsys.readouterr().out
-    assert main(["run", "dense_8b", "--method", "grpo_clip_higher", switch, "trainer.experiment_name=mine",
-                 "--dry-run"]) == 0
+    assert (
+        main(["run", "dense_8b", "--method", "grpo_clip_higher", switch, "trainer.experiment_name=mine", "--dry-run"])
+        == 0
+    )
     assert "experiment_name: mine\n" in capsys.readouterr().out
     assert main(["run", "dense_8b", "--method", "dppo_binary_tv", "--dry-run"]) == 0
     assert "experiment_name: dense_8b-dppo_binary_tv\n" in capsys.readouterr().out

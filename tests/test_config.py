@@ -43,17 +43,19 @@ def test_each_mode_composes_with_verl_plain_policy_loss_config(mode):
 
 @pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is"])
 def test_each_mode_composes_with_dppo_loss_config_target(mode):
-    actor = compose_actor([
-        f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
-        TARGET,
-        "+actor_rollout_ref.actor.policy_loss.delta_low=0.15",
-        "+actor_rollout_ref.actor.policy_loss.delta_high=1.0",
-        "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000",
-        "+actor_rollout_ref.actor.policy_loss.anchor=recompute",
-        "+actor_rollout_ref.actor.policy_loss.relax_below=0.1",
-        "+actor_rollout_ref.actor.policy_loss.relax_side=both",
-        "+actor_rollout_ref.actor.policy_loss.topk=8",
-    ])
+    actor = compose_actor(
+        [
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+            TARGET,
+            "+actor_rollout_ref.actor.policy_loss.delta_low=0.15",
+            "+actor_rollout_ref.actor.policy_loss.delta_high=1.0",
+            "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000",
+            "+actor_rollout_ref.actor.policy_loss.anchor=recompute",
+            "+actor_rollout_ref.actor.policy_loss.relax_below=0.1",
+            "+actor_rollout_ref.actor.policy_loss.relax_side=both",
+            "+actor_rollout_ref.actor.policy_loss.topk=8",
+        ]
+    )
     loss = actor.policy_loss
     assert isinstance(loss, DPPOLossConfig) and loss.loss_mode == mode
     assert (loss.delta_low, loss.delta_high, loss.ratio_cap) == (0.15, 1.0, 10000)

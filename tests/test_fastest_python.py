@@ -25,7 +25,7 @@ def fake_python(directory: Path, name: str, *, version_ok: bool, loop_seconds: f
     path.write_text(
         "#!/bin/sh\n"
         'case "$2" in\n'
-        f'  *ensurepip*) {"echo " + str(path) if version_ok else "exit 1"} ;;\n'
+        f"  *ensurepip*) {'echo ' + str(path) if version_ok else 'exit 1'} ;;\n"
         f"  *) {'exit 1' if loop_seconds is None else f'echo {loop_seconds}'} ;;\n"
         "esac\n"
     )
@@ -35,8 +35,7 @@ def fake_python(directory: Path, name: str, *, version_ok: bool, loop_seconds: f
 
 def choose(path_dirs: list[Path]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=os.pathsep.join(map(str, path_dirs)))
-    return subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, check=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, check=True, timeout=120)
 
 
 def test_the_fastest_python_311_on_path_is_chosen_and_each_candidate_once(tmp_path):

@@ -42,8 +42,15 @@ def _models():
     class FusedLlama(LlamaForCausalLM):  # its own class: verl's patch replaces the class's forward
         pass
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     plain = LlamaForCausalLM(config)
     fused = FusedLlama(config)
@@ -73,26 +80,38 @@ def micro_batch(fused: bool, prompt_lens=(3, 5, 2, 4), response_lens=(6, 2, 7, 5
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
     responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
-    mu_logp = [torch.log_softmax(torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) * 2, -1)
-               for r in response_lens]
+    mu_logp = [
+        torch.log_softmax(torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) * 2, -1) for r in response_lens
+    ]
     topk = [m.topk(K, dim=-1) for m in mu_logp]
     responses[0][:3] = topk[0].indices[:3, 1]  # a_t inside mu's top-K on some tokens
     rollout_lp = [m.gather(1, resp[:, None]).squeeze(1).float() for m, resp in zip(mu_logp, responses)]
-    data = TensorDict({
-        "input_ids": nested([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
-        "position_ids": nested([torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]),
-        "prompts": nested(prompts),
-        "responses": nested(responses),
-        "response_mask": nested([torch.ones(r, dtype=torch.int64) for r in response_lens]),
-        "rollout_log_probs": nested(rollout_lp),
-        "old_log_probs": nested(rollout_lp),
-        "advantages": nested([torch.randn(r, generator=gen) for r in response_lens]),
-        "rollout_topk_ids": nested([t.indices for t in topk]),
-        "rollout_topk_logprobs": nested([t.values.float() for t in topk]),
-    }, batch_size=[len(prompt_lens)])
-    tu.assign_non_tensor(data, temperature=TEMPERATURE, use_remove_padding=True, distillation_use_topk=topk_hook,
-                         use_fused_kernels=fused, calculate_entropy=True, dp_size=1, batch_num_tokens=None,
-                         global_batch_size=None)
+    data = TensorDict(
+        {
+            "input_ids": nested([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
+            "position_ids": nested([torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]),
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "response_mask": nested([torch.ones(r, dtype=torch.int64) for r in response_lens]),
+            "rollout_log_probs": nested(rollout_lp),
+            "old_log_probs": nested(rollout_lp),
+            "advantages": nested([torch.randn(r, generator=gen) for r in response_lens]),
+            "rollout_topk_ids": nested([t.indices for t in topk]),
+            "rollout_topk_logprobs": nested([t.values.float() for t in topk]),
+        },
+        batch_size=[len(prompt_lens)],
+    )
+    tu.assign_non_tensor(
+        data,
+        temperature=TEMPERATURE,
+        use_remove_padding=True,
+        distillation_use_topk=topk_hook,
+        use_fused_kernels=fused,
+        calculate_entropy=True,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    )
     return data
 
 
@@ -161,8 +180,7 @@ def _agree(got, want):
     (loss, out, grads), (loss_ref, out_ref, grads_ref) = got, want
     for key in ("log_probs", "entropy"):
         if key in out_ref:
-            assert torch.allclose(_values(out[key]).double(), _values(out_ref[key]).double(), rtol=1e-5,
-                                  atol=1e-6), key
+            assert torch.allclose(_values(out[key]).double(), _values(out_ref[key]).double(), rtol=1e-5, atol=1e-6), key
     assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-7) and loss != 0.0
     for name, g in grads_ref.items():
         scale = max(1e-3, float(g.abs().max()))
@@ -170,8 +188,7 @@ def _agree(got, want):
 
 
 @pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_binary_kl", "grpo_clip", "pg_is"])
-def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_one_read_head(models, mode,
-                                                                                          monkeypatch):
+def test_every_other_plugin_mode_takes_log_probs_and_entropy_from_the_plugins_one_read_head(models, mode, monkeypatch):
     """Issue 54.1: the binary modes and the ratio-clip / PG-IS baselines get log pi(a_t) and the entropy from the
     plugin's one-read passes instead of verl's: under use_fused_kernels from `verl_dppo.math.fused_logprob` (one
     read of each chunk's logits; verl's FusedLinearForPPO not called), without fused kernels from
@@ -216,8 +233,9 @@ def test_the_topk_modes_and_troll_take_log_probs_and_entropy_from_the_plugins_pa
     hook_keys = [k for k in reference[1] if k.startswith(("dppo_topk_", "troll_"))]
     assert len(hook_keys) >= 2 and set(got[1]) == set(reference[1])
     for key in hook_keys:
-        assert torch.allclose(_values(got[1][key]).double(), _values(reference[1][key]).double(), rtol=1e-5,
-                              atol=1e-6), key
+        assert torch.allclose(
+            _values(got[1][key]).double(), _values(reference[1][key]).double(), rtol=1e-5, atol=1e-6
+        ), key
     _agree(got, reference)
 
 
@@ -248,20 +266,24 @@ def test_verls_no_grad_pass_takes_the_plugins_pass_by_the_workers_loss(models, m
     loss_fn = functools.partial(verl_losses.ppo_loss, config=actor_config("dppo_binary_tv"))
     got = infer(types.SimpleNamespace(loss_fn=loss_fn), data())
     assert unfused == [1]
-    assert torch.allclose(_values(got["log_probs"]).double(), _values(reference["log_probs"]).double(), rtol=1e-5,
-                          atol=1e-6)
+    assert torch.allclose(
+        _values(got["log_probs"]).double(), _values(reference["log_probs"]).double(), rtol=1e-5, atol=1e-6
+    )
     unfused.clear()
     infer(types.SimpleNamespace(loss_fn=None), data())
     assert unfused == []
     assert getattr(TrainingWorker.infer_batch, "__verl_dppo_patched__", False)
 
 
-@pytest.mark.parametrize("options, passes", [
-    ({"engine_options": {"entropy_from_logits_with_chunking": True, "entropy_from_logits_chunk_size": 5}}, 1),
-    ({"engine_options": {"entropy_checkpointing": True}}, 3),  # entropy, log pi; the entropy again in the backward
-    ({"calculate_entropy": False}, 1),
-    ({"use_remove_padding": False}, 2),  # verl's padded branch: the entropy of [bsz, seqlen, V], log pi of the rows
-])
+@pytest.mark.parametrize(
+    "options, passes",
+    [
+        ({"engine_options": {"entropy_from_logits_with_chunking": True, "entropy_from_logits_chunk_size": 5}}, 1),
+        ({"engine_options": {"entropy_checkpointing": True}}, 3),  # entropy, log pi; the entropy again in the backward
+        ({"calculate_entropy": False}, 1),
+        ({"use_remove_padding": False}, 2),  # verl's padded branch: the entropy of [bsz, seqlen, V], log pi of the rows
+    ],
+)
 @pytest.mark.parametrize("mode", ["dppo_binary_tv", "dppo_topk_tv"])
 def test_the_unfused_plugin_pass_follows_verls_settings(models, options, passes, mode, monkeypatch):
     """dppo_binary_tv (and dppo_topk_tv, its logits hook beside the pass) without fused kernels under verl's other

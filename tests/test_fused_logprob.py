@@ -92,8 +92,9 @@ def test_chunking_changes_nothing_and_bad_labels_are_refused():
     h, w, labels = case(17, 8, 30, seed=6)
     runs = [fused_token_logprobs(h, w, labels, entropy=True, chunk_tokens=c) for c in (1, 4, 17, 100)]
     for log_p, ent in runs:
-        assert torch.allclose(log_p, runs[0][0], rtol=0, atol=1e-13) and torch.allclose(ent, runs[0][1], rtol=0,
-                                                                                         atol=1e-13)
+        assert torch.allclose(log_p, runs[0][0], rtol=0, atol=1e-13) and torch.allclose(
+            ent, runs[0][1], rtol=0, atol=1e-13
+        )
     with pytest.raises(ValueError, match="labels"):
         fused_token_logprobs(h, w, labels[:5])
 

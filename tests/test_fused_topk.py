@@ -63,10 +63,15 @@ def weighted(a, k, o, ent, mask, seed):
     """A scalar that reaches every output with its own random weight (rows outside the mask: only a_t and H)."""
     gen = torch.Generator().manual_seed(seed)
     m = mask.double()
-    ga, gk, go, gh = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (a.shape, k.shape, o.shape,
-                                                                                  ent.shape))
-    return ((a.double() * ga).sum() + (k.double() * gk * m[:, None]).sum() + (o.double() * go * m).sum()
-            + (ent.double() * gh).sum())
+    ga, gk, go, gh = (
+        torch.randn(s, generator=gen, dtype=torch.float64) for s in (a.shape, k.shape, o.shape, ent.shape)
+    )
+    return (
+        (a.double() * ga).sum()
+        + (k.double() * gk * m[:, None]).sum()
+        + (o.double() * go * m).sum()
+        + (ent.double() * gh).sum()
+    )
 
 
 def grads(loss, *tensors):
@@ -85,8 +90,9 @@ def test_float64_equals_the_unfused_path(chunk, temperature):
     h.requires_grad_(), w.requires_grad_()
     logits = unfused_logits(h, w, temperature)
     tv_ref, kl_ref = topk_divergence(logits.detach(), topk_ids, topk_lp, sampled, sampled_lp, mask=mask)
-    tv, kl, stats = fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask,
-                                          temperature=temperature, entropy=True, chunk_tokens=chunk)
+    tv, kl, stats = fused_topk_divergence(
+        h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, temperature=temperature, entropy=True, chunk_tokens=chunk
+    )
     assert torch.equal(tv, tv_ref) and torch.equal(kl, kl_ref)
     assert bool(((tv > 0) == mask).all()) and float(kl[mask].min()) > 0  # nothing trivially 0
     ref = reference_statistics(logits, topk_ids, sampled)
@@ -107,8 +113,9 @@ def test_float64_troll_equals_the_unfused_path():
     advantages = torch.randn(23, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     options = dict(eps=0.05, support_mass=0.95, topk=8)
     ref = troll_token_terms(unfused_logits(h, w, 0.8), topk_ids, topk_lp, sampled, sampled_lp, mask, **options)
-    terms, policy = fused_troll_token_terms(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, temperature=0.8,
-                                            entropy=True, chunk_tokens=5, **options)
+    terms, policy = fused_troll_token_terms(
+        h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, temperature=0.8, entropy=True, chunk_tokens=5, **options
+    )
     assert float(ref.diagnostics["projected"].float().sum()) >= 3  # the projection is exercised
     for name in ("log_p_sampled", "regression_kl", "log_mu_sampled"):
         assert (getattr(terms, name) - getattr(ref, name)).abs().max() < 1e-10, name
@@ -137,8 +144,12 @@ def test_troll_rows_with_nan_or_inf_logits_answer_nan_as_topk_does():
     clean, _ = fused_troll_token_terms(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=8, chunk_tokens=5)
     no_pi = [r in (2, 4) for r in range(12)]
     assert torch.isnan(topk_kl).tolist() == no_pi
-    values = {"loss": troll_token_loss(terms, torch.ones(12)), "log_p_sampled": terms.log_p_sampled,
-              "regression_kl": terms.regression_kl, **{k: terms.diagnostics[k] for k in ("eta", "kl_before", "kl_after")}}
+    values = {
+        "loss": troll_token_loss(terms, torch.ones(12)),
+        "log_p_sampled": terms.log_p_sampled,
+        "regression_kl": terms.regression_kl,
+        **{k: terms.diagnostics[k] for k in ("eta", "kl_before", "kl_after")},
+    }
     for name, value in values.items():
         assert torch.isnan(value).tolist() == no_pi and float(value[7].detach()) == 0.0, (name, value)
     keep = ~torch.tensor(no_pi) & mask
@@ -163,8 +174,9 @@ def test_gradcheck_troll():
     h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(5, 4, 12, 4, seed=6, noise=0.5)
 
     def outputs(h, w):
-        terms, policy = fused_troll_token_terms(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, eps=0.02,
-                                                support_mass=0.9, topk=5, chunk_tokens=2)
+        terms, policy = fused_troll_token_terms(
+            h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, eps=0.02, support_mass=0.9, topk=5, chunk_tokens=2
+        )
         return terms.log_p_sampled, policy.log_p_sampled  # regression_kl holds a stop-gradient: no function
 
     assert torch.autograd.gradcheck(outputs, (h.requires_grad_(), w.requires_grad_()), eps=1e-6, atol=1e-7)
@@ -189,15 +201,17 @@ def test_float32_at_qwen3_vocabulary_matches_the_unfused_path():
     DPPO-shaped loss (ratio x advantage on log pi(a_t), a KL through the top-K and "other", the entropy: every output
     carries gradient) and TROLL's loss, and their gradients, within 1e-5 of the same unfused computation."""
     rows = 20
-    h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(rows, 16, QWEN3_VOCAB, 20, seed=7, dtype=torch.float32,
-                                                              temperature=0.9)
+    h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(
+        rows, 16, QWEN3_VOCAB, 20, seed=7, dtype=torch.float32, temperature=0.9
+    )
     h.requires_grad_(), w.requires_grad_()
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     advantages = torch.randn(rows, generator=torch.Generator().manual_seed(8))
     logits = unfused_logits(h, w, 0.9)
     tv_ref, kl_ref = topk_divergence(logits.detach(), topk_ids, topk_lp, sampled, sampled_lp, mask=mask)
-    tv, kl, stats = fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, temperature=0.9,
-                                          entropy=True, chunk_tokens=8)
+    tv, kl, stats = fused_topk_divergence(
+        h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, temperature=0.9, entropy=True, chunk_tokens=8
+    )
     assert float(kl_ref.max()) > 0.05
     assert (tv - tv_ref).abs().max() < 1e-5 and (kl - kl_ref).abs().max() < 1e-5
 
@@ -262,8 +276,9 @@ def test_bf16_hidden_states_and_weight():
     chunk = 8
     logits = torch.cat([h[s : s + chunk] @ w.t() for s in range(0, 19, chunk)])  # the same bf16 products
     tv_ref, kl_ref = topk_divergence(logits.detach(), topk_ids, topk_lp, sampled, sampled_lp, mask=mask)
-    tv, kl, stats = fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, entropy=True,
-                                          chunk_tokens=chunk)
+    tv, kl, stats = fused_topk_divergence(
+        h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, entropy=True, chunk_tokens=chunk
+    )
     assert (tv - tv_ref).abs().max() < 1e-6 and (kl - kl_ref).abs().max() < 1e-6
     assert stats.log_p_sampled.dtype == torch.float32
     fused = grads(weighted(*stats, mask, seed=12), h, w)
@@ -282,8 +297,10 @@ def test_masked_rows_and_chunking_do_not_change_anything():
     entropy are computed there (verl reads them on every token); every chunk size gives the same values."""
     h, w, topk_ids, topk_lp, sampled, sampled_lp, mask = case(17, 8, 30, 4, seed=13)
     topk_ids[~mask] = 0  # as the hook lays them out on prompt positions: one id repeated
-    results = [fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, entropy=True,
-                                     chunk_tokens=c) for c in (1, 4, 17, 100)]
+    results = [
+        fused_topk_divergence(h, w, topk_ids, topk_lp, sampled, sampled_lp, mask, entropy=True, chunk_tokens=c)
+        for c in (1, 4, 17, 100)
+    ]
     for tv, kl, stats in results:
         assert bool((tv[~mask] == 0).all()) and bool((kl[~mask] == 0).all())
         for a, b in zip(stats, results[0][2]):
@@ -314,8 +331,9 @@ def test_troll_waits_for_the_device_a_constant_number_of_times(masked):
     def fused(chunk):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         with host_reads() as reads:
-            terms, policy = fused_troll_token_terms(hh, ww, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16,
-                                                    entropy=True, chunk_tokens=chunk)
+            terms, policy = fused_troll_token_terms(
+                hh, ww, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16, entropy=True, chunk_tokens=chunk
+            )
             loss = troll_token_loss(terms, advantages).sum() + (policy.log_p_sampled + policy.entropy).sum()
             loss.backward()
         return reads, (terms.log_p_sampled, terms.regression_kl, hh.grad, ww.grad)
@@ -323,8 +341,9 @@ def test_troll_waits_for_the_device_a_constant_number_of_times(masked):
     def unfused(chunk_bytes):
         logits = unfused_logits(h, w, 1.0).requires_grad_()
         with host_reads() as reads:
-            terms = troll_token_terms(logits, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16,
-                                      chunk_bytes=chunk_bytes)
+            terms = troll_token_terms(
+                logits, topk_ids, topk_lp, sampled, sampled_lp, mask, topk=16, chunk_bytes=chunk_bytes
+            )
             troll_token_loss(terms, advantages).sum().backward()
         return reads, (terms.log_p_sampled, terms.regression_kl, logits.grad)
 
@@ -347,16 +366,30 @@ def test_troll_selection_after_the_pass_stays_within_its_bytes_per_row():
     n, k, vocab = 512, 64, 151_936
     gen = torch.Generator().manual_seed(54)
     sampled, mu_ids = torch.randint(0, vocab, (n,), generator=gen), torch.randint(0, vocab, (n, k), generator=gen)
-    selector = _SupportSelector(sampled, mu_ids, torch.rand(n, k, generator=gen) < 0.7,
-                                torch.ones(n, dtype=torch.bool), 64, 1 - 1e-5, 1 + k + 65, vocab)
+    selector = _SupportSelector(
+        sampled,
+        mu_ids,
+        torch.rand(n, k, generator=gen) < 0.7,
+        torch.ones(n, dtype=torch.bool),
+        64,
+        1 - 1e-5,
+        1 + k + 65,
+        vocab,
+    )
     width = pi_read_width(64, vocab)
     count = torch.randint(width, width + 24, (n,), generator=gen)
     found = torch.full((n, selector.capacity), -1, dtype=torch.int32)
     for row in range(n):
         found[row, : count[row]] = torch.randperm(vocab, generator=gen)[: count[row]].int()
     logits = (torch.randn(n, selector.capacity, generator=gen) * 3).bfloat16()
-    reads = CandidateReads(logits.float().amax(dim=1), torch.rand(n, generator=gen) * 50, count, found, logits,
-                           (torch.randn(n, 1 + k, generator=gen) * 3 - 4).bfloat16())
+    reads = CandidateReads(
+        logits.float().amax(dim=1),
+        torch.rand(n, generator=gen) * 50,
+        count,
+        found,
+        logits,
+        (torch.randn(n, 1 + k, generator=gen) * 3 - 4).bfloat16(),
+    )
     with live_bytes() as memory:
         slots = selector.finish(tuple(reads), slice(None))
     assert slots.ids.shape == (n, 1 + k + 65) and not slots.again.any()
@@ -407,7 +440,7 @@ def test_the_entropy_is_relatively_exact_on_peaked_rows():
     gaps = torch.tensor([0.1, 1e-3, 1e-6, 1e-9, 1e-12], dtype=torch.float64)  # 1 - p(top)
     h = torch.ones(len(gaps) + 2, 2)
     h[: len(gaps), 1] = (rest + torch.log((1 - gaps) / gaps)).float()
-    h[len(gaps):, 0], h[len(gaps):, 1] = 0.05, 0.0  # flat rows
+    h[len(gaps) :, 0], h[len(gaps) :, 1] = 0.05, 0.0  # flat rows
     topk_ids = torch.arange(4).repeat(h.shape[0], 1)
     topk_lp = torch.full((h.shape[0], 4), -10.0)
     sampled, sampled_lp = torch.zeros(h.shape[0], dtype=torch.long), torch.full((h.shape[0],), -0.1)
@@ -451,6 +484,8 @@ def test_backward_keeps_no_vocabulary_sized_tensor():
 
 
 def test_math_layer_imports_no_verl():
-    code = ("import sys, verl_dppo.math.fused_topk, verl_dppo.math.fused_troll; "
-            "assert 'verl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('verl'))")
+    code = (
+        "import sys, verl_dppo.math.fused_topk, verl_dppo.math.fused_troll; "
+        "assert 'verl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('verl'))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -36,9 +36,20 @@ def model_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("hf_rollout_model")
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         initializer_range=0.3, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path
@@ -49,11 +60,25 @@ def make_server(model_dir, topk=K, **rollout):
 
     from verl.workers.config import RolloutConfig
 
-    settings = dict(name="hf", prompt_length=24, response_length=16, dtype="float32", max_num_seqs=64, seed=7,
-                    custom={"dppo_topk": topk} if topk else None)
+    settings = dict(
+        name="hf",
+        prompt_length=24,
+        response_length=16,
+        dtype="float32",
+        max_num_seqs=64,
+        seed=7,
+        custom={"dppo_topk": topk} if topk else None,
+    )
     settings.update(rollout)
-    model_config = OmegaConf.create({"path": str(model_dir), "local_path": str(model_dir), "trust_remote_code": False,
-                                     "override_config": {"attn_implementation": "sdpa"}, "generation_config": None})
+    model_config = OmegaConf.create(
+        {
+            "path": str(model_dir),
+            "local_path": str(model_dir),
+            "trust_remote_code": False,
+            "override_config": {"attn_implementation": "sdpa"},
+            "generation_config": None,
+        }
+    )
     server = HFRolloutServer(RolloutConfig(**settings), model_config, device="cpu")
     asyncio.run(server.init_engine())
     return server
@@ -69,7 +94,7 @@ def full_forward_logits(server, prompt, response):
     ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
         logits = server.engine.model(input_ids=ids).logits[0].float()
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
 def truncated_logprobs(logits, temperature, top_k=-1, top_p=1.0):
@@ -144,14 +169,16 @@ def test_topk_rows_are_the_untruncated_tempered_topk_one_per_token(server, caplo
 def test_greedy_max_tokens_and_stop_ids(server):
     """temperature 0 takes the argmax; max_tokens bounds the response; a stop id ends it (the stop token included,
     as vLLM returns it)."""
-    greedy = asyncio.run(server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True,
-                                                          logprobs=True), "g"))
+    greedy = asyncio.run(
+        server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True), "g")
+    )
     logits = full_forward_logits(server, PROMPTS[2], greedy.token_ids)
     assert greedy.token_ids == logits.argmax(-1).tolist() and len(greedy.token_ids) == 8
     stop = greedy.token_ids[3]
     first = greedy.token_ids.index(stop)
-    stopped = asyncio.run(server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True,
-                                                           stop_token_ids=[stop]), "s"))
+    stopped = asyncio.run(
+        server.generate(PROMPTS[2], dict(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]), "s")
+    )
     assert stopped.token_ids == greedy.token_ids[: first + 1] and stopped.stop_reason == "completed"
     assert stopped.log_probs is None  # not asked for
 
@@ -159,8 +186,9 @@ def test_greedy_max_tokens_and_stop_ids(server):
 def test_the_model_eos_ends_a_response_unless_ignored(model_dir):
     """The model's eos id stops a response; ignore_eos=True (per request, or rollout.ignore_eos) generates through it."""
     server = make_server(model_dir, topk=None)
-    ends = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16, ignore_eos=True,
-                                                        stop_token_ids=[]), "a"))
+    ends = asyncio.run(
+        server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[]), "a")
+    )
     server.engine.eos_token_ids = (ends.token_ids[2],)
     cut = asyncio.run(server.generate(PROMPTS[1], dict(temperature=0, max_tokens=16), "b"))
     assert cut.token_ids == ends.token_ids[: ends.token_ids.index(ends.token_ids[2]) + 1]
@@ -253,10 +281,19 @@ class _Client(llm_server.LLMServerClient):
 def _samples_of_one_prompt(client, order):
     """The samples of PROMPTS[0] with verl's batch indices (`priority`) `order`, sent together in that order; the
     token ids by index."""
+
     async def send():
-        return await asyncio.gather(*[client.generate(f"r{index}", prompt_ids=PROMPTS[0], priority=index,
-                                                      sampling_params=dict(temperature=1.0, max_tokens=12,
-                                                                           ignore_eos=True)) for index in order])
+        return await asyncio.gather(
+            *[
+                client.generate(
+                    f"r{index}",
+                    prompt_ids=PROMPTS[0],
+                    priority=index,
+                    sampling_params=dict(temperature=1.0, max_tokens=12, ignore_eos=True),
+                )
+                for index in order
+            ]
+        )
 
     return dict(zip(order, [o.token_ids for o in asyncio.run(send())]))
 
@@ -281,11 +318,15 @@ def test_a_sample_draws_the_same_tokens_whatever_order_the_samples_of_its_prompt
 def _sample_on(server, trajectory_info, session_id):
     """One sample of PROMPTS[0] as verl 0.9.1's v1 agent loop sends it (priority 0 for every sample: its
     `_run_prompt` never sets one), inside the agent loop's trajectory (the plugin's `_run_agent_loop` patch)."""
+
     async def send():
         with agent_loop.trajectory(agent_loop.sample_identity(trajectory_info, {"session_id": session_id})):
             return await _Client("hf", server).generate(
-                "r", prompt_ids=PROMPTS[0], priority=0,
-                sampling_params=dict(temperature=1.0, max_tokens=12, ignore_eos=True))
+                "r",
+                prompt_ids=PROMPTS[0],
+                priority=0,
+                sampling_params=dict(temperature=1.0, max_tokens=12, ignore_eos=True),
+            )
 
     return asyncio.run(send()).token_ids
 
@@ -319,13 +360,16 @@ def test_weights_loaded_change_what_is_sampled(model_dir):
         asyncio.run(server.load_weights([("not_a_weight", torch.zeros(1))]))
 
 
-@pytest.mark.parametrize("params, match", [
-    ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty=1.0"),
-    ({"top_p": 0.0}, "rollout.top_p"),
-    ({"top_k": 0}, "rollout.top_k"),
-    ({"temperature": -1.0}, "rollout.temperature"),
-])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.0"),
+        ({"top_p": 0.0}, "rollout.top_p"),
+        ({"top_k": 0}, "rollout.top_k"),
+        ({"temperature": -1.0}, "rollout.temperature"),
+    ],
+)
 def test_a_setting_the_server_cannot_honour_is_one_clear_error(server, params, match):
     with pytest.raises(HFRolloutError, match=match):
         asyncio.run(server.generate(PROMPTS[0], dict(params, max_tokens=4), "bad"))
@@ -345,8 +389,9 @@ def test_sample_next_on_peaked_bf16_rows():
     logits = logits.to(torch.bfloat16).float()
     noise = torch.ones(3, 64)
     noise[:, 5] = 1e6  # the top-1's draw as unlucky as a float draw of Exp(1) gets: it still wins
-    tokens, logprobs, topk = sample_next(logits, torch.tensor([1.0, 0.5, 0.0]), torch.tensor([-1, 2, -1]),
-                                         torch.tensor([1.0, 0.9, 1.0]), noise, 4)
+    tokens, logprobs, topk = sample_next(
+        logits, torch.tensor([1.0, 0.5, 0.0]), torch.tensor([-1, 2, -1]), torch.tensor([1.0, 0.9, 1.0]), noise, 4
+    )
     assert tokens.tolist() == [5, 5, 5]
     assert (logprobs.abs() < 1e-6).all()
     assert topk[0][:, :2].tolist() == [[5, 6]] * 3 and torch.isfinite(topk[1]).all()
@@ -417,8 +462,11 @@ def test_lora_pushes_as_verl_makes_them_to_vllm_give_the_adapted_model(model_dir
     torch.manual_seed(1)
     peft_model = get_peft_model(base, peft_config)
     server = make_server(model_dir, topk=None)
-    base_names = {name.replace("_fsdp_wrapped_module.", "").replace(".base_layer", ""): tensor
-                  for name, tensor in peft_model.base_model.model.state_dict().items() if "lora_" not in name}
+    base_names = {
+        name.replace("_fsdp_wrapped_module.", "").replace(".base_layer", ""): tensor
+        for name, tensor in peft_model.base_model.model.state_dict().items()
+        if "lora_" not in name
+    }
     config = peft_model.peft_config["default"]
     pushed = [(replace_lora_wrapper(name, config), tensor) for name, tensor in base_names.items()]
     assert any(".base_layer." in name for name, _ in pushed)
@@ -447,10 +495,22 @@ def test_moe_experts_pushed_per_expert_land_in_transformers_fused_tensors(tmp_pa
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=1,
-                            pad_token_id=0, bos_token_id=None)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
     torch.manual_seed(1)
@@ -502,11 +562,25 @@ def _moe_dir(path):
     """A random-init Qwen3-MoE (4 experts, top-2; layer 1 dense) saved at `path`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=1,
-                            pad_token_id=0, bos_token_id=None, decoder_sparse_step=1, mlp_only_layers=[1],
-                            initializer_range=0.3)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        initializer_range=0.3,
+    )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path

@@ -29,13 +29,15 @@ def llm_case(seed: int):
 @pytest.mark.parametrize("with_rollout,anchor", [(True, "rollout"), (False, "rollout"), (True, "recompute")])
 def test_matches_the_float64_reference_through_verl_ppo_loss(tau, agg, with_rollout, anchor):
     pi, mu, old, adv = llm_case(seed=5)
-    config = actor_config("ipo", loss_agg_mode=agg, delta_low=0.3, delta_high=0.3, ratio_cap=10000.0, ipo_tau=tau,
-                          anchor=anchor)
+    config = actor_config(
+        "ipo", loss_agg_mode=agg, delta_low=0.3, delta_high=0.3, ratio_cap=10000.0, ipo_tau=tau, anchor=anchor
+    )
     loss, grads, metrics = run_ppo_loss(config, pi, old, adv, rollout=mu if with_rollout else None)
     mu_ref = mu if with_rollout else old
     anchor_ref = old if anchor == "recompute" else mu_ref
-    ref_loss, ref_grads = ipo_reference(rows(adv), rows(pi), rows(mu_ref), rows(anchor_ref), LENS, agg, 0.3, 0.3,
-                                        10000.0, tau)
+    ref_loss, ref_grads = ipo_reference(
+        rows(adv), rows(pi), rows(mu_ref), rows(anchor_ref), LENS, agg, 0.3, 0.3, 10000.0, tau
+    )
     assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     for got_row, ref_row in zip(grads, ref_grads):
         assert got_row == pytest.approx(ref_row, rel=1e-4, abs=1e-6)
@@ -47,8 +49,7 @@ def test_the_mask_ignores_the_advantages_sign_where_dppo_does_not():
     would bring pi back towards mu (A > 0 where pi fell, A < 0 where it rose), and blocks the third."""
     pi, mu, old, adv = llm_case(seed=5)
     ipo = actor_config("ipo", loss_agg_mode="token-sum", delta_low=0.3, delta_high=0.3, ratio_cap=10000.0)
-    dppo = actor_config("dppo_binary_tv", loss_agg_mode="token-sum", delta_low=0.3, delta_high=0.3,
-                        ratio_cap=10000.0)
+    dppo = actor_config("dppo_binary_tv", loss_agg_mode="token-sum", delta_low=0.3, delta_high=0.3, ratio_cap=10000.0)
     (_, ipo_grads, _), (_, dppo_grads, _) = (run_ppo_loss(c, pi, old, adv, rollout=mu) for c in (ipo, dppo))
     assert [ipo_grads[0][1], ipo_grads[0][2], ipo_grads[2][0]] == [0.0, 0.0, 0.0]
     assert dppo_grads[0][1] != 0.0 and dppo_grads[0][2] != 0.0 and dppo_grads[2][0] == 0.0
@@ -86,13 +87,16 @@ def test_the_recipe_reaches_check_the_demo_study_and_the_figures():
 
     config = compose_recipe("cpu_tiny", "ipo")
     rule = update_rule(config)
-    assert rule.startswith("trains ipo: delta 0.3/0.3, ratio cap 10000 (inherited from clip_ratio_c), no log-ratio "
-                           "penalty, anchored on the rollout's log-probs"), rule
+    assert rule.startswith(
+        "trains ipo: delta 0.3/0.3, ratio cap 10000 (inherited from clip_ratio_c), no log-ratio "
+        "penalty, anchored on the rollout's log-probs"
+    ), rule
     tau = update_rule(compose_recipe("cpu_tiny", "ipo", ["actor_rollout_ref.actor.policy_loss.ipo_tau=0.1"]))
     assert "penalty tau 0.1 x (log pi/mu)^2" in tau
     assert _methods("dppo_binary_tv,ipo", []) == ["dppo_binary_tv", "ipo"]  # study --methods
     (row,) = runnable_methods(["ipo"])
     assert (row.loss_mode, row.policy_loss["delta_low"], row.needs_rollout_topk) == ("ipo", 0.3, False)
     assert method_of("cpu_tiny-ipo-sync") == "ipo" and method_colors()["ipo"] not in (
-        color for name, color in method_colors().items() if name != "ipo")
+        color for name, color in method_colors().items() if name != "ipo"
+    )
     assert Run(path="ipo.jsonl", label="ipo", loss_mode="ipo").family == "dppo"

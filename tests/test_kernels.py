@@ -30,8 +30,11 @@ TRITON_SITE = Path(sys.prefix) / "triton-interpret"
 
 def test_the_kernels_equal_the_torch_paths_under_tritons_interpreter():
     assert (TRITON_SITE / "triton").is_dir(), f"{TRITON_SITE} holds no Triton: `make venv` installs it there"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     env.pop("VERL_DPPO_KERNELS", None)
     done = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -41,11 +44,19 @@ def test_the_kernels_equal_the_torch_paths_under_tritons_interpreter():
 def test_every_kernel_compiles_for_an_h100_without_one():
     """tests/probes/kernel_compile.py: Triton's own ptxas builds each kernel's sm_90 cubin on this CPU (the
     interpreter above runs the kernels' semantics; this catches what only the compiler refuses)."""
-    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=os.pathsep.join(
-        [str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        TRITON_DEFAULT_FP_FUSION="1",
+        PYTHONPATH=os.pathsep.join([str(TRITON_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, str(PROBE.with_name("kernel_compile.py"))], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(PROBE.with_name("kernel_compile.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "all kernels compile for sm_90" in done.stdout, done.stdout
     # four kernels, two with and without the entropy, the max-and-sum kernel also with the entropy's sums stored
@@ -81,8 +92,22 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
     import json
 
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--smoke", "--out", str(tmp_path),
-                           "--parts", "per_token,unfused,troll_devices"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--device",
+            "cpu",
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--parts",
+            "per_token,unfused,troll_devices",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert result["complete"] and result["device"] == "CPU"
@@ -99,8 +124,11 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
     # issue 53.5: the unfused steps side by side, and the log-probs and entropy verl's functions and the plugin's
     # pass compute on the same logits (float32 here), each against float64
     unfused = result["unfused"]
-    assert all(row["device_events"] > 0 and "x_unfused_binary_verl" in row for name, row in unfused["rows"].items()
-               if name != "unfused_binary_verl"), unfused["rows"]
+    assert all(
+        row["device_events"] > 0 and "x_unfused_binary_verl" in row
+        for name, row in unfused["rows"].items()
+        if name != "unfused_binary_verl"
+    ), unfused["rows"]
     for pair in ("verl_vs_float64", "plugin_vs_float64", "plugin_vs_verl"):
         assert unfused["agreement"][pair]["log_p_max_abs_diff"] <= 1e-5, unfused["agreement"]
         assert unfused["agreement"][pair]["entropy_max_abs_diff"] <= 1e-5, unfused["agreement"]

@@ -30,8 +30,9 @@ def random_case(seed: int, drift: float = 0.6):
 
 def run_ppo_loss(config, pi, old, adv, rollout=None, nested=True, entropy=None):
     pi = pi.clone().requires_grad_()
-    model_output, data, leaf = v1_micro_batch(pi, old, adv, LENS, rollout_log_prob=rollout, entropy=entropy,
-                                              nested_fields=nested)
+    model_output, data, leaf = v1_micro_batch(
+        pi, old, adv, LENS, rollout_log_prob=rollout, entropy=entropy, nested_fields=nested
+    )
     loss, metrics = ppo_loss(config, model_output, data)
     loss.backward()
     # Per-response-token gradient, read back from the model output's (left-shifted) positions.
@@ -71,21 +72,24 @@ def test_matches_reference_through_verl_ppo_loss(mode, fields, resolved, with_ro
     mu_ref = mu if with_rollout else old
     anchor_ref = old if anchor == "recompute" else mu_ref
     relax = {k: fields[k] for k in ("relax_below", "relax_side") if k in fields}
-    ref_loss, ref_grads = reference_loss(mode, rows(adv), rows(pi), rows(mu_ref), rows(anchor_ref), LENS,
-                                         "token-mean", *resolved, **relax)
+    ref_loss, ref_grads = reference_loss(
+        mode, rows(adv), rows(pi), rows(mu_ref), rows(anchor_ref), LENS, "token-mean", *resolved, **relax
+    )
     assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     for got_row, ref_row in zip(grads, ref_grads):
         assert got_row == pytest.approx(ref_row, rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
-                                 "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_every_loss_agg_mode_goes_through_verl_agg_loss(agg):
     pi, mu, old, adv = random_case(seed=3)
     config = actor_config("dppo_binary_kl", loss_agg_mode=agg, delta_low=0.05, delta_high=0.05, ratio_cap=10000.0)
     loss, grads, _ = run_ppo_loss(config, pi, old, adv, rollout=mu)
-    ref_loss, ref_grads = reference_loss("dppo_binary_kl", rows(adv), rows(pi), rows(mu), rows(mu), LENS, agg,
-                                         0.05, 0.05, 10000.0, horizon=T)
+    ref_loss, ref_grads = reference_loss(
+        "dppo_binary_kl", rows(adv), rows(pi), rows(mu), rows(mu), LENS, agg, 0.05, 0.05, 10000.0, horizon=T
+    )
     assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     assert sum(grads, []) == pytest.approx(sum(ref_grads, []), rel=1e-4, abs=1e-7)
 
@@ -97,7 +101,7 @@ def test_gradient_is_minus_mask_times_capped_ratio_times_advantage(mode):
     config = actor_config(mode, loss_agg_mode="token-sum", delta_low=0.1, delta_high=0.1, ratio_cap=2.5)
     _, grads, metrics = run_ppo_loss(config, pi, old, adv, rollout=mu)
     r = torch.exp(pi - mu)
-    expected_unmasked = (-(r.clamp(max=2.5)) * adv)
+    expected_unmasked = -(r.clamp(max=2.5)) * adv
     n_masked = 0
     for i, n in enumerate(LENS):
         for t in range(n):
@@ -124,12 +128,16 @@ def test_paper_sec42_examples_rare_token_passes_dppo_dominant_token_blocked():
     pi = torch.tensor([[math.log(1e-2), math.log(0.80)]])
     adv = torch.tensor([[1.0, -1.0]])
     blocked = {}
-    for mode, fields in [("grpo_clip", {}), ("dppo_binary_tv", dict(delta_low=0.15, delta_high=0.15)),
-                         ("dppo_binary_kl", dict(delta_low=0.05, delta_high=0.05))]:
+    for mode, fields in [
+        ("grpo_clip", {}),
+        ("dppo_binary_tv", dict(delta_low=0.15, delta_high=0.15)),
+        ("dppo_binary_kl", dict(delta_low=0.05, delta_high=0.05)),
+    ]:
         config = actor_config(mode, loss_agg_mode="token-sum", clip_ratio_high=0.28, ratio_cap=10000.0, **fields)
         pi_leaf = pi.clone().requires_grad_()
-        loss, _ = get_policy_loss_fn(mode)(mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool),
-                                           "token-sum", config)
+        loss, _ = get_policy_loss_fn(mode)(
+            mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool), "token-sum", config
+        )
         loss.backward()
         blocked[mode] = (pi_leaf.grad == 0).squeeze(0).tolist()
     assert blocked["grpo_clip"] == [True, False]  # ratio 100 clipped; ratio 0.81 allowed
@@ -142,11 +150,11 @@ def test_minimal_negative_mask_sec53():
     mu = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.1, 0.99]]))
     pi = torch.log(torch.tensor([[0.3, 0.5, 0.3, 0.95, 0.3]]))
     adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0, -1.0]])
-    config = actor_config("dppo_binary_tv", loss_agg_mode="token-sum", delta_low=0.5, delta_high=1.0,
-                          ratio_cap=10000.0)
+    config = actor_config("dppo_binary_tv", loss_agg_mode="token-sum", delta_low=0.5, delta_high=1.0, ratio_cap=10000.0)
     pi_leaf = pi.clone().requires_grad_()
-    loss, _ = get_policy_loss_fn("dppo_binary_tv")(mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool),
-                                                   "token-sum", config)
+    loss, _ = get_policy_loss_fn("dppo_binary_tv")(
+        mu, pi_leaf, adv, torch.ones_like(adv, dtype=torch.bool), "token-sum", config
+    )
     loss.backward()
     assert (pi_leaf.grad == 0).squeeze(0).tolist() == [True, False, False, False, True]
 
@@ -164,8 +172,9 @@ def test_grpo_clip_ignores_deltas():
     pi, mu, old, adv = random_case(seed=9)
     with_deltas = actor_config("grpo_clip", clip_ratio_high=0.28, delta_low=0.01, delta_high=0.01)
     without = actor_config("grpo_clip", clip_ratio_high=0.28)
-    assert run_ppo_loss(with_deltas, pi, old, adv, rollout=mu)[:2] == run_ppo_loss(without, pi, old, adv,
-                                                                                  rollout=mu)[:2]
+    assert (
+        run_ppo_loss(with_deltas, pi, old, adv, rollout=mu)[:2] == run_ppo_loss(without, pi, old, adv, rollout=mu)[:2]
+    )
 
 
 def test_rollout_log_probs_are_mu_when_present():
@@ -260,15 +269,22 @@ def test_bf16_log_probs_on_policy_mask_nothing(mode, delta):
 
 # (mu(a_t), pi(a_t) before bf16, sign of A): near p = 1, the cases an audit found kept in bf16 though fp32 masks them
 # (issue 40.3); pi = 1.0 is the CPU kernel's own pattern, a bf16 log-softmax reading log pi = 0 exactly.
-BF16_NEAR_ONE = [(0.95, 0.999, 1.0), (0.97, 0.999, 1.0), (0.98, 0.9995, 1.0), (0.99, 0.99999, 1.0),
-                 (0.9999, 0.95, -1.0), (0.955, 1.0, 1.0), (0.96, 1.0, 1.0)]
+BF16_NEAR_ONE = [
+    (0.95, 0.999, 1.0),
+    (0.97, 0.999, 1.0),
+    (0.98, 0.9995, 1.0),
+    (0.99, 0.99999, 1.0),
+    (0.9999, 0.95, -1.0),
+    (0.955, 1.0, 1.0),
+    (0.96, 1.0, 1.0),
+]
 
 
 def _least_kl_within_the_bound(mu: float, log_pi_bf16: float) -> float:
     """The least binary KL(mu || pi) over every pi the bf16 value is consistent with: |log pi - value| within the
     error bound of verl's bf16 log-softmax, 2^-8 x (1 + |value|) (tests/test_math_properties.py measures it), on a
     float64 grid of that interval: an independent reference for what the loss may exempt."""
-    radius = 2.0 ** -8 * (1.0 + abs(log_pi_bf16))
+    radius = 2.0**-8 * (1.0 + abs(log_pi_bf16))
     grid = torch.linspace(log_pi_bf16 - radius, min(0.0, log_pi_bf16 + radius), 20001, dtype=torch.float64)
     pi = grid.exp().clamp(max=1 - 1e-300)
     kl = mu * torch.log(mu / pi) + (1 - mu) * torch.log((1 - mu) / (1 - pi))
@@ -321,7 +337,7 @@ def test_bf16_on_both_sides_moves_each_within_its_own_bound():
         row, col = (0 if t < 6 else 2), t % 6
         box = []
         for value in (float(mu[row, col]), float(pi[row, col])):
-            radius = 2.0 ** -8 * (1.0 + abs(value))
+            radius = 2.0**-8 * (1.0 + abs(value))
             box.append((value - radius) + grid * (min(0.0, value + radius) - (value - radius)))
         log_mu, log_pi = box[0][:, None], box[1][None, :]
         one_minus_pi = (-torch.expm1(log_pi)).clamp(min=1e-300)
@@ -351,8 +367,9 @@ def test_thresholds_inherited_from_the_ratio_clip_are_warned_once_in_the_worker(
     assert len(lines) == 1 and "clip_ratio_low=0.21 clip_ratio_high=0.29 clip_ratio_c=3" in lines[0], lines
     assert "delta_low=0.15" in lines[0] and "verl_dppo.DPPOLossConfig" in lines[0]
     caplog.clear()
-    own = actor_config("dppo_binary_tv", clip_ratio_low=0.21, clip_ratio_high=0.29, delta_low=0.15, delta_high=0.15,
-                       ratio_cap=10000.0)
+    own = actor_config(
+        "dppo_binary_tv", clip_ratio_low=0.21, clip_ratio_high=0.29, delta_low=0.15, delta_high=0.15, ratio_cap=10000.0
+    )
     with caplog.at_level(logging.WARNING, logger="verl_dppo"):
         run_ppo_loss(own, pi, old, adv, rollout=mu)
     assert not [r for r in caplog.records if "inherited" in r.getMessage()]

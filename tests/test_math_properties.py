@@ -118,8 +118,9 @@ def _check_truth_table(delta_low: float, delta_high: float, advantages=ADVANTAGE
 def test_mask_truth_table_on_extreme_values(delta_low, delta_high):
     """Eq. (12) exactly: masked iff (A > 0, r > 1, D > delta_high) or (A < 0, r < 1, D > delta_low), for
     advantages and log-ratios from +-1e30 to +-inf, D at, just below and just above delta, and D = inf."""
-    _check_truth_table(delta_low, delta_high, [a for a in ADVANTAGES if abs(a) != 1e-30],
-                       [r for r in LOG_RATIOS if abs(r) != 1e-30])
+    _check_truth_table(
+        delta_low, delta_high, [a for a in ADVANTAGES if abs(a) != 1e-30], [r for r in LOG_RATIOS if abs(r) != 1e-30]
+    )
 
 
 def test_mask_truth_table_tiny_advantage_times_tiny_log_ratio():

@@ -160,8 +160,13 @@ def _rank(rank: int, init_file: str) -> None:
         next(batch_iter)
         if model.hook:  # megatron-core >= 0.18's output-processor hook: verl's fused_output_processor
             return fused_module.fused_output_processor(
-                hidden_states=model._hidden, output_layer=model.output_layer, output_weight=None, labels=labels,
-                context=fused_module.FusedOutputProcessorContext(temperature=0.7), config=model.config)
+                hidden_states=model._hidden,
+                output_layer=model.output_layer,
+                output_weight=None,
+                labels=labels,
+                context=fused_module.FusedOutputProcessorContext(temperature=0.7),
+                config=model.config,
+            )
         return fused_module._fused_GPTModel_forward(model, None, None, None, labels=labels, temperature=0.7)
 
     forward_step = megatron_fused_head._forward_step_wrapper(engine_step)
@@ -171,8 +176,13 @@ def _rank(rank: int, init_file: str) -> None:
         mine = slice(rank * 6, (rank + 1) * 6) if sequence_parallel else slice(None)
         local_h = h[mine].clone().requires_grad_()
         local_w = w[rank * rows : (rank + 1) * rows].clone().requires_grad_()
-        out = forward_step(engine, iter([_batch(True)]), _Model(local_h, local_w, sequence_parallel, hook),
-                           _loss("dppo_binary_tv"), None)
+        out = forward_step(
+            engine,
+            iter([_batch(True)]),
+            _Model(local_h, local_w, sequence_parallel, hook),
+            _loss("dppo_binary_tv"),
+            None,
+        )
         # float32 out, as verl's kernel returns: float32 rounding of the float64 values and gradients
         assert out.log_probs.dtype == out.entropy.dtype == torch.float32 and out.log_probs.shape == (12,), where
         assert _close(out.log_probs, ref_lp, 1e-6) and _close(out.entropy, ref_ent, 1e-6), where
@@ -180,8 +190,13 @@ def _rank(rank: int, init_file: str) -> None:
         assert _close(gh, want_gh[mine], 1e-6), f"{where}: grad hidden"
         assert _close(gw, want_gw[rank * rows : (rank + 1) * rows], 1e-6), f"{where}: grad weight shard"
         assert not verl_calls, where
-    out = forward_step(engine, iter([_batch(True)]), _Model(h, w[rank * rows : (rank + 1) * rows], False),
-                       _loss("vanilla", plain=True), None)
+    out = forward_step(
+        engine,
+        iter([_batch(True)]),
+        _Model(h, w[rank * rows : (rank + 1) * rows], False),
+        _loss("vanilla", plain=True),
+        None,
+    )
     assert verl_calls == [tp_group] and not out.log_probs.any()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -19,8 +19,9 @@ import torch
 from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
 from verl_dppo.rehearsal import megatron_shim
 
-needs_megatron = pytest.mark.skipif(bool(megatron_cpu_problems(None)),
-                                    reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`")
+needs_megatron = pytest.mark.skipif(
+    bool(megatron_cpu_problems(None)), reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`"
+)
 
 EQUALITY = textwrap.dedent("""
     import os, sys
@@ -121,14 +122,27 @@ EQUALITY = textwrap.dedent("""
 def _equality(kind: str, world: int, tmp_path) -> list[dict]:
     env = dict(os.environ, VERL_PLATFORM="cpu", OMP_NUM_THREADS="1")
     args = [str(tmp_path / "model"), str(tmp_path / "init")]
-    ranks = [subprocess.Popen([sys.executable, "-c", EQUALITY, kind, str(rank), str(world), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", EQUALITY, kind, str(rank), str(world), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     found = []
     for process in ranks:
         stdout, stderr = process.communicate(timeout=600)
         assert process.returncode == 0, stderr[-3000:]
-        found.append({line.split()[0]: line.split()[1:] for line in stdout.splitlines()
-                      if line.split()[:1] and line.split()[0] in ("PIECES", "DIFF", "EXPORT", "EXPERTS", "R3")})
+        found.append(
+            {
+                line.split()[0]: line.split()[1:]
+                for line in stdout.splitlines()
+                if line.split()[:1] and line.split()[0] in ("PIECES", "DIFF", "EXPORT", "EXPERTS", "R3")
+            }
+        )
     return found
 
 
@@ -186,11 +200,13 @@ def test_the_shim_stays_out_of_a_process_that_builds_no_megatron_engine(platform
     """verl imports megatron-core (and its engine module) in every process that imports its engines: an FSDP run's
     processes on the CPU platform, and any process off it, keep torch and megatron-core as they are. Off the CPU
     platform, building the engine installs nothing either."""
-    code = ("import verl, torch\nimport verl.workers.engine\nimport verl.workers.engine.megatron.transformer_impl as m\n"
-            "from verl_dppo.rehearsal import megatron_shim\n"
-            "print(megatron_shim.installed_pieces(), type(torch.Tensor.cuda).__name__)\n"
-            "try:\n    m.MegatronEngine.__init__(object.__new__(m.MegatronEngine))\nexcept TypeError:\n    pass\n"
-            "print(megatron_shim.installed_pieces())")
+    code = (
+        "import verl, torch\nimport verl.workers.engine\nimport verl.workers.engine.megatron.transformer_impl as m\n"
+        "from verl_dppo.rehearsal import megatron_shim\n"
+        "print(megatron_shim.installed_pieces(), type(torch.Tensor.cuda).__name__)\n"
+        "try:\n    m.MegatronEngine.__init__(object.__new__(m.MegatronEngine))\nexcept TypeError:\n    pass\n"
+        "print(megatron_shim.installed_pieces())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
     if platform:
         env["VERL_PLATFORM"] = platform
@@ -232,8 +248,11 @@ def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
     assert not config.actor_rollout_ref.model.use_remove_padding
     assert config.actor_rollout_ref.ref.megatron.dtype == "float32"
     assert config.dppo.rollout_suffix == "-megatron"  # never resumes an FSDP run's checkpoint
-    moe = compose_recipe("cpu_tiny", "dppo_binary_tv", overrides=["model_engine=megatron", "dppo.tiny_model.num_experts=4",
-                                                                  "actor_rollout_ref.rollout.name=vllm"])
+    moe = compose_recipe(
+        "cpu_tiny",
+        "dppo_binary_tv",
+        overrides=["model_engine=megatron", "dppo.tiny_model.num_experts=4", "actor_rollout_ref.rollout.name=vllm"],
+    )
     engine_settings(moe)
     engine_settings(moe)  # once per launch stage: the name is computed, not appended
     assert moe.dppo.rollout_suffix == "-vllm-megatron-moe4"
@@ -243,7 +262,8 @@ def test_a_cpu_run_on_megatron_gets_the_settings_it_needs():
 def test_megatron_on_cpu_without_the_packages_is_one_line_naming_the_pins(monkeypatch):
     from verl_dppo.rehearsal.setups import megatron_cpu
 
-    monkeypatch.setattr(megatron_cpu, "megatron_support",
-                        lambda: {"megatron-core": "not installed", "mbridge": "not installed"})
+    monkeypatch.setattr(
+        megatron_cpu, "megatron_support", lambda: {"megatron-core": "not installed", "mbridge": "not installed"}
+    )
     problems = megatron_cpu.megatron_cpu_problems(None)
     assert len(problems) == 1 and "megatron-core==0.16.1 mbridge==0.15.1" in problems[0] and "make venv" in problems[0]

@@ -39,11 +39,13 @@ def sequences(seed: int, count: int):
 
 def call(config, seqs):
     lens = [s[0].numel() for s in seqs]
+
     def pad(j):
         t = torch.zeros(len(seqs), T)
         for i, s in enumerate(seqs):
             t[i, : lens[i]] = s[j]
         return t
+
     pi, mu, adv, entropy = pad(0), pad(1), pad(2), pad(3)
     model_output, data, _ = v1_micro_batch(pi, mu, adv, lens, rollout_log_prob=mu, entropy=entropy)
     _, metrics = ppo_loss(config, model_output, data)

@@ -21,16 +21,22 @@ from verl_dppo.studies import mismatch
 from verl_dppo.rehearsal.setups import real_model
 from verl_dppo.plugin.mismatch_dump import ENV
 
-BOUNDS = {"grpo_clip_higher": (0.2, 0.28), "dppo_binary_tv": (0.15, 0.15), "dppo_binary_kl": (0.05, 0.05),
-          "dppo_topk_tv": (0.15, 0.15), "dppo_topk_kl": (0.05, 0.05)}
+BOUNDS = {
+    "grpo_clip_higher": (0.2, 0.28),
+    "dppo_binary_tv": (0.15, 0.15),
+    "dppo_binary_kl": (0.05, 0.05),
+    "dppo_topk_tv": (0.15, 0.15),
+    "dppo_topk_kl": (0.05, 0.05),
+}
 THRESHOLDS = mismatch.thresholds  # the real one, where a test fakes the module's
 
 
 def test_each_bucket_counts_its_tokens_and_each_region_what_it_would_act_on():
     mu = torch.tensor([5e-5, 5e-5, 5e-3, 0.3, 0.95, 0.95])
     pi = torch.tensor([1e-4, 5e-5, 5e-3, 0.5, 0.95 * 0.9, 0.95])  # x2, =, =, +0.2, -0.095, =
-    rows = mismatch.bucket_rows({"mu": mu.log(), "pi": pi.log(), "topk_tv": torch.zeros(6), "topk_kl": torch.zeros(6)},
-                                BOUNDS)
+    rows = mismatch.bucket_rows(
+        {"mu": mu.log(), "pi": pi.log(), "topk_tv": torch.zeros(6), "topk_kl": torch.zeros(6)}, BOUNDS
+    )
     by = {row["bucket"]: row for row in rows}
     assert [row["tokens"] for row in rows] == [2, 0, 1, 0, 1, 0, 2]
     rare, likely = by["[0, 0.0001)"], by["[0.9, 1]"]
@@ -77,11 +83,15 @@ def test_the_real_model_is_a_real_instruct_llm(smollm2):
     assert len(tokenizer) == 49152 and 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     # bf16 values, as a published checkpoint's: vLLM's bf16 copy then moves with an update as it would on a cluster
     assert all(torch.equal(p.bfloat16().float(), p) for p in model.parameters())
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    assert "12" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+    assert "12" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
 
 
 def test_a_real_models_rows_are_peaked_and_its_rounding_moves_the_ratio_of_rare_tokens_most(smollm2):
@@ -96,8 +106,9 @@ def test_a_real_models_rows_are_peaked_and_its_rounding_moves_the_ratio_of_rare_
     texts = []
     torch.manual_seed(0)
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
             texts.append(model.generate(**ids, max_new_tokens=96, do_sample=True, temperature=1.0))
     mu, pi = [], []
@@ -204,9 +215,18 @@ def _write_records(folder: Path, seed: int, pi_dtype: str) -> None:
         mu = torch.empty(150).uniform_(-12.0, 0.0, generator=generator)
         pi = (mu + 0.05 * torch.randn(150, generator=generator)).clamp(max=0.0)
         topk_tv = 0.02 * torch.rand(150, generator=generator)
-        torch.save({"mu": mu, "pi": pi, "mu_dtype": "torch.float32", "pi_dtype": pi_dtype, "topk_tv": topk_tv,
-                    "topk_kl": topk_tv ** 2, "topk_mass": 0.8 + 0.2 * torch.rand(150, generator=generator)},
-                   folder / f"tokens-100-{part}.pt")
+        torch.save(
+            {
+                "mu": mu,
+                "pi": pi,
+                "mu_dtype": "torch.float32",
+                "pi_dtype": pi_dtype,
+                "topk_tv": topk_tv,
+                "topk_kl": topk_tv**2,
+                "topk_mass": 0.8 + 0.2 * torch.rand(150, generator=generator),
+            },
+            folder / f"tokens-100-{part}.pt",
+        )
 
 
 @pytest.fixture
@@ -222,22 +242,33 @@ def fake_launches(tmp_path, monkeypatch):
     monkeypatch.setattr(mismatch, "LAUNCHER", (sys.executable, str(script)))
     monkeypatch.setenv("FAKE_RECORDS", str(records))
     monkeypatch.setattr(launches, "POLL_S", 0.02)
-    monkeypatch.setattr(mismatch, "_labels", lambda setup, config_dir, overrides: (
-        dict(mismatch.CPU_TRAINER_DTYPES), "vllm (bfloat16)", ["data.train_batch_size=16"]))
+    monkeypatch.setattr(
+        mismatch,
+        "_labels",
+        lambda setup, config_dir, overrides: (
+            dict(mismatch.CPU_TRAINER_DTYPES),
+            "vllm (bfloat16)",
+            ["data.train_batch_size=16"],
+        ),
+    )
     monkeypatch.setattr(mismatch, "thresholds", lambda setup, config_dir, overrides: dict(BOUNDS))
     return tmp_path / "out"
 
 
-def test_a_measurement_cut_in_its_second_launch_keeps_the_first_launchs_json_and_figure(fake_launches, monkeypatch,
-                                                                                         capsys):
+def test_a_measurement_cut_in_its_second_launch_keeps_the_first_launchs_json_and_figure(
+    fake_launches, monkeypatch, capsys
+):
     """Issue 44: the bf16 launch killed in its update leaves fp32's buckets in mismatch.json (marked partial, bf16
     pending) and its figure, written before the bf16 launch started; the records are incomplete, so no redraw."""
     out = fake_launches
     monkeypatch.setenv("FAKE_CUT", "bf16")
     assert main(["mismatch", "--out", str(out)]) == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert any(line.startswith("verl-dppo: error: the bf16 run exited -9 without the tokens") and
-               "keep what was measured (fp32)" in line for line in error), error
+    assert any(
+        line.startswith("verl-dppo: error: the bf16 run exited -9 without the tokens")
+        and "keep what was measured (fp32)" in line
+        for line in error
+    ), error
     assert (out / "runs" / "bf16.seen").read_text() == "mismatch.json mismatch.png"  # on disk while bf16 ran
     written = json.loads((out / "mismatch.json").read_text())
     assert written["partial"] is True and written["pending"] == ["bf16"]
@@ -248,8 +279,9 @@ def test_a_measurement_cut_in_its_second_launch_keeps_the_first_launchs_json_and
     assert "the bf16 launch did not end with its tokens" in line and "mismatch.json holds what ended: fp32" in line
 
 
-def test_a_redraw_rebuilds_a_full_measurements_json_byte_for_byte_from_its_token_records(fake_launches, monkeypatch,
-                                                                                          capsys):
+def test_a_redraw_rebuilds_a_full_measurements_json_byte_for_byte_from_its_token_records(
+    fake_launches, monkeypatch, capsys
+):
     """Issue 44: `--redraw DIR` launches nothing and writes the JSON the measurement wrote, byte for byte, the same
     tables and the figure; the rows are each launch's records, every file of them, bucketed."""
     out = fake_launches
@@ -286,9 +318,11 @@ def test_the_console_names_each_launchs_log_and_says_each_phase_as_the_launch_re
 
 
 def test_a_redraw_without_complete_records_is_one_line_and_exit_2(tmp_path, capsys):
-    for argv, expected in ((["--redraw", str(tmp_path)], "no token records of a `verl-dppo mismatch` here"),
-                           (["--redraw", str(tmp_path / "nowhere")], "no such folder"),
-                           (["smollm2", "--redraw", str(tmp_path)], "give no setup, overrides or --config-dir")):
+    for argv, expected in (
+        (["--redraw", str(tmp_path)], "no token records of a `verl-dppo mismatch` here"),
+        (["--redraw", str(tmp_path / "nowhere")], "no such folder"),
+        (["smollm2", "--redraw", str(tmp_path)], "give no setup, overrides or --config-dir"),
+    ):
         assert main(["mismatch", *argv]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith("verl-dppo: error: --redraw") and expected in line, line

@@ -27,13 +27,19 @@ def _fake(calls: list, short: str = ""):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as handle:
             for step in range(1, steps + (0 if name == short else 1)):
-                data = {"critic/score/mean": 0.5, "actor/dppo/r3_router_differs_frac": 0.02,
-                        "actor/dppo/r3_replayed_frac": 1.0 if r3 else 0.98, "actor/dppo/r3_route_fit": 0.99,
-                        "training/rollout_probs_diff_mean": 1e-3 if r3 else 2e-3,
-                        "actor/dppo/mismatch_tv_mean": 0.02, "actor/pg_clipfrac": 0.01,
-                        "actor/grad_norm": 0.3}
+                data = {
+                    "critic/score/mean": 0.5,
+                    "actor/dppo/r3_router_differs_frac": 0.02,
+                    "actor/dppo/r3_replayed_frac": 1.0 if r3 else 0.98,
+                    "actor/dppo/r3_route_fit": 0.99,
+                    "training/rollout_probs_diff_mean": 1e-3 if r3 else 2e-3,
+                    "actor/dppo/mismatch_tv_mean": 0.02,
+                    "actor/pg_clipfrac": 0.01,
+                    "actor/grad_norm": 0.3,
+                }
                 handle.write(json.dumps({"step": step, "data": data}) + "\n")
         return 0
+
     return launch
 
 
@@ -50,8 +56,12 @@ def test_both_arms_run_once_per_seed_and_are_tabulated_side_by_side(tmp_path):
     again = []
     assert moe_pair.run_pair("dppo_binary_tv", "hf", [0], 2, tmp_path, ["x=1"], launch=_fake(again))[0] == 0
     assert again == []  # every step logged under the same arguments: not launched again
-    assert moe_pair.run_pair("dppo_binary_tv", "hf", [0], 2, tmp_path, ["x=2"],
-                             launch=_fake(again, short="moe-pair-hf-nor3-seed0"))[0] == 1  # a run short: exit 1
+    assert (
+        moe_pair.run_pair(
+            "dppo_binary_tv", "hf", [0], 2, tmp_path, ["x=2"], launch=_fake(again, short="moe-pair-hf-nor3-seed0")
+        )[0]
+        == 1
+    )  # a run short: exit 1
     assert again == ["moe-pair-hf-r3-seed0", "moe-pair-hf-nor3-seed0"]
 
 
@@ -66,11 +76,25 @@ def test_each_arm_is_a_valid_launch_and_the_without_arm_measures_without_replayi
         assert fsdp_router_replay_problem(config) is None, arm
         mode = config.actor_rollout_ref.actor.fsdp_config.router_replay.mode
         assert mode == {"R3": "R3", "no R3": "measure"}[arm]
-    config = compose_recipe("cpu_tiny", "dppo_binary_tv", [*moe_pair.ROUTES,
-                                                           "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2"])
+    config = compose_recipe(
+        "cpu_tiny", "dppo_binary_tv", [*moe_pair.ROUTES, "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2"]
+    )
     assert "replays R3 only, or measures" in fsdp_router_replay_problem(config)
-    dry = subprocess.run([sys.executable, "-m", "verl_dppo.cli", "run", "cpu_tiny", "--method", "dppo_binary_tv",
-                          "--dry-run", *moe_pair.arm_overrides("hf", "no R3")], capture_output=True, text=True)
+    dry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_dppo.cli",
+            "run",
+            "cpu_tiny",
+            "--method",
+            "dppo_binary_tv",
+            "--dry-run",
+            *moe_pair.arm_overrides("hf", "no R3"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert dry.returncode == 0 and "passed verl's checks" in dry.stderr, dry.stderr[-2000:]
 
 

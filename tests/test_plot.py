@@ -14,9 +14,13 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def write_log(path, steps=20, val_every=5, truncate=False, score=lambda s: s / 20):
     lines = []
     for step in range(1, steps + 1):
-        data = {"critic/score/mean": score(step), "actor/pg_clipfrac": 0.01 * (step % 3),
-                "response_length/mean": 100.0 + step, "actor/dppo/mismatch_tv_mean": 1e-3,
-                "perf/note": "strings are skipped"}
+        data = {
+            "critic/score/mean": score(step),
+            "actor/pg_clipfrac": 0.01 * (step % 3),
+            "response_length/mean": 100.0 + step,
+            "actor/dppo/mismatch_tv_mean": 1e-3,
+            "perf/note": "strings are skipped",
+        }
         if step % val_every == 0:
             data["val-core/math/acc/mean@1"] = step / 40
         lines.append(json.dumps({"step": step, "data": data}))
@@ -57,8 +61,23 @@ def test_overlay_two_runs_with_metric_list_and_wildcard(tmp_path, capsys):
     first = write_log(tmp_path / "x" / "run.jsonl")
     second = write_log(tmp_path / "y" / "run.jsonl", score=lambda s: 0.3)
     out = tmp_path / "figs" / "cmp.png"
-    assert main(["plot", str(first), str(second), str(a), "-o", str(out),
-                 "--metrics", "critic/score/mean,val-core/*", "--smooth", "3"]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                str(first),
+                str(second),
+                str(a),
+                "-o",
+                str(out),
+                "--metrics",
+                "critic/score/mean,val-core/*",
+                "--smooth",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "2 panel(s), 3 run(s)" in capsys.readouterr().out
     assert_png(out)
     assert plot._label_runs([str(first), str(second)]) == ["x/run", "y/run"]
@@ -66,8 +85,11 @@ def test_overlay_two_runs_with_metric_list_and_wildcard(tmp_path, capsys):
 
 def test_a_resumed_run_keeps_the_latest_value_of_a_step(tmp_path):
     log = tmp_path / "run.jsonl"
-    rows = [{"step": 1, "data": {"critic/score/mean": 0.1}}, {"step": 2, "data": {"critic/score/mean": 0.2}},
-            {"step": 2, "data": {"critic/score/mean": 0.25}}]
+    rows = [
+        {"step": 1, "data": {"critic/score/mean": 0.1}},
+        {"step": 2, "data": {"critic/score/mean": 0.2}},
+        {"step": 2, "data": {"critic/score/mean": 0.25}},
+    ]
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert plot.load_run(str(log)).series["critic/score/mean"] == {1: 0.1, 2: 0.25}
 
@@ -98,8 +120,10 @@ def test_cli_error_paths(tmp_path, capsys):
         (["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "f.png")], "no such file"),
         (["plot", str(tmp_path / "empty"), "-o", str(tmp_path / "f.png")], "a folder without a verl log"),
         (["plot", str(log), "-o", str(tmp_path / "f.txt")], "ending in one of"),
-        (["plot", str(log), "-o", str(tmp_path / "f.png"), "--metrics", "critic/score/maen"],
-         "did you mean critic/score/mean"),
+        (
+            ["plot", str(log), "-o", str(tmp_path / "f.png"), "--metrics", "critic/score/maen"],
+            "did you mean critic/score/mean",
+        ),
         (["plot", str(log), "-o", str(tmp_path / "f.png"), "--smooth", "0"], "--smooth must be >= 1"),
         (["plot", str(log), "-o", str(tmp_path / "f.png"), "--labels", "a,b"], "--labels names 2 run(s)"),
     ]
@@ -219,7 +243,9 @@ def test_the_demos_logs_are_found_as_a_folder_by_latest_and_by_log_root(tmp_path
     assert "3 run(s)" in captured.out and "--latest: the demo in out/demo (3 runs; nothing under" in captured.err
     assert main(["plot", "--latest", "--log-root", "out/demo", "-o", "newest.png"]) == 0
     assert "1 run(s)" in capsys.readouterr().out
-    assert plot.resolve_runs([], latest=True, log_root="out/demo") == [os.path.join("out", "demo", "dppo_binary_tv.jsonl")]
+    assert plot.resolve_runs([], latest=True, log_root="out/demo") == [
+        os.path.join("out", "demo", "dppo_binary_tv.jsonl")
+    ]
     assert main(["plot", "grpo_clip", "pg_is", "--log-root", "out/demo", "-o", "named.png"]) == 0
     for name in ("all", "latest", "newest", "named"):
         assert_png(tmp_path / f"{name}.png")
@@ -248,10 +274,18 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
     results = []
     for index, method in enumerate(("pg_is", "grpo_clip", "dppo_binary_tv")):
         write_log(tmp_path / f"{method}.jsonl", score=lambda s, i=index: 0.5 - 0.01 * i * s)
-        results.append({"method": method, "initial_reward": 0.5, "collapse_window": 20, "prob_bins": bins,
-                        "blocked_by_prob": [0, 0, 0, 0, 0, 0, 0] if method == "pg_is" else [40, 30, 20, 10, 2, 1, 0],
-                        "updates_by_prob": [100] * 7, "held_out_accuracy": [[0, 0.5], [25, 0.5 + 0.1 * index]],
-                        "n_held_out": 1200})
+        results.append(
+            {
+                "method": method,
+                "initial_reward": 0.5,
+                "collapse_window": 20,
+                "prob_bins": bins,
+                "blocked_by_prob": [0, 0, 0, 0, 0, 0, 0] if method == "pg_is" else [40, 30, 20, 10, 2, 1, 0],
+                "updates_by_prob": [100] * 7,
+                "held_out_accuracy": [[0, 0.5], [25, 0.5 + 0.1 * index]],
+                "n_held_out": 1200,
+            }
+        )
     figures = []
     monkeypatch.setattr(plt, "close", lambda figure=None: figures.append(figure))
     paths = draw_all(str(tmp_path), results)
@@ -268,10 +302,16 @@ def test_demo_figures_mark_collapse_say_one_seed_and_keep_the_legend_off_the_bar
 
     from verl_dppo.studies.colors import METHOD_COLORS
 
-    method_lines = {line.get_label(): to_hex(line.get_color()) for line in left.get_lines()
-                    if line.get_label() in ("pg_is", "grpo_clip", "dppo_binary_tv")}
-    assert method_lines == {"pg_is": METHOD_COLORS["pg_is"], "grpo_clip": METHOD_COLORS["grpo_clip_higher"],
-                            "dppo_binary_tv": METHOD_COLORS["dppo_binary_tv"]}  # the colours `plot` gives them
+    method_lines = {
+        line.get_label(): to_hex(line.get_color())
+        for line in left.get_lines()
+        if line.get_label() in ("pg_is", "grpo_clip", "dppo_binary_tv")
+    }
+    assert method_lines == {
+        "pg_is": METHOD_COLORS["pg_is"],
+        "grpo_clip": METHOD_COLORS["grpo_clip_higher"],
+        "dppo_binary_tv": METHOD_COLORS["dppo_binary_tv"],
+    }  # the colours `plot` gives them
 
     renderer = blocked.canvas.get_renderer()
     assert all(axis.get_legend() is None for axis in blocked.axes)
@@ -289,18 +329,31 @@ def write_family_log(path, loss_mode, steps=4):
     too (at 0) and its projection's; a DPPO run the mask's."""
     lines = []
     for step in range(1, steps + 1):
-        data = {"critic/score/mean": 0.5, "actor/pg_clipfrac": 0.0, "actor/dppo/mismatch_tv_mean": 1e-3,
-                "actor/dppo/masked_frac_pos": 0.0, "actor/dppo/masked_frac_neg": 0.0,
-                "actor/dppo/bad_update_frac": 0.0, "actor/dppo/masked_rollout_prob_mean": 0.0}
+        data = {
+            "critic/score/mean": 0.5,
+            "actor/pg_clipfrac": 0.0,
+            "actor/dppo/mismatch_tv_mean": 1e-3,
+            "actor/dppo/masked_frac_pos": 0.0,
+            "actor/dppo/masked_frac_neg": 0.0,
+            "actor/dppo/bad_update_frac": 0.0,
+            "actor/dppo/masked_rollout_prob_mean": 0.0,
+        }
         if loss_mode == "troll":
-            data.update({"actor/troll/projected_frac": 0.01 * step, "actor/troll/kl_before_mean": 0.02,
-                         "actor/troll/kl_after_mean": 0.01, "actor/troll/eta_mean": 0.5})
+            data.update(
+                {
+                    "actor/troll/projected_frac": 0.01 * step,
+                    "actor/troll/kl_before_mean": 0.02,
+                    "actor/troll/kl_after_mean": 0.01,
+                    "actor/troll/eta_mean": 0.5,
+                }
+            )
         elif loss_mode.startswith("dppo_"):
             data["actor/dppo/masked_frac_pos"] = 0.02 * step
         lines.append(json.dumps({"step": step, "data": data}))
     path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".run.json").write_text(json.dumps({"setup": "cpu_tiny", "method": loss_mode,
-                                                         "loss_mode": loss_mode, "trainer_mode": "sync"}))
+    path.with_suffix(".run.json").write_text(
+        json.dumps({"setup": "cpu_tiny", "method": loss_mode, "loss_mode": loss_mode, "trainer_mode": "sync"})
+    )
     return path
 
 
@@ -323,9 +376,15 @@ def panels(figure):
     """{panel title: [(line label, colour, line style), ...]} (the raw-value shadows of --smooth left out)."""
     from matplotlib.colors import to_hex
 
-    return {axis.get_title(): [(line.get_label(), to_hex(line.get_color()), line.get_linestyle())
-                               for line in axis.get_lines() if not line.get_label().startswith("_")]
-            for axis in figure.axes if axis.get_title()}
+    return {
+        axis.get_title(): [
+            (line.get_label(), to_hex(line.get_color()), line.get_linestyle())
+            for line in axis.get_lines()
+            if not line.get_label().startswith("_")
+        ]
+        for axis in figure.axes
+        if axis.get_title()
+    }
 
 
 def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_steps(tmp_path, monkeypatch):
@@ -356,10 +415,14 @@ def test_panels_follow_the_loss_mode_each_method_in_its_colour_with_integer_step
     assert [label for label, _, _ in drawn["actor/pg_clipfrac"]] == ["cpu_tiny-dppo_binary_tv-sync"]
     assert [label for label, _, _ in drawn["actor/dppo/masked_frac_pos"]] == ["cpu_tiny-dppo_binary_tv-sync"]
     assert [label for label, _, _ in drawn["actor/troll/projected_frac"]] == ["cpu_tiny-troll-sync"]
-    assert drawn["critic/score/mean"] == [("cpu_tiny-dppo_binary_tv-sync", METHOD_COLORS["dppo_binary_tv"], "-"),
-                                          ("cpu_tiny-troll-sync", METHOD_COLORS["troll"], "--")]
-    assert [text.get_text() for text in figure.legends[0].get_texts()] == ["cpu_tiny-dppo_binary_tv-sync",
-                                                                        "cpu_tiny-troll-sync"]
+    assert drawn["critic/score/mean"] == [
+        ("cpu_tiny-dppo_binary_tv-sync", METHOD_COLORS["dppo_binary_tv"], "-"),
+        ("cpu_tiny-troll-sync", METHOD_COLORS["troll"], "--"),
+    ]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "cpu_tiny-dppo_binary_tv-sync",
+        "cpu_tiny-troll-sync",
+    ]
     plt.close(figure)
 
 
@@ -385,8 +448,21 @@ def test_the_r3_metrics_are_drawn_by_default_where_a_log_has_them(tmp_path, monk
 def test_demo_and_plot_colour_a_method_alike():
     from verl_dppo.studies.colors import METHOD_COLORS, colors_for
 
-    assert colors_for(["dppo_binary_tv", "cpu_tiny-dppo_binary_tv-sync", "moe_base-troll-separate_async",
-                       "grpo_clip", "x/run", "y/run"]) == [
-        METHOD_COLORS["dppo_binary_tv"], METHOD_COLORS["dppo_binary_tv"], METHOD_COLORS["troll"],
-        METHOD_COLORS["grpo_clip_higher"], "#393b79", "#637939"]
+    assert colors_for(
+        [
+            "dppo_binary_tv",
+            "cpu_tiny-dppo_binary_tv-sync",
+            "moe_base-troll-separate_async",
+            "grpo_clip",
+            "x/run",
+            "y/run",
+        ]
+    ) == [
+        METHOD_COLORS["dppo_binary_tv"],
+        METHOD_COLORS["dppo_binary_tv"],
+        METHOD_COLORS["troll"],
+        METHOD_COLORS["grpo_clip_higher"],
+        "#393b79",
+        "#637939",
+    ]
     assert len(set(METHOD_COLORS.values())) == len(METHOD_COLORS)

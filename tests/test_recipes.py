@@ -54,13 +54,33 @@ def options(config):
 
 def test_the_issue_lists_every_setup_and_method():
     assert set(SETUPS) == {
-        "moe_base", "moe_base_r3", "moe_thinking", "dense_8b", "moe_base_lora", "sanity_1p5b", "efficiency_1p7b",
-        "cpu_tiny", "smollm2",
+        "moe_base",
+        "moe_base_r3",
+        "moe_thinking",
+        "dense_8b",
+        "moe_base_lora",
+        "sanity_1p5b",
+        "efficiency_1p7b",
+        "cpu_tiny",
+        "smollm2",
     }
     assert set(METHODS) >= {
-        "grpo_clip_higher", "cispo", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl", "pg_is",
-        "pg_tis", "minirl", "minirl_tis", "dppo_binary_kl_decoupled", "minimal_mask_0.5", "minimal_mask_0.8",
-        "relax_low", "relax_high", "relax_both",
+        "grpo_clip_higher",
+        "cispo",
+        "dppo_binary_tv",
+        "dppo_binary_kl",
+        "dppo_topk_tv",
+        "dppo_topk_kl",
+        "pg_is",
+        "pg_tis",
+        "minirl",
+        "minirl_tis",
+        "dppo_binary_kl_decoupled",
+        "minimal_mask_0.5",
+        "minimal_mask_0.8",
+        "relax_low",
+        "relax_high",
+        "relax_both",
     }
     assert all(info.figure for group in ("setup", "method") for info in RECIPES[group])
     assert [info.name for info in RECIPES["trainer_mode"]] == ["sync", "colocate_async", "separate_async"]
@@ -95,7 +115,9 @@ def test_published_values_of_the_30b_a3b_script(setup):
     assert config.reward.reward_manager.name == "dapo"
     assert (config.trainer.total_training_steps, config.trainer.test_freq) == (500, 10)
     assert (actor.strategy, actor.megatron.tensor_model_parallel_size, actor.megatron.expert_model_parallel_size) == (
-        "megatron", 2, 8
+        "megatron",
+        2,
+        8,
     )
     assert config.actor_rollout_ref.rollout.tensor_model_parallel_size == 4
     assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
@@ -107,9 +129,10 @@ def test_published_values_of_the_30b_a3b_script(setup):
 def test_r3_only_in_the_r3_setup_and_lora_only_in_the_lora_setup(setup):
     config = recipe(setup, "dppo_binary_kl")
     arr = config.actor_rollout_ref
-    r3 = arr.rollout.enable_rollout_routing_replay or arr.actor.get("megatron", {}).get("router_replay", {}).get(
-        "mode", "disabled"
-    ) != "disabled"
+    r3 = (
+        arr.rollout.enable_rollout_routing_replay
+        or arr.actor.get("megatron", {}).get("router_replay", {}).get("mode", "disabled") != "disabled"
+    )
     lora = arr.model.lora.rank > 0 or arr.model.lora_rank > 0
     assert r3 == (setup == "moe_base_r3")
     assert lora == (setup == "moe_base_lora")
@@ -126,16 +149,24 @@ def test_the_moe_setups_run_on_verls_fsdp_engine_too(setup):
     validate_recipe(config)
     actor = config.actor_rollout_ref.actor
     assert (config.model_engine, actor.strategy, "megatron" in actor, "lr_decay_style" in actor.optim) == (
-        "dp", "fsdp2", False, False)
+        "dp",
+        "fsdp2",
+        False,
+        False,
+    )
     assert (actor.fsdp_config.param_offload, actor.optim.lr_scheduler_type, actor.optim.lr) == (True, "constant", 1e-6)
-    assert config.actor_rollout_ref.model.use_remove_padding and config.actor_rollout_ref.model.enable_gradient_checkpointing
+    assert (
+        config.actor_rollout_ref.model.use_remove_padding
+        and config.actor_rollout_ref.model.enable_gradient_checkpointing
+    )
     r3 = setup == "moe_base_r3"
     assert actor.fsdp_config.get("router_replay", {}).get("mode", "disabled") == ("R3" if r3 else "disabled")
     assert config.actor_rollout_ref.rollout.enable_rollout_routing_replay == r3
     megatron = recipe(setup, "dppo_binary_tv").actor_rollout_ref.actor
     assert (megatron.megatron.tensor_model_parallel_size, megatron.megatron.expert_model_parallel_size) == (2, 8)
     assert megatron.megatron.router_replay.mode == ("R3" if r3 else "disabled") and "router_replay" not in (
-        megatron.get("fsdp_config") or {})
+        megatron.get("fsdp_config") or {}
+    )
 
 
 def test_megatrons_lora_section_on_the_fsdp_engine_is_refused_not_trained_as_full_fine_tuning():
@@ -234,8 +265,9 @@ def test_bad_names_and_overrides_say_what_to_do():
         compose_recipe("moe_bsae", "dppo_binary_tv")
     with pytest.raises(RecipeError, match="unknown method 'dppo_tv'.*Choose one of"):
         compose_recipe("moe_base", "dppo_tv")
-    with pytest.raises(RecipeError, match="trainer.nnode=4: verl's config has no key trainer.nnode; did you mean "
-                                          "trainer.nnodes\\?$"):  # not Hydra's "use +trainer.nnode" (issue 43.5)
+    with pytest.raises(
+        RecipeError, match="trainer.nnode=4: verl's config has no key trainer.nnode; did you mean trainer.nnodes\\?$"
+    ):  # not Hydra's "use +trainer.nnode" (issue 43.5)
         compose_recipe("moe_base", "dppo_binary_tv", ["trainer.nnode=4"])
     with pytest.raises(RecipeError, match="key=value"):
         compose_recipe("moe_base", "dppo_binary_tv", ["trainer.nnodes"])
@@ -260,7 +292,8 @@ def test_run_refuses_to_launch_without_its_data_and_says_how_to_get_it(monkeypat
 
 
 def test_a_missing_data_file_of_the_users_own_gets_a_conversion_hint_not_a_data_set_that_does_not_exist(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """Issue 18.10: `verl-dppo data` writes DIR/NAME.parquet for its own data sets only; for any other file name
     the old hint proposed `verl-dppo data train`, a command that fails. A file named after a data set keeps the
     one-line command; DPPO_ROOT is mentioned only for a path under it."""
@@ -307,9 +340,21 @@ def test_recipes_command_lists_each_recipe_with_its_figure(capsys):
 def test_dry_run_prints_only_the_resolved_yaml(tmp_path):
     """The real command line: exit 0, stdout is one YAML document (verl's chatter goes to stderr)."""
     result = subprocess.run(
-        [sys.executable, "-m", "verl_dppo.cli", "run", "moe_base_r3", "--method", "dppo_binary_kl", "--dry-run",
-         "trainer.nnodes=4"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, DPPO_ROOT=str(tmp_path)),
+        [
+            sys.executable,
+            "-m",
+            "verl_dppo.cli",
+            "run",
+            "moe_base_r3",
+            "--method",
+            "dppo_binary_kl",
+            "--dry-run",
+            "trainer.nnodes=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, DPPO_ROOT=str(tmp_path)),
     )
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
@@ -385,8 +430,10 @@ def test_a_user_setup_and_method_from_config_dir_compose_and_dry_run(monkeypatch
     (user / "setup" / "dense_8b.yaml").write_text("# @package _global_\n")
     cases = [
         (["run", "dense_8b", "--method", "pg_is", "--config-dir", str(user), "--dry-run"], "rename your file"),
-        (["run", "my_model", "--method", "pg_is", "--config-dir", str(tmp_path / "nope"), "--dry-run"],
-         "no such folder"),
+        (
+            ["run", "my_model", "--method", "pg_is", "--config-dir", str(tmp_path / "nope"), "--dry-run"],
+            "no such folder",
+        ),
         (["run", "my_modle", "--method", "pg_is", "--dry-run"], "--config-dir DIR adds"),
     ]
     for argv, message in cases:

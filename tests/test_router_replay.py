@@ -1,5 +1,5 @@
 """R3 on verl's FSDP engine (issue 52): transformers' MoE routers replay the rollout's routes
-(verl_dppo.plugin.router_replay, patches/fsdp_router_replay.py), on tiny random-init Qwen3-MoE, Qwen2-MoE and Mixtral
+(verl_dppo.plugin.moe.router_replay, patches/fsdp_router_replay.py), on tiny random-init Qwen3-MoE, Qwen2-MoE and Mixtral
 models from their configs."""
 
 from __future__ import annotations
@@ -9,26 +9,55 @@ import torch
 
 from verl_dppo.patches.fsdp_router_replay import replay_marks, replay_rows, response_lengths
 from verl_dppo.patches._import_hook import patch_once
-from verl_dppo.plugin import router_replay
+from verl_dppo.plugin.moe import router_replay
 from verl_dppo.plugin.log_once import _SEEN
-from verl_dppo.plugin.router_replay import RouterReplayError, arm, ratio_parts, replaying_forward, routers_of
+from verl_dppo.plugin.moe.router_replay import RouterReplayError, arm, ratio_parts, replaying_forward, routers_of
 
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
 
 
 def tiny_moe(family: str = "qwen3_moe", dtype=torch.float32, experts: int = EXPERTS, top_k: int = TOP_K):
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=24,
-                                                   decoder_sparse_step=1, head_dim=8, norm_topk_prob=True))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                **common,
+                num_experts=experts,
+                moe_intermediate_size=24,
+                decoder_sparse_step=1,
+                head_dim=8,
+                norm_topk_prob=True,
+            )
+        )
     elif family == "qwen2_moe":
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=24,
-                                                   shared_expert_intermediate_size=24, decoder_sparse_step=1))
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(
+                **common,
+                num_experts=EXPERTS,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=24,
+                decoder_sparse_step=1,
+            )
+        )
     else:
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=EXPERTS))
     for _, router in routers_of(model):  # the patch, on the class, as the import hook installs it
@@ -44,8 +73,10 @@ def _keep(store: dict, index: int, out) -> None:
 def own_routes(model, input_ids) -> torch.Tensor:
     """[rows, layers, top-k]: the experts each layer's router chooses itself (every row of the batch, packed)."""
     seen = {}
-    handles = [router.register_forward_hook(lambda module, args, out, i=i: _keep(seen, i, out))
-               for i, router in routers_of(model)]
+    handles = [
+        router.register_forward_hook(lambda module, args, out, i=i: _keep(seen, i, out))
+        for i, router in routers_of(model)
+    ]
     with torch.no_grad():
         arm(model, None)
         model(input_ids=input_ids)
@@ -57,8 +88,10 @@ def own_routes(model, input_ids) -> torch.Tensor:
 def used_experts(model, input_ids, routes, marked=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the experts each layer's MoE block computed with, the logits), with `routes` (and `marked`) armed."""
     used = {}
-    handles = [router.register_forward_hook(lambda module, args, out, i=i: _keep(used, i, out))
-               for i, router in routers_of(model)]
+    handles = [
+        router.register_forward_hook(lambda module, args, out, i=i: _keep(used, i, out))
+        for i, router in routers_of(model)
+    ]
     arm(model, routes, marked)
     logits = model(input_ids=input_ids).logits
     for handle in handles:
@@ -78,10 +111,12 @@ def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
         _, same = used_experts(model, ids, own)
         assert torch.equal(same, plain)
         half_gap = TOP_K * (EXPERTS - TOP_K) / 2  # a row's route fit denominator
-        assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (24 * LAYERS, 24 * LAYERS),
-                                 "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS),
-                                 "actor/dppo/r3_route_fit": (24 * LAYERS * half_gap, 24 * LAYERS * half_gap),
-                                 "actor/dppo/r3_unrouted_frac": (0, 24 * LAYERS)}
+        assert ratio_parts() == {
+            "actor/dppo/r3_replayed_frac": (24 * LAYERS, 24 * LAYERS),
+            "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS),
+            "actor/dppo/r3_route_fit": (24 * LAYERS * half_gap, 24 * LAYERS * half_gap),
+            "actor/dppo/r3_unrouted_frac": (0, 24 * LAYERS),
+        }
         # other routes: the update computes through them, and the router's own choice differs on every row
         other = (own + 1) % EXPERTS
         used, logits = used_experts(model, ids, other)
@@ -160,8 +195,14 @@ def test_verls_padding_samples_are_counted_not_refused(caplog):
     own = own_routes(model, real_ids[None])
     routes = (own + 1) % EXPERTS
     routes[-1] = 0  # the response's last token: never fed back, no route (verl's agent loop fills zeros)
-    real = {"input_ids": real_ids, "prompts": prompt, "responses": response, "routed_experts": routes.to(torch.int16),
-            "response_mask": torch.ones(4, dtype=torch.int64), "attention_mask": torch.ones(9, dtype=torch.int64)}
+    real = {
+        "input_ids": real_ids,
+        "prompts": prompt,
+        "responses": response,
+        "routed_experts": routes.to(torch.int16),
+        "response_mask": torch.ones(4, dtype=torch.int64),
+        "attention_mask": torch.ones(9, dtype=torch.int64),
+    }
     padding, tag = construct_minimal_padding_template(real, {"is_padding": False}, eos_token_id=1)
     assert tag["is_padding"] and not padding["routed_experts"].any() and not padding["response_mask"].any()
     pad_len = padding["input_ids"].shape[0]
@@ -257,8 +298,10 @@ def test_gradient_checkpointing_recomputes_through_the_replayed_experts_in_bf16(
 
 def test_routes_are_laid_out_as_verl_packs_pads_and_slices_the_tokens():
     """verl's no-padding layout (nested sequences packed), its static pad, Ulysses' pad to the group and slice."""
-    routes = torch.nested.nested_tensor([torch.full((3, LAYERS, TOP_K), 1), torch.full((2, LAYERS, TOP_K), 2)],
-                                        layout=torch.jagged)
+    routes = torch.nested.nested_tensor(
+        [torch.full((3, LAYERS, TOP_K), 1), torch.full((2, LAYERS, TOP_K), 2)], layout=torch.jagged
+    )
+
     def laid(*args):
         rows, marked = replay_rows(routes, *args)
         return rows[:, 0, 0].tolist(), marked.tolist()
@@ -275,15 +318,33 @@ def test_routes_are_laid_out_as_verl_packs_pads_and_slices_the_tokens():
 def test_r3_where_it_cannot_act_is_refused_in_one_line():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    dense = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     with pytest.raises(RouterReplayError, match="a dense model routes nothing"):
         arm(dense, torch.zeros(4, 2, TOP_K, dtype=torch.long))
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
-    unknown = OlmoeForCausalLM(OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                                           num_experts_per_tok=2))
+    unknown = OlmoeForCausalLM(
+        OlmoeConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     with pytest.raises(RouterReplayError, match=r"\(OlmoeForCausalLM, 4 experts\) routes with OlmoeTopKRouter, whi"):
         arm(unknown, torch.zeros(4, 2, TOP_K, dtype=torch.long))  # an MoE: not told it is dense
     model = tiny_moe()
@@ -337,15 +398,20 @@ def test_megatron_replay_is_counted_forward_only_from_the_replays_own_rows():
     replay.replay_backward_list, replay.replay_backward_mask_list = [targets], [mask]
     replay.set_router_replay_action(verl_replay.RouterReplayAction.REPLAY_BACKWARD)
     replay.get_replay_topk(scores, TOP_K, default_compute_topk=compute)
-    assert ratio_parts() == {"actor/dppo/r3_replayed_frac": (5, 5), "actor/dppo/r3_router_differs_frac": (3, 5),
-                             "actor/dppo/r3_route_fit": fit_reference(targets[:5], scores[:5]),
-                             "actor/dppo/r3_unrouted_frac": (1, 6)}
+    assert ratio_parts() == {
+        "actor/dppo/r3_replayed_frac": (5, 5),
+        "actor/dppo/r3_router_differs_frac": (3, 5),
+        "actor/dppo/r3_route_fit": fit_reference(targets[:5], scores[:5]),
+        "actor/dppo/r3_unrouted_frac": (1, 6),
+    }
 
     class NoOp(verl_replay.RouterReplay):  # a replay that does nothing: the router's own experts handed on
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             return default_compute_topk(scores, topk)
 
-    patch_router_replay(type("module", (), {"RouterReplay": NoOp, "RouterReplayAction": verl_replay.RouterReplayAction}))
+    patch_router_replay(
+        type("module", (), {"RouterReplay": NoOp, "RouterReplayAction": verl_replay.RouterReplayAction})
+    )
     noop = NoOp()
     verl_replay.RouterReplay.router_instances.remove(noop)
     router_replay.begin_counting(True)
@@ -370,10 +436,17 @@ def test_r3_on_a_model_whose_config_json_shows_no_router_it_replays_is_refused_b
         folder.mkdir()
         if model_config is not None:
             (folder / "config.json").write_text(json.dumps(model_config))
-        return fsdp_router_replay_problem(OmegaConf.create({"actor_rollout_ref": {
-            "actor": {"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}},
-            "rollout": {"enable_rollout_routing_replay": True},
-            "model": {"path": str(folder), "use_remove_padding": True}}}))
+        return fsdp_router_replay_problem(
+            OmegaConf.create(
+                {
+                    "actor_rollout_ref": {
+                        "actor": {"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}},
+                        "rollout": {"enable_rollout_routing_replay": True},
+                        "model": {"path": str(folder), "use_remove_padding": True},
+                    }
+                }
+            )
+        )
 
     assert "names no routed experts: a dense model" in problem({"model_type": "qwen3", "hidden_size": 8})
     assert "is an MoE of type olmoe, whose router" in problem({"model_type": "olmoe", "num_experts": 64})
@@ -386,18 +459,23 @@ def test_the_route_fit_shares_tied_ranks_and_never_exceeds_one():
     """A bf16 router's scores tie (the suite's vLLM R3 launch once read a fit above 1): tied experts share their
     mean rank, so the router's own top-k reads exactly 1 with a tie inside it, just under 1 with a tie across its
     edge, and no route reads above 1; without ties the fit is the rank-sum form's."""
-    from verl_dppo.plugin.router_replay import route_fit
+    from verl_dppo.plugin.moe.router_replay import route_fit
 
-    scores = torch.tensor([[0.4, 0.4, 0.1, 0.1],    # the top two tied: either order is the router's own
-                           [0.5, 0.2, 0.2, 0.1],    # a tie across the top-2's edge: the route takes one of them
-                           [0.4, 0.3, 0.2, 0.1]])   # no tie
+    scores = torch.tensor(
+        [
+            [0.4, 0.4, 0.1, 0.1],  # the top two tied: either order is the router's own
+            [0.5, 0.2, 0.2, 0.1],  # a tie across the top-2's edge: the route takes one of them
+            [0.4, 0.3, 0.2, 0.1],
+        ]
+    )  # no tie
     routes = torch.tensor([[1, 0], [0, 2], [0, 1]])
     has_route = torch.ones(3, dtype=torch.bool)
     for row in range(3):
-        closed, per_row = route_fit(routes[row:row + 1], has_route[:1], scores[row:row + 1])
+        closed, per_row = route_fit(routes[row : row + 1], has_route[:1], scores[row : row + 1])
         fit = float(closed) / per_row
         assert fit == pytest.approx([1.0, 0.75, 1.0][row]) and fit <= 1.0, (row, fit)
     ties = torch.zeros(64, 8).to(torch.bfloat16).float()  # every expert tied: any route is as good as any other
-    closed, per_row = route_fit(torch.randint(0, 8, (64, 2)).sort(dim=-1).values, torch.ones(64, dtype=torch.bool),
-                                ties)
+    closed, per_row = route_fit(
+        torch.randint(0, 8, (64, 2)).sort(dim=-1).values, torch.ones(64, dtype=torch.bool), ties
+    )
     assert float(closed) == pytest.approx(0.0), float(closed)

@@ -21,8 +21,12 @@ from verl_dppo.launch.compose import compose_recipe
 from verl_dppo.launch.run_logs import pin_file_logger
 from verl_dppo.launch.run_record import CHECKPOINT_RECORD, clash_warning, log_path
 
-VERL_TV = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio_low=0.15",
-           "actor_rollout_ref.actor.clip_ratio_high=0.15", "actor_rollout_ref.actor.clip_ratio_c=10000"]
+VERL_TV = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv",
+    "actor_rollout_ref.actor.clip_ratio_low=0.15",
+    "actor_rollout_ref.actor.clip_ratio_high=0.15",
+    "actor_rollout_ref.actor.clip_ratio_c=10000",
+]
 
 
 def composed(method="dppo_binary_tv", overrides=()):
@@ -84,25 +88,35 @@ def first_run(tmp_path, monkeypatch, capsys):
 
 def run_warnings(capsys, argv):
     assert cli.main(["run", "sanity_1p5b", *argv, "--dry-run"]) == 0
-    return [line for line in capsys.readouterr().err.splitlines() if "would resume" in line or "would overwrite"
-            in line or " and continue" in line]
+    return [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if "would resume" in line or "would overwrite" in line or " and continue" in line
+    ]
 
 
 def test_the_readme_comparison_warns_on_one_shared_name_and_not_with_its_own(first_run, capsys):
     # the comparison with verl's dppo_tv is named after both (sanity_1p5b-dppo_binary_tv+dppo_tv): nothing shared
     assert run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV]) == []
     # given the first run's name, it would resume that run: warned, naming both
-    (line,) = run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV,
-                                    "trainer.experiment_name=sanity_1p5b-dppo_binary_tv"])
-    assert line.startswith("verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode sync, "
-                           "loss_mode dppo_tv)")
-    assert ("would resume step 50 of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "
-            "dppo_binary_tv)") in line
+    (line,) = run_warnings(
+        capsys, ["--method", "dppo_binary_tv", *VERL_TV, "trainer.experiment_name=sanity_1p5b-dppo_binary_tv"]
+    )
+    assert line.startswith(
+        "verl-dppo: warning: this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode sync, loss_mode dppo_tv)"
+    )
+    assert (
+        "would resume step 50 of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode dppo_binary_tv)"
+    ) in line
     # the resumed run keeps the log's lines up to its checkpoint (patches/file_logger.py) and writes after them
     assert f"and continue its {log_path(first_run)} after step 50:" in line and "trainer.experiment_name=" in line
     # the README's second run, with a name of its own: nothing to resume, nothing overwritten
-    assert run_warnings(capsys, ["--method", "dppo_binary_tv", *VERL_TV,
-                                 "trainer.experiment_name=sanity_1p5b-verl_dppo_tv"]) == []
+    assert (
+        run_warnings(
+            capsys, ["--method", "dppo_binary_tv", *VERL_TV, "trainer.experiment_name=sanity_1p5b-verl_dppo_tv"]
+        )
+        == []
+    )
     # the same run launched again resumes its own checkpoint: verl's resume_mode=auto, as intended
     assert run_warnings(capsys, ["--method", "dppo_binary_tv"]) == []
 
@@ -111,12 +125,15 @@ def test_another_method_under_the_same_name_and_a_run_of_unknown_method(first_ru
     other = composed("dppo_binary_kl", ["trainer.experiment_name=sanity_1p5b-dppo_binary_tv"])
     assert "would resume step 50 of sanity_1p5b --method dppo_binary_tv" in clash_warning(other)
     # resume_mode=disable: nothing is resumed, but verl's FileLogger still truncates the log ("wb")
-    fresh = composed("dppo_binary_kl", ["trainer.experiment_name=sanity_1p5b-dppo_binary_tv",
-                                        "trainer.resume_mode=disable"])
+    fresh = composed(
+        "dppo_binary_kl", ["trainer.experiment_name=sanity_1p5b-dppo_binary_tv", "trainer.resume_mode=disable"]
+    )
     warning = clash_warning(fresh)
     assert "resume" not in warning.split("would", 1)[1].split(":", 1)[0]
-    assert ("would overwrite the log of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "
-            "dppo_binary_tv), ") in warning
+    assert (
+        "would overwrite the log of sanity_1p5b --method dppo_binary_tv --trainer-mode sync (loss_mode "
+        "dppo_binary_tv), "
+    ) in warning
     # checkpoints a plain main_ppo launch wrote carry no record: said so, not guessed
     os.remove(os.path.join(str(first_run.trainer.default_local_dir), CHECKPOINT_RECORD))
     assert "resume step 50 of a run whose method is not recorded" in clash_warning(composed())
@@ -134,8 +151,10 @@ def test_a_log_root_from_the_shell_is_where_the_log_is_looked_for(tmp_path, monk
 def _steps(path):
     import json
 
-    return [(r["step"], "val" if all(k.startswith("val-") for k in r["data"]) else "train")
-            for r in map(json.loads, open(path).read().splitlines())]
+    return [
+        (r["step"], "val" if all(k.startswith("val-") for k in r["data"]) else "train")
+        for r in map(json.loads, open(path).read().splitlines())
+    ]
 
 
 @pytest.mark.parametrize("validate", [False, True])
@@ -185,8 +204,10 @@ def test_every_setup_names_its_trainer_modes_apart():
     assert "sanity_1p5b" in setups and "cpu_tiny" in setups
     for setup in setups:
         modes = ("sync", "separate_async", "colocate_async") if setup == "sanity_1p5b" else ("sync", "separate_async")
-        names = {mode: str(compose_recipe(setup, "dppo_binary_tv", trainer_mode=mode).trainer.experiment_name)
-                 for mode in modes}
+        names = {
+            mode: str(compose_recipe(setup, "dppo_binary_tv", trainer_mode=mode).trainer.experiment_name)
+            for mode in modes
+        }
         assert len(set(names.values())) == len(modes), (setup, names)
 
 
@@ -196,8 +217,9 @@ def test_an_async_launch_under_a_sync_runs_name_is_warned(first_run):
     import json
 
     name = str(first_run.trainer.experiment_name)
-    async_run = compose_recipe("sanity_1p5b", "dppo_binary_tv", [f"trainer.experiment_name={name}"],
-                               trainer_mode="separate_async")
+    async_run = compose_recipe(
+        "sanity_1p5b", "dppo_binary_tv", [f"trainer.experiment_name={name}"], trainer_mode="separate_async"
+    )
     pin_file_logger(async_run)
     warning = clash_warning(async_run)
     assert warning.startswith("this launch (sanity_1p5b --method dppo_binary_tv --trainer-mode separate_async,")

@@ -12,8 +12,10 @@ import pytest
 
 from verl_dppo.launch import ray_reaper
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.isdir(ray_reaper.SHM_DIR),
-                                reason="the reaper reads /proc and /dev/shm")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.isdir(ray_reaper.SHM_DIR),
+    reason="the reaper reads /proc and /dev/shm",
+)
 
 # A process that creates a segment, maps it until its stdin closes, then exits without unlinking it (what a vLLM
 # engine killed at a job's end leaves).
@@ -28,8 +30,9 @@ sys.stdin.read()
 
 
 def _holder(env: dict) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               env=env, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
     return process, process.stdout.readline().strip().lstrip("/")
 
 

@@ -25,8 +25,11 @@ T = 4
 VERSION = 10
 LAG_METRICS = [
     "actor/dppo/lag_mean",
-    *(f"actor/dppo/lag_{b}/{m}" for b in ("0", "1", "2_3", "4plus")
-      for m in ("token_frac", "masked_frac", "mismatch_tv_mean")),
+    *(
+        f"actor/dppo/lag_{b}/{m}"
+        for b in ("0", "1", "2_3", "4plus")
+        for m in ("token_frac", "masked_frac", "mismatch_tv_mean")
+    ),
 ]
 
 
@@ -37,13 +40,13 @@ def sequence(lag, pi, mu, adv):
 
 # dppo_binary_tv with delta 0.15: a token whose pi moved 0.4 from mu in the advantage's direction is masked (Eq. 12).
 SEQS = [
-    sequence(0, [0.9, 0.55], [0.5, 0.5], +1),          # 1 of 2 masked, TV 0.4 + 0.05
+    sequence(0, [0.9, 0.55], [0.5, 0.5], +1),  # 1 of 2 masked, TV 0.4 + 0.05
     sequence(1, [0.9, 0.9, 0.9], [0.5, 0.5, 0.5], +1),  # 3 of 3 masked
-    sequence(3, [0.1, 0.5], [0.5, 0.5], -1),           # 1 of 2 masked (pi fell, A < 0)
-    sequence(8, [0.6], [0.5], +1),                     # none masked
+    sequence(3, [0.1, 0.5], [0.5, 0.5], -1),  # 1 of 2 masked (pi fell, A < 0)
+    sequence(8, [0.6], [0.5], +1),  # none masked
     sequence(0, [0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], -1),
     sequence(8, [0.9, 0.2, 0.5], [0.5, 0.6, 0.5], +1),  # 1 of 3 masked (the A > 0 rise)
-    sequence(3, [0.3], [0.5], -1),                     # masked
+    sequence(3, [0.3], [0.5], -1),  # masked
     sequence(1, [0.5, 0.52], [0.5, 0.5], +1),
 ]
 
@@ -56,11 +59,18 @@ def micro_batch(seqs, with_versions=True):
     model_output, data, _ = v1_micro_batch(pi, mu, adv, lens, rollout_log_prob=mu)
     if with_versions:
         # As the v1 agent loop stores them in TransferQueue: one extra_fields dict per sample.
-        data.set("extra_fields", NonTensorStack(*[
-            {"min_global_steps": None if lag is None else VERSION - lag,
-             "max_global_steps": None if lag is None else VERSION - max(lag - 1, 0)}
-            for lag, *_ in seqs
-        ]))
+        data.set(
+            "extra_fields",
+            NonTensorStack(
+                *[
+                    {
+                        "min_global_steps": None if lag is None else VERSION - lag,
+                        "max_global_steps": None if lag is None else VERSION - max(lag - 1, 0),
+                    }
+                    for lag, *_ in seqs
+                ]
+            ),
+        )
         tu.assign_non_tensor(data, **{staleness.TRAINER_VERSION: VERSION})
     return model_output, data
 
@@ -104,7 +114,7 @@ def by_hand(seqs):
 
 CUTS = [
     [[[0, 1], [2], [3, 4]], [[5], [6, 7], [8]]],  # two ranks, three micro-batches each; 8 = the unversioned sample
-    [[[0], [1], [2], [3], [4, 5, 6, 7, 8]]],      # one rank, buckets split across micro-batches
+    [[[0], [1], [2], [3], [4, 5, 6, 7, 8]]],  # one rank, buckets split across micro-batches
 ]
 
 
@@ -189,6 +199,7 @@ def test_a_bad_threshold_is_refused_naming_the_key(bad):
 
 # ------------------------------------------------- the version that sampled a response, through verl's resume loop
 
+
 class VerlShapedServer:
     """Replies as verl 0.9.1's vLLM server (`vLLMHttpServer.generate`) makes them, one per call, from `replies`
     [(tokens generated, stop reason, weights version)]: an abort that generated nothing is `TokenOutput(token_ids=[],
@@ -209,14 +220,24 @@ class VerlShapedServer:
         count, stop_reason, version = self.replies[self.calls]
         self.calls += 1
         if count == 0:
-            return TokenOutput(token_ids=[], log_probs=None, routed_experts=None, stop_reason=stop_reason,
-                               extra_fields={"global_steps": version})
+            return TokenOutput(
+                token_ids=[],
+                log_probs=None,
+                routed_experts=None,
+                stop_reason=stop_reason,
+                extra_fields={"global_steps": version},
+            )
         count = len(self.answer) - self.done if count is None else count
-        token_ids = self.answer[self.done:self.done + count]
+        token_ids = self.answer[self.done : self.done + count]
         self.done += count
-        return TokenOutput(token_ids=token_ids, log_probs=[-0.5] * count, routed_experts=None,
-                           stop_reason=stop_reason, num_preempted=0,
-                           extra_fields={"global_steps": version, "num_cached_tokens": 0})
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=[-0.5] * count,
+            routed_experts=None,
+            stop_reason=stop_reason,
+            num_preempted=0,
+            extra_fields={"global_steps": version, "num_cached_tokens": 0},
+        )
 
 
 # (replies, verl's min_global_steps, the oldest version that sampled a token) with the trainer at VERSION.
@@ -224,11 +245,17 @@ RESUMED = [
     # the ISSUE: an empty abort under the previous weights, then the whole response under the trainer's
     ([(0, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 1, VERSION),
     # an empty abort three versions back, tokens one version back, the rest under the trainer's
-    ([(0, "aborted", VERSION - 3), (5, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 3,
-     VERSION - 1),
+    (
+        [(0, "aborted", VERSION - 3), (5, "aborted", VERSION - 1), (None, "completed", VERSION)],
+        VERSION - 3,
+        VERSION - 1,
+    ),
     # tokens two versions back, an empty abort between, the rest under the trainer's: the first reply counts
-    ([(4, "aborted", VERSION - 2), (0, "aborted", VERSION - 1), (None, "completed", VERSION)], VERSION - 2,
-     VERSION - 2),
+    (
+        [(4, "aborted", VERSION - 2), (0, "aborted", VERSION - 1), (None, "completed", VERSION)],
+        VERSION - 2,
+        VERSION - 2,
+    ),
     # not resumed
     ([(None, "completed", VERSION)], VERSION, VERSION),
 ]
@@ -259,8 +286,15 @@ def test_the_lag_is_measured_from_the_oldest_reply_that_generated_a_token(monkey
 
     async def rollout(replies):
         server = VerlShapedServer(tokenizer, replies)
-        loop = SingleTurnAgentLoop(DictConfigWrap(config), ResumingClient(config, server), tokenizer, None,
-                                   RLHFDataset, DictConfigWrap(config.data), hf_model_type=family.model_type)
+        loop = SingleTurnAgentLoop(
+            DictConfigWrap(config),
+            ResumingClient(config, server),
+            tokenizer,
+            None,
+            RLHFDataset,
+            DictConfigWrap(config.data),
+            hf_model_type=family.model_type,
+        )
         with trajectory():  # as the plugin's `AgentLoopWorker._run_agent_loop` patch opens it
             output = await loop.run(sampling_params={}, raw_prompt=list(PROMPT))
             fields = output.as_dict()

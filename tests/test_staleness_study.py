@@ -58,8 +58,7 @@ def test_the_rollout_samples_with_the_weights_of_lag_steps_ago(warm, tmp_path, m
     monkeypatch.setattr(rl, "build_policy", recording_policy)
     monkeypatch.setattr(rl, "RolloutEngine", RecordingEngine)
     (method,) = runnable_methods(["pg_is"])
-    settings = DemoSettings(**{**TINY, "steps": 5, "val_every": 100}, rollout_lag=lag, bypass=True,
-                            version_fields=True)
+    settings = DemoSettings(**{**TINY, "steps": 5, "val_every": 100}, rollout_lag=lag, bypass=True, version_fields=True)
     rl.train_method(method, settings, warm, str(tmp_path))
     assert len(rollouts) == 5
     versions = [state for state, *_ in rollouts]  # versions[v] = the learner after v RL steps
@@ -124,8 +123,22 @@ def test_staleness_command_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(warmup, "warm_start", functools.partial(warmup.warm_start, n_candidates=160, probe_samples=8))
     out = tmp_path / "study"
     # One worker process: one import of verl instead of two (the demo's test runs the two-process pool).
-    argv = ["staleness", "--out", str(out), "--steps", "4", "--mini-batches", "2", "--lags", "0,3",
-            "--methods", "pg_is,dppo_binary_tv_recompute", "--workers", "1", "--no-progress"]
+    argv = [
+        "staleness",
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--mini-batches",
+        "2",
+        "--lags",
+        "0,3",
+        "--methods",
+        "pg_is,dppo_binary_tv_recompute",
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| method | lag 0 | lag 3 |" in printed and "| dppo_binary_tv_recompute |" in printed

@@ -30,8 +30,15 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -55,7 +62,9 @@ def micro_batch(prompt_lens, response_lens, seed=0, remove_padding=True, drop=()
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
     responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
-    mu_logp = [torch.log_softmax(torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) * 2, -1) for r in response_lens]
+    mu_logp = [
+        torch.log_softmax(torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) * 2, -1) for r in response_lens
+    ]
     topk = [m.topk(K, dim=-1) for m in mu_logp]
     rollout_lp = [m.gather(1, resp[:, None]).squeeze(1).float() for m, resp in zip(mu_logp, responses)]
     masks = [torch.ones(r, dtype=torch.int64) for r in response_lens]
@@ -75,8 +84,14 @@ def micro_batch(prompt_lens, response_lens, seed=0, remove_padding=True, drop=()
         fields.pop(key)
     data = TensorDict(fields, batch_size=[len(prompt_lens)])
     data["temperature"] = torch.full((len(prompt_lens),), TEMPERATURE)
-    tu.assign_non_tensor(data, use_remove_padding=remove_padding, distillation_use_topk=True, dp_size=1,
-                         batch_num_tokens=None, global_batch_size=None)
+    tu.assign_non_tensor(
+        data,
+        use_remove_padding=remove_padding,
+        distillation_use_topk=True,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    )
     return data, mu_logp
 
 

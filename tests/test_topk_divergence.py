@@ -67,7 +67,9 @@ def test_any_logits_dtype_matches_reference_on_the_same_logits(dtype):
 
 
 def test_chunking_does_not_change_the_result():
-    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(37, 4, seed=5, inside=False, dtype=torch.bfloat16)
+    pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(
+        37, 4, seed=5, inside=False, dtype=torch.bfloat16
+    )
     whole = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, chunk_bytes=2**30)
     one_row = topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, chunk_bytes=1)
     assert torch.equal(whole[0], one_row[0]) and torch.equal(whole[1], one_row[1])
@@ -167,14 +169,20 @@ def test_a_nan_error_names_what_is_nan(bad):
     pi_logits, _, topk_ids, topk_lp, sampled, sampled_lp = random_case(3, 4, seed=4, inside=False)
     bad_sampled = sampled_lp.clone()
     bad_sampled[1] = bad
-    with pytest.raises(TopKInputError, match=r"^the rollout's log-prob of the sampled token \(rollout_sampled_logprobs"
-                       r"\) is NaN or \+inf at 1 of 3 rows") as err:
+    with pytest.raises(
+        TopKInputError,
+        match=r"^the rollout's log-prob of the sampled token \(rollout_sampled_logprobs"
+        r"\) is NaN or \+inf at 1 of 3 rows",
+    ) as err:
         topk_divergence(pi_logits, topk_ids, topk_lp, sampled, bad_sampled)
     assert "top-K log-probs" not in str(err.value)
     bad_topk = topk_lp.clone()
     bad_topk[2, 1] = bad
-    with pytest.raises(TopKInputError, match=r"^the rollout's top-K log-probs \(rollout_topk_logprobs\) contain NaN "
-                       r"or \+inf at 1 of 3 rows") as err:
+    with pytest.raises(
+        TopKInputError,
+        match=r"^the rollout's top-K log-probs \(rollout_topk_logprobs\) contain NaN "
+        r"or \+inf at 1 of 3 rows",
+    ) as err:
         topk_divergence(pi_logits, topk_ids, bad_topk, sampled, sampled_lp)
     assert "sampled token" not in str(err.value)
     with pytest.raises(TopKInputError, match="top-K log-probs .* and the rollout's log-prob of the sampled token"):
@@ -199,8 +207,12 @@ def test_one_wait_for_the_device_per_call(rows, dtype):
         topk_divergence(pi_logits, topk_ids, topk_lp, sampled, sampled_lp, mask=torch.zeros(9, dtype=torch.bool))
     assert len(reads) <= 1, reads
     keep = torch.ones(9, dtype=torch.bool) if mask is None else mask
-    one_by_one = [topk_divergence(pi_logits[r:r + 1], topk_ids[r:r + 1], topk_lp[r:r + 1], sampled[r:r + 1],
-                                  sampled_lp[r:r + 1]) for r in range(9)]
+    one_by_one = [
+        topk_divergence(
+            pi_logits[r : r + 1], topk_ids[r : r + 1], topk_lp[r : r + 1], sampled[r : r + 1], sampled_lp[r : r + 1]
+        )
+        for r in range(9)
+    ]
     assert torch.equal(tv, torch.where(keep, torch.cat([t for t, _ in one_by_one]), 0.0))
     assert torch.equal(kl, torch.where(keep, torch.cat([k for _, k in one_by_one]), 0.0))
 

@@ -91,8 +91,12 @@ def _check_peaked_rows(rank: int) -> None:
     vocab, rows = 4096, 16
     half = vocab // TP
     for seed, (top1, k, dtype, perturb) in enumerate(
-        [(1 - 1e-9, 20, torch.bfloat16, 0.0), (1 - 1e-7, 1, torch.float32, 0.0), (1 - 1e-9, 64, torch.float32, 0.05),
-         (1 - 1e-5, 5, torch.bfloat16, 1.0)]
+        [
+            (1 - 1e-9, 20, torch.bfloat16, 0.0),
+            (1 - 1e-7, 1, torch.float32, 0.0),
+            (1 - 1e-9, 64, torch.float32, 0.05),
+            (1 - 1e-5, 5, torch.bfloat16, 1.0),
+        ]
     ):
         logits = llm_logits(rows, vocab, seed, top1_prob=top1).to(dtype)
         mu_logits = logits.double() + perturb * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
@@ -132,8 +136,15 @@ def _stub_megatron(tp_rank: int, tp_size: int, tp_group) -> None:
     megatron.core = core
     mcore = types.ModuleType("verl.models.mcore")
     mcore.__path__ = [os.path.join(os.path.dirname(verl.__file__), "models", "mcore")]
-    sys.modules.update({"megatron": megatron, "megatron.core": core, "megatron.core.parallel_state": parallel_state,
-                        "megatron.core.packed_seq_params": packed, "verl.models.mcore": mcore})
+    sys.modules.update(
+        {
+            "megatron": megatron,
+            "megatron.core": core,
+            "megatron.core.parallel_state": parallel_state,
+            "megatron.core.packed_seq_params": packed,
+            "verl.models.mcore": mcore,
+        }
+    )
 
 
 def _nested(rows):
@@ -148,8 +159,10 @@ def _micro_batch(prompt_lens, response_lens, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = [torch.randn(p + r, VOCAB, generator=gen) * 2 for p, r in zip(prompt_lens, response_lens)]
     noise = [torch.randn(r, VOCAB, generator=gen, dtype=torch.float64) for r in response_lens]
-    mu_logp = [torch.log_softmax(row[p - 1 : p - 1 + r].double() + n, -1)
-               for row, n, p, r in zip(logits, noise, prompt_lens, response_lens)]
+    mu_logp = [
+        torch.log_softmax(row[p - 1 : p - 1 + r].double() + n, -1)
+        for row, n, p, r in zip(logits, noise, prompt_lens, response_lens)
+    ]
     prompts = [torch.randint(0, VOCAB, (p,), generator=gen) for p in prompt_lens]
     responses = [torch.randint(0, VOCAB, (r,), generator=gen) for r in response_lens]
     for resp, mu in zip(responses, mu_logp):
@@ -219,12 +232,12 @@ def _check_hook(tp_rank, tp_size, data_format, where, fp8=False, pad_vocab=0):
 
         from verl_dppo.patches.megatron_logits_hook import LAYOUT_KEY
 
-        tu.assign_non_tensor(data, **{LAYOUT_KEY: {"use_fp8_padding": fp8, "cp_layout": "zigzag",
-                                                   "vocab_size": VOCAB}})
+        tu.assign_non_tensor(data, **{LAYOUT_KEY: {"use_fp8_padding": fp8, "cp_layout": "zigzag", "vocab_size": VOCAB}})
     head = full_logits
     if pad_vocab:
-        head = _nested(torch.cat([row, torch.full((row.shape[0], pad_vocab), 8.0)], dim=1)
-                       for row in full_logits.unbind())
+        head = _nested(
+            torch.cat([row, torch.full((row.shape[0], pad_vocab), 8.0)], dim=1) for row in full_logits.unbind()
+        )
     # The logits as Megatron's model returns them: the input ids' layout (verl's own split), this rank's vocabulary.
     if data_format == "thd":
         logits, packed_seq_params, _ = preprocess_thd_engine(head, pre_process=True, use_fp8_padding=fp8)
@@ -249,8 +262,9 @@ def _check_hook(tp_rank, tp_size, data_format, where, fp8=False, pad_vocab=0):
             pi = torch.softmax(full_logits[i].double(), -1)
             for t in range(r):
                 masked = int(data["response_mask"][i][t]) == 0
-                tv, kl = reference_topk(mu_logp[i][t].exp().tolist(), pi[p - 1 + t].tolist(), K,
-                                        int(data["responses"][i][t]))
+                tv, kl = reference_topk(
+                    mu_logp[i][t].exp().tolist(), pi[p - 1 + t].tolist(), K, int(data["responses"][i][t])
+                )
                 want = 0.0 if masked else (tv if statistic == "tv" else kl)
                 assert per_token[i, t].item() == pytest.approx(want, rel=1e-4, abs=1e-6), f"{where} {key} [{i},{t}]"
 
@@ -294,8 +308,9 @@ def _padding_only_rank(rank: int, init_file: str) -> None:
     logits, ids, lps, sampled, sampled_lp, mask = _random_rows(5, 12, torch.float64)
     # rank 0 holds the whole real vocabulary, rank 1 only padding (a padded head twice the vocabulary)
     shard = logits if rank == 0 else torch.full_like(logits, 50.0)
-    tv, kl = vocab_parallel_topk_divergence(shard, rank * VOCAB, 2 * VOCAB, dist.group.WORLD, ids, lps, sampled,
-                                            sampled_lp, mask, valid_vocab=VOCAB)
+    tv, kl = vocab_parallel_topk_divergence(
+        shard, rank * VOCAB, 2 * VOCAB, dist.group.WORLD, ids, lps, sampled, sampled_lp, mask, valid_vocab=VOCAB
+    )
     want_tv, want_kl = topk_divergence(logits, ids, lps, sampled, sampled_lp, mask)
     torch.testing.assert_close(tv, want_tv, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(kl, want_kl, rtol=1e-6, atol=1e-9)

@@ -61,13 +61,16 @@ def test_sglang_extraction():
 
 def compose_config(overrides):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose("ppo_trainer", overrides=[
-            "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig",
-            "+actor_rollout_ref.actor.policy_loss.topk=32",
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.calculate_log_probs=True",
-            *overrides,
-        ])
+        return compose(
+            "ppo_trainer",
+            overrides=[
+                "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig",
+                "+actor_rollout_ref.actor.policy_loss.topk=32",
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.calculate_log_probs=True",
+                *overrides,
+            ],
+        )
 
 
 def test_k_reaches_the_rollout_config_from_policy_loss_topk():
@@ -80,8 +83,12 @@ def test_k_reaches_the_rollout_config_from_policy_loss_topk():
 
 def test_vllm_max_logprobs_minus_one_is_no_cap():
     """vLLM reads max_logprobs=-1 as no cap (config/model.py; sampling_params.py takes the vocabulary size): kept."""
-    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv",
-                             "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=-1"])
+    config = compose_config(
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv",
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=-1",
+        ]
+    )
     assert sync_rollout_config(config) == 32
     assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == -1
 
@@ -89,11 +96,18 @@ def test_vllm_max_logprobs_minus_one_is_no_cap():
 def test_truncated_sampling_is_refused_by_the_launcher_check_too():
     from verl_dppo.plugin.topk_mode import unsupported_settings
 
-    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=troll", "actor_rollout_ref.rollout.top_p=0.95"])
+    config = compose_config(
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=troll", "actor_rollout_ref.rollout.top_p=0.95"]
+    )
     assert any("top_p=0.95" in problem for problem in unsupported_settings(config))
     # raw log-probs are of the full distribution: not this problem
-    config = compose_config(["actor_rollout_ref.actor.policy_loss.loss_mode=troll", "actor_rollout_ref.rollout.top_p=0.95",
-                             "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"])
+    config = compose_config(
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=troll",
+            "actor_rollout_ref.rollout.top_p=0.95",
+            "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs",
+        ]
+    )
     assert not any("top_p" in problem for problem in unsupported_settings(config))
 
 
@@ -107,8 +121,13 @@ def test_other_modes_leave_the_config_alone():
     "override, message",
     [
         ("actor_rollout_ref.rollout.calculate_log_probs=False", "calculate_log_probs=True"),
-        (("actor_rollout_ref.model.use_fused_kernels=True",  # fused: the torch backend only
-          "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"), "impl_backend=torch"),
+        (
+            (
+                "actor_rollout_ref.model.use_fused_kernels=True",  # fused: the torch backend only
+                "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+            ),
+            "impl_backend=torch",
+        ),
         ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=20", "max_logprobs=20 < policy_loss.topk=32"),
         ("actor_rollout_ref.rollout.name=trtllm", "rollout.name=vllm, sglang or hf"),
         ("trainer.use_v1=False", "trainer.use_v1=True"),
@@ -117,8 +136,10 @@ def test_other_modes_leave_the_config_alone():
         ("actor_rollout_ref.rollout.top_p=0.9", r"top_p=0.9, top_k=-1 and rollout.logprobs_mode=processed_logprobs"),
         ("actor_rollout_ref.rollout.top_k=50", r"top_k=50 and rollout.logprobs_mode=processed_logprobs"),
         # vLLM's raw log-probs are before temperature: not mu's at T != 1
-        (("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.temperature=0.7"),
-         "raw_logprobs reports log-probs before temperature"),
+        (
+            ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.temperature=0.7"),
+            "raw_logprobs reports log-probs before temperature",
+        ),
     ],
 )
 def test_rollout_settings_that_cannot_work_are_refused(override, message):
@@ -129,13 +150,22 @@ def test_rollout_settings_that_cannot_work_are_refused(override, message):
 
 
 def reply(token_ids, ids, lps):
-    return TokenOutput(token_ids=token_ids, log_probs=[-0.5] * len(token_ids),
-                       extra_fields={"global_steps": 1, EXTRA_IDS: ids, EXTRA_LOGPROBS: lps})
+    return TokenOutput(
+        token_ids=token_ids,
+        log_probs=[-0.5] * len(token_ids),
+        extra_fields={"global_steps": 1, EXTRA_IDS: ids, EXTRA_LOGPROBS: lps},
+    )
 
 
 def loop_output(prompt, response, mask):
-    return AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=mask,
-                           response_logprobs=[-0.5] * len(response), metrics=AgentLoopMetrics(), num_turns=2)
+    return AgentLoopOutput(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_mask=mask,
+        response_logprobs=[-0.5] * len(response),
+        metrics=AgentLoopMetrics(),
+        num_turns=2,
+    )
 
 
 def test_single_turn_promotion_through_as_dict_with_truncation():
@@ -180,10 +210,14 @@ def test_outside_an_agent_loop_nothing_changes():
 
 def test_v1_padding_sample_gets_rows_of_its_own_length():
     source = {
-        "prompts": torch.tensor([1, 2, 3]), "responses": torch.tensor([4, 5, 6, 7]),
-        "input_ids": torch.arange(7), "attention_mask": torch.ones(7, dtype=torch.int64),
-        "position_ids": torch.arange(7), "response_mask": torch.ones(4, dtype=torch.int64),
-        "rollout_log_probs": torch.zeros(4), "rollout_topk_ids": torch.ones(4, 5, dtype=torch.int64),
+        "prompts": torch.tensor([1, 2, 3]),
+        "responses": torch.tensor([4, 5, 6, 7]),
+        "input_ids": torch.arange(7),
+        "attention_mask": torch.ones(7, dtype=torch.int64),
+        "position_ids": torch.arange(7),
+        "response_mask": torch.ones(4, dtype=torch.int64),
+        "rollout_log_probs": torch.zeros(4),
+        "rollout_topk_ids": torch.ones(4, 5, dtype=torch.int64),
         "rollout_topk_logprobs": torch.zeros(4, 5),
     }
     sample, tag = construct_minimal_padding_template(source, {"status": "success"}, eos_token_id=0)
@@ -202,8 +236,16 @@ def test_data_path_from_vllm_reply_to_the_loss_divergence():
     from test_topk_actor import K, VOCAB, run_engine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).eval()
     fields = []
     for seed, (prompt, n_tokens) in enumerate([([3, 4, 5], 4), ([6, 7], 6)]):
         positions, sampled = vllm_shaped_logprobs(n_tokens, K, vocab=VOCAB, seed=seed)
@@ -213,8 +255,11 @@ def test_data_path_from_vllm_reply_to_the_loss_divergence():
                 lp.logprob = lp.logprob - 2.0
         ids, lps = extract_vllm_topk(positions, sampled, K)
         with trajectory():
-            record_turn(TokenOutput(token_ids=sampled, log_probs=[-2.5] * n_tokens,
-                                    extra_fields={EXTRA_IDS: ids, EXTRA_LOGPROBS: lps}))
+            record_turn(
+                TokenOutput(
+                    token_ids=sampled, log_probs=[-2.5] * n_tokens, extra_fields={EXTRA_IDS: ids, EXTRA_LOGPROBS: lps}
+                )
+            )
             field = loop_output(prompt, sampled, [1] * n_tokens).as_dict()
         field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
         field["position_ids"] = torch.arange(field["input_ids"].numel())
@@ -228,8 +273,14 @@ def test_data_path_from_vllm_reply_to_the_loss_divergence():
     data = list_of_dict_to_tensordict(fields)
     assert data["rollout_topk_ids"].is_nested and data["rollout_topk_ids"].values().shape == (10, K)
     data["temperature"] = torch.ones(2)
-    tu.assign_non_tensor(data, use_remove_padding=True, distillation_use_topk=True, dp_size=1,
-                         batch_num_tokens=None, global_batch_size=None)
+    tu.assign_non_tensor(
+        data,
+        use_remove_padding=True,
+        distillation_use_topk=True,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    )
     _, model_output = run_engine(model, data, actor_config("dppo_topk_tv", topk=K))
     from verl.workers.utils.padding import no_padding_2_padding
 

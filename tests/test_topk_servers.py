@@ -15,9 +15,14 @@ PROBES = os.path.join(os.path.dirname(__file__), "probes")
 VLLM_CASES = {"topk": ["3"], "topk-stop": ["3", "####"], "bypass": ["0"], "no-logprobs": ["0", "", "0"]}
 """Name -> the probe's arguments: K [STOP [LOGPROBS]] (tests/probes/vllm_server.py)."""
 ORIGINAL = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-SGLANG_CASES = {"topk": ["3"], "no-topk": ["0"], "decode": ["3", "decode"], "prefill": ["3", "prefill"],
-                "original-at-0.7": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "0.7"}},
-                "original-at-1": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "1.0"}}}
+SGLANG_CASES = {
+    "topk": ["3"],
+    "no-topk": ["0"],
+    "decode": ["3", "decode"],
+    "prefill": ["3", "prefill"],
+    "original-at-0.7": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "0.7"}},
+    "original-at-1": {"args": ["3"], "env": {**ORIGINAL, "PROBE_TEMPERATURE": "1.0"}},
+}
 """Name -> K [ROLE], with the case's own environment where it has one (tests/probes/sglang_server.py)."""
 
 
@@ -37,8 +42,12 @@ class Cases(dict):
 
 def probe(script: str, cases: dict) -> Cases:
     """Every case of one probe in one process (stubs.run_cases)."""
-    result = subprocess.run([sys.executable, os.path.join(PROBES, script), "--cases", json.dumps(list(cases.values()))],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, os.path.join(PROBES, script), "--cases", json.dumps(list(cases.values()))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return Cases(zip(cases, json.loads(result.stdout.strip().splitlines()[-1]), strict=True))
 
@@ -226,8 +235,9 @@ def test_each_vllm_server_names_its_version_and_model_runner_once(monkeypatch, c
         (lines[v2],) = capsys.readouterr().out.splitlines()
     head = f"verl-dppo: vLLM server: vLLM {vllm.__version__}, model runner"
     assert lines[False] == (f"{head} V1 (VLLM_USE_V2_MODEL_RUNNER unset: vLLM's default for Qwen3ForCausalLM)")
-    assert lines[True].startswith(f"{head} V2 (") and lines[True].endswith("VLLM_USE_V2_MODEL_RUNNER=0 keeps that "
-                                                                              "runner")
+    assert lines[True].startswith(f"{head} V2 (") and lines[True].endswith(
+        "VLLM_USE_V2_MODEL_RUNNER=0 keeps that runner"
+    )
     assert "model runner not reported by this vLLM" in lines[None] and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[None]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     asyncio.run(vLLMHttpServer(False).run_server("args"))

@@ -59,20 +59,25 @@ PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 def tool_calls(open_, close):
-    return ("{%- for tc in m.tool_calls or [] -%}" + open_ + "{{ tc.function | tojson }}" + close
-            + "{%- endfor -%}")
+    return "{%- for tc in m.tool_calls or [] -%}" + open_ + "{{ tc.function | tojson }}" + close + "{%- endfor -%}"
 
 
 def tools_line(open_, close):
-    return "{%- if tools -%}" + open_ + "tools:{%- for t in tools %} {{ t.function.name }}{%- endfor -%}" + close \
+    return (
+        "{%- if tools -%}"
+        + open_
+        + "tools:{%- for t in tools %} {{ t.function.name }}{%- endfor -%}"
+        + close
         + "{%- endif -%}"
+    )
 
 
 CHATML = (  # Qwen2.5: turns end with <|im_end|>\n; a tool reply is a user turn
     tools_line("<|im_start|>system\n", "<|im_end|>\n")
     + "{%- for m in messages -%}"
     + "{%- if m.role == 'tool' -%}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    + "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content or '' }}" + tool_calls("<tool_call>", "</tool_call>")
+    + "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    + tool_calls("<tool_call>", "</tool_call>")
     + "<|im_end|>\n{%- endif -%}{%- endfor -%}"
     + "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
 )
@@ -80,26 +85,30 @@ TEMPLATES = {
     # no newline after the turn end: the default builder concatenates
     "default": CHATML.replace("<|im_end|>\n", "<|im_end|>"),
     "qwen": CHATML,
-    "minimax": CHATML.replace("<|im_start|>", "]~b]").replace("<|im_end|>", "[e~[").replace(
-        "]~b]assistant", "]~b]ai"),
+    "minimax": CHATML.replace("<|im_start|>", "]~b]").replace("<|im_end|>", "[e~[").replace("]~b]assistant", "]~b]ai"),
     # GLM-4.5: a turn starts with its role token and has no end token; tool replies open with <|observation|>
     "glm": (
-        "[gMASK]<sop>" + tools_line("<|system|>\n", "")
+        "[gMASK]<sop>"
+        + tools_line("<|system|>\n", "")
         + "{%- for m in messages -%}"
         + "{%- if m.role == 'tool' -%}"
         + "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}"
         + "\n<tool_response>{{ m.content }}</tool_response>"
-        + "{%- else -%}<|{{ m.role }}|>\n{{ m.content or '' }}" + tool_calls("<tool_call>", "</tool_call>")
+        + "{%- else -%}<|{{ m.role }}|>\n{{ m.content or '' }}"
+        + tool_calls("<tool_call>", "</tool_call>")
         + "{%- endif -%}{%- endfor -%}"
         + "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
     ),
     # Gemma4: a tool reply sits inside the model turn, after the <|tool_response> the call's render ends with
     "gemma4": (
-        "<bos>" + tools_line("<|turn>system\n", "<turn|>\n")
+        "<bos>"
+        + tools_line("<|turn>system\n", "<turn|>\n")
         + "{%- for m in messages -%}"
         + "{%- if m.role == 'tool' -%}response:{{ m.name }}{{ m.content }}<tool_response|>"
         + "{%- elif m.role == 'assistant' -%}<|turn>model\n{{ m.content or '' }}"
-        + "{%- if m.tool_calls -%}" + tool_calls("<|tool_call>", "<tool_call|>") + "<|tool_response>"
+        + "{%- if m.tool_calls -%}"
+        + tool_calls("<|tool_call>", "<tool_call|>")
+        + "<|tool_response>"
         + "{%- else -%}<turn|>\n{%- endif -%}"
         + "{%- else -%}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{%- endif -%}{%- endfor -%}"
         + "{%- if add_generation_prompt and messages[-1].role != 'tool' -%}<|turn>model\n{%- endif -%}"
@@ -117,7 +126,8 @@ TEMPLATES = {
     ),
     # DeepSeek-V3: after tool outputs the model continues directly (no <｜Assistant｜>)
     "deepseek": (
-        "<｜begin▁of▁sentence｜>" + tools_line("", "")
+        "<｜begin▁of▁sentence｜>"
+        + tools_line("", "")
         + "{%- for m in messages -%}"
         + "{%- if m.role == 'tool' -%}"
         + "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<｜tool▁outputs▁begin｜>{%- endif -%}"
@@ -125,7 +135,9 @@ TEMPLATES = {
         + "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}<｜tool▁outputs▁end｜>{%- endif -%}"
         + "{%- elif m.role == 'assistant' -%}"
         + "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<｜Assistant｜>{%- endif -%}"
-        + "{{ m.content or '' }}" + tool_calls("<tool_call>", "</tool_call>") + "<｜end▁of▁sentence｜>"
+        + "{{ m.content or '' }}"
+        + tool_calls("<tool_call>", "</tool_call>")
+        + "<｜end▁of▁sentence｜>"
         + "{%- elif m.role == 'user' -%}<｜User｜>{{ m.content }}{%- else -%}{{ m.content }}{%- endif -%}"
         + "{%- endfor -%}"
         + "{%- if add_generation_prompt and messages[-1].role != 'tool' -%}<｜Assistant｜>{%- endif -%}"
@@ -142,13 +154,40 @@ TEMPLATES = {
     ),
 }
 SPECIALS = [
-    "<|im_start|>", "<|im_end|>", "]~b]", "[e~[",
-    "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-    "<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
-    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>",
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-    "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>",
-    "<beginning_of_sentence>", "<end_of_sentence>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "]~b]",
+    "[e~[",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<bos>",
+    "<|turn>",
+    "<turn|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|call|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<beginning_of_sentence>",
+    "<end_of_sentence>",
 ]
 
 
@@ -158,8 +197,9 @@ def make_tokenizer(template: str) -> PreTrainedTokenizerFast:
     vocab = {"<unk>": 0, "<pad>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                        clean_up_tokenization_spaces=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", clean_up_tokenization_spaces=False
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
     tokenizer.chat_template = TEMPLATES[template]
     return tokenizer
@@ -224,27 +264,54 @@ FAMILIES = [
     Family("minimax", "minimax", CT.MiniMaxContinuousTokenBuilder, [CALL + "[e~[", "5[e~["], NEWLINE),
     Family("glm", "glm4_moe", CT.GLMContinuousTokenBuilder, GLM_TURNS, REMOVED_STOP),
     Family("gemma4", "gemma4", CT.Gemma4ContinuousTokenBuilder, GEMMA_TURNS, TOOL_RESPONSE),
-    Family("gptoss", "gpt_oss", CT.GptOssContinuousTokenBuilder,
-           ["<|channel|>commentary<|message|>" + CALL + "<|call|>", "<|channel|>final<|message|>5<|return|>"]),
-    Family("deepseek", "deepseek_v3", CT.DeepSeekContinuousTokenBuilder,
-           [CALL + "<｜end▁of▁sentence｜>", "5<｜end▁of▁sentence｜>"]),
-    Family("deepseekv4", "deepseek_v4", DeepSeekV4ContinuousTokenBuilder, [CALL, "5<｜end▁of▁sentence｜>"],
-           {"inserted_token_ids": ["<｜end▁of▁sentence｜>"]}),
+    Family(
+        "gptoss",
+        "gpt_oss",
+        CT.GptOssContinuousTokenBuilder,
+        ["<|channel|>commentary<|message|>" + CALL + "<|call|>", "<|channel|>final<|message|>5<|return|>"],
+    ),
+    Family(
+        "deepseek",
+        "deepseek_v3",
+        CT.DeepSeekContinuousTokenBuilder,
+        [CALL + "<｜end▁of▁sentence｜>", "5<｜end▁of▁sentence｜>"],
+    ),
+    Family(
+        "deepseekv4",
+        "deepseek_v4",
+        DeepSeekV4ContinuousTokenBuilder,
+        [CALL, "5<｜end▁of▁sentence｜>"],
+        {"inserted_token_ids": ["<｜end▁of▁sentence｜>"]},
+    ),
     # vision-language builders on a text-only conversation: their text family's boundary handling
     Family("vldefault", None, CT.VLContinuousTokenBuilder, QWEN_TURNS, template="default", processor=TextProcessor),
     Family("qwenvl", "qwen2_vl", CT.QwenVLContinuousTokenBuilder, QWEN_TURNS, NEWLINE, "qwen", TextProcessor),
-    Family("minimaxvl", "minimax_vl_01", CT.MiniMaxVLContinuousTokenBuilder,
-           [CALL + "<end_of_sentence>", "5<end_of_sentence>"], NEWLINE, processor=TextProcessor),
-    Family("gemma4vl", "gemma4", CT.Gemma4VLContinuousTokenBuilder, GEMMA_TURNS, TOOL_RESPONSE, "gemma4",
-           TextProcessor),
+    Family(
+        "minimaxvl",
+        "minimax_vl_01",
+        CT.MiniMaxVLContinuousTokenBuilder,
+        [CALL + "<end_of_sentence>", "5<end_of_sentence>"],
+        NEWLINE,
+        processor=TextProcessor,
+    ),
+    Family(
+        "gemma4vl", "gemma4", CT.Gemma4VLContinuousTokenBuilder, GEMMA_TURNS, TOOL_RESPONSE, "gemma4", TextProcessor
+    ),
     Family("glm46v", "glm4v", CT.GLM46VContinuousTokenBuilder, GLM_TURNS, REMOVED_STOP, "glm", TextProcessor),
-    Family("kimivl", "kimi_vl", CT.KimiVLContinuousTokenBuilder, QWEN_TURNS, template="default",
-           processor=TextProcessor),
+    Family(
+        "kimivl", "kimi_vl", CT.KimiVLContinuousTokenBuilder, QWEN_TURNS, template="default", processor=TextProcessor
+    ),
 ]
 # DeepSeek-VL2's builder re-renders the whole conversation through its processor, which has no tool role: no
 # tool turn is possible with it, so it runs a user turn (test_edits_a_tool_loop_does_not_make).
-DEEPSEEK_VL2 = Family("deepseekvl2", "deepseek_vl_v2", CT.DeepSeekVL2ContinuousTokenBuilder, [], template="deepseek",
-                      processor=DeepSeekVL2TextProcessor)
+DEEPSEEK_VL2 = Family(
+    "deepseekvl2",
+    "deepseek_vl_v2",
+    CT.DeepSeekVL2ContinuousTokenBuilder,
+    [],
+    template="deepseek",
+    processor=DeepSeekVL2TextProcessor,
+)
 
 
 def family_named(name: str) -> Family:
@@ -275,8 +342,11 @@ class ScriptedEngine:
             ids[row] = [token, self.n, self.n + 1]
             lps[row] = -self.n / 64 - np.arange(K)
             self.row_of[float(lps[row, 0])] = (ids[row].tolist(), lps[row].tolist())
-        return TokenOutput(token_ids=token_ids, log_probs=lps[:, 0].tolist(),
-                           extra_fields={"global_steps": 1, EXTRA_IDS: ids, EXTRA_LOGPROBS: lps})
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=lps[:, 0].tolist(),
+            extra_fields={"global_steps": 1, EXTRA_IDS: ids, EXTRA_LOGPROBS: lps},
+        )
 
 
 class ScriptedClient(LLMServerClient):
@@ -297,22 +367,33 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-ADD_SCHEMA = OpenAIFunctionToolSchema.model_validate({
-    "type": "function",
-    "function": {"name": "add", "description": "Add two integers.",
-                 "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                "required": ["a", "b"]}},
-})
+ADD_SCHEMA = OpenAIFunctionToolSchema.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+)
 
 
 def compose_config(response_length):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose("ppo_trainer", overrides=[
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.multi_turn.format=hermes",
-            f"actor_rollout_ref.rollout.response_length={response_length}",
-            "actor_rollout_ref.rollout.prompt_length=512",
-        ])
+        return compose(
+            "ppo_trainer",
+            overrides=[
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.multi_turn.format=hermes",
+                f"actor_rollout_ref.rollout.response_length={response_length}",
+                "actor_rollout_ref.rollout.prompt_length=512",
+            ],
+        )
 
 
 def run_tool_loop(family: Family, response_length=256):
@@ -325,8 +406,13 @@ def run_tool_loop(family: Family, response_length=256):
 
     async def scenario():
         loop = ToolAgentLoop(
-            DictConfigWrap(config), ScriptedClient(config, engine), tokenizer, processor, RLHFDataset,
-            DictConfigWrap(config.data), hf_model_type=family.model_type,
+            DictConfigWrap(config),
+            ScriptedClient(config, engine),
+            tokenizer,
+            processor,
+            RLHFDataset,
+            DictConfigWrap(config.data),
+            hf_model_type=family.model_type,
             tools=ToolListWrap([FunctionTool(name="add", fn=add, tool_schema=ADD_SCHEMA)]),
         )
         assert type(loop.continuous_token_builder) is family.builder
@@ -415,15 +501,21 @@ def test_a_context_merge_verl_discards_is_not_followed():
 USER_TURN = [{"role": "user", "content": "and 4 + 4?"}]
 
 
-@pytest.mark.parametrize("name, steps, removed", [
-    # the generated stop token <|user|> is dropped before the user turn
-    ("glm", ["\n4<|user|>", USER_TURN, "\n8<|user|>"], ["<|user|>"]),
-    # the tool reply's closing <｜tool▁outputs▁end｜> (context) is dropped before the user turn
-    ("deepseek", [CALL + "<｜end▁of▁sentence｜>", [{"role": "tool", "content": "5"}], USER_TURN,
-                  "8<｜end▁of▁sentence｜>"], ["<｜tool▁outputs▁end｜>"]),
-    # the whole conversation re-rendered, the user turn appended after the common prefix: no edit
-    ("deepseekvl2", ["4<｜end▁of▁sentence｜>", USER_TURN, "8<｜end▁of▁sentence｜>"], []),
-])
+@pytest.mark.parametrize(
+    "name, steps, removed",
+    [
+        # the generated stop token <|user|> is dropped before the user turn
+        ("glm", ["\n4<|user|>", USER_TURN, "\n8<|user|>"], ["<|user|>"]),
+        # the tool reply's closing <｜tool▁outputs▁end｜> (context) is dropped before the user turn
+        (
+            "deepseek",
+            [CALL + "<｜end▁of▁sentence｜>", [{"role": "tool", "content": "5"}], USER_TURN, "8<｜end▁of▁sentence｜>"],
+            ["<｜tool▁outputs▁end｜>"],
+        ),
+        # the whole conversation re-rendered, the user turn appended after the common prefix: no edit
+        ("deepseekvl2", ["4<｜end▁of▁sentence｜>", USER_TURN, "8<｜end▁of▁sentence｜>"], []),
+    ],
+)
 def test_edits_a_tool_loop_does_not_make(name, steps, removed):
     """A user turn after the model's turn, driven through the agent loop's own `ct_merge_assistant_token` /
     `ct_merge_context_msg` (what every verl agent loop calls): a string is a generation, a list a context append."""
@@ -435,8 +527,16 @@ def test_edits_a_tool_loop_does_not_make(name, steps, removed):
     processor = family.processor(tokenizer) if family.processor else None
 
     async def scenario():
-        loop = ToolAgentLoop(DictConfigWrap(config), client, tokenizer, processor, RLHFDataset,
-                             DictConfigWrap(config.data), hf_model_type=family.model_type, tools=ToolListWrap([]))
+        loop = ToolAgentLoop(
+            DictConfigWrap(config),
+            client,
+            tokenizer,
+            processor,
+            RLHFDataset,
+            DictConfigWrap(config.data),
+            hf_model_type=family.model_type,
+            tools=ToolListWrap([]),
+        )
         assert type(loop.continuous_token_builder) is family.builder
         messages = list(PROMPT)
         runtime = await loop.ct_build_initial_tokens(messages)
@@ -447,7 +547,8 @@ def test_edits_a_tool_loop_does_not_make(name, steps, removed):
                 if isinstance(step, str):
                     reply = await client.generate("r", prompt_ids=runtime, sampling_params={})
                     merge, mask, logprobs = await loop.ct_merge_assistant_token(
-                        runtime, reply.token_ids, mask, logprobs, assistant_logprobs=reply.log_probs)
+                        runtime, reply.token_ids, mask, logprobs, assistant_logprobs=reply.log_probs
+                    )
                     content = tokenizer.decode(reply.token_ids, skip_special_tokens=True)
                     messages.append({"role": "assistant", "content": content})
                 else:
@@ -455,8 +556,14 @@ def test_edits_a_tool_loop_does_not_make(name, steps, removed):
                     merge, mask, logprobs = await loop.ct_merge_context_msg(previous, messages, runtime, mask, logprobs)
                     merges.append(merge)
                 runtime = merge.token_ids
-            output = AgentLoopOutput(prompt_ids=runtime[:prompt_length], response_ids=runtime[prompt_length:],
-                                     response_mask=mask, response_logprobs=logprobs, metrics={}, num_turns=len(steps))
+            output = AgentLoopOutput(
+                prompt_ids=runtime[:prompt_length],
+                response_ids=runtime[prompt_length:],
+                response_mask=mask,
+                response_logprobs=logprobs,
+                metrics={},
+                num_turns=len(steps),
+            )
             return output.as_dict(), merges
 
     fields, merges = asyncio.run(scenario())
@@ -473,8 +580,16 @@ def test_tokens_verl_merged_that_the_engine_did_not_generate_raise():
     client = ScriptedClient(config, engine)
 
     async def scenario():
-        loop = ToolAgentLoop(DictConfigWrap(config), client, tokenizer, None, RLHFDataset, DictConfigWrap(config.data),
-                             hf_model_type=family.model_type, tools=ToolListWrap([]))
+        loop = ToolAgentLoop(
+            DictConfigWrap(config),
+            client,
+            tokenizer,
+            None,
+            RLHFDataset,
+            DictConfigWrap(config.data),
+            hf_model_type=family.model_type,
+            tools=ToolListWrap([]),
+        )
         runtime = await loop.ct_build_initial_tokens(list(PROMPT))
         with trajectory():
             reply = await client.generate("r", prompt_ids=runtime, sampling_params={})

@@ -159,8 +159,9 @@ def test_projection_gradient_is_the_implicit_derivative_and_not_the_detached_one
 MASS, TOPK, EPS = 0.99, 4, 0.05
 
 
-def make_case(rows: int, vocab: int, reported: int, seed: int, noise: float = 1.5, dtype=torch.float64,
-              tied: bool = False):
+def make_case(
+    rows: int, vocab: int, reported: int, seed: int, noise: float = 1.5, dtype=torch.float64, tied: bool = False
+):
     """pi's logits, mu = pi + noise growing over the rows, the engine's top-`reported` (shuffled), a_t ~ mu.
     tied: pi's logits and mu's noise on a coarse grid, so that both hold many ties (bf16 logits over a real
     vocabulary do), at the top-k boundary and at the mass boundary alike."""
@@ -189,9 +190,12 @@ def reference_row(logits, topk_ids, topk_lp, sampled, sampled_lp, eps=EPS, mass=
     def top(tokens_and_probs):
         """The most likely tokens until their mass reaches `mass`, at most k, in whole groups of equal probability:
         a group is in when the mass strictly above it is below `mass` and at most k tokens are at or above it."""
-        return [token for token, prob in tokens_and_probs
-                if sum(p for _, p in tokens_and_probs if p > prob) < mass
-                and sum(1 for _, p in tokens_and_probs if p >= prob) <= k]
+        return [
+            token
+            for token, prob in tokens_and_probs
+            if sum(p for _, p in tokens_and_probs if p > prob) < mass
+            and sum(1 for _, p in tokens_and_probs if p >= prob) <= k
+        ]
 
     reported = {int(i): float(lp) for i, lp in zip(topk_ids, topk_lp) if math.isfinite(float(lp))}
     mu_top = top(sorted(((i, math.exp(lp)) for i, lp in reported.items()), key=lambda t: -t[1]))
@@ -205,7 +209,9 @@ def reference_row(logits, topk_ids, topk_lp, sampled, sampled_lp, eps=EPS, mass=
         unreported_count -= 1
     share = min(max(unreported_mass, 0.0) / max(unreported_count, 1), min(math.exp(v) for v in reported.values()))
     share = max(share, troll.MU_FLOOR)  # per atom
-    mu_s = [math.exp(sampled_lp) if x == sampled else math.exp(reported[x]) if x in reported else share for x in support]
+    mu_s = [
+        math.exp(sampled_lp) if x == sampled else math.exp(reported[x]) if x in reported else share for x in support
+    ]
     mu_atoms = torch.tensor(mu_s + [max(1.0 - sum(mu_s), troll.MU_FLOOR)], dtype=torch.float64)
     mu_atoms = mu_atoms / mu_atoms.sum()
     tail = [x for x in range(vocab) if x not in set(support)]
@@ -530,8 +536,12 @@ def test_a_row_with_a_nan_or_inf_logit_answers_nan_as_topk_does():
     terms = troll_token_terms(x, ids, lps, sampled, sampled_lp, mask)
     loss = troll_token_loss(terms, torch.ones(8))
     _, topk_kl = topk_divergence(bad, ids, lps, sampled, sampled_lp, mask)
-    values = {"loss": loss, "log_p_sampled": terms.log_p_sampled, "regression_kl": terms.regression_kl,
-              **{name: terms.diagnostics[name] for name in ("eta", "kl_before", "kl_after")}}
+    values = {
+        "loss": loss,
+        "log_p_sampled": terms.log_p_sampled,
+        "regression_kl": terms.regression_kl,
+        **{name: terms.diagnostics[name] for name in ("eta", "kl_before", "kl_after")},
+    }
     no_pi = torch.tensor([r in (1, 2, 3) for r in range(8)])
     assert torch.isnan(topk_kl).tolist() == no_pi.tolist()
     for name, value in values.items():

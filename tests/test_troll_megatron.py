@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 
 from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
 
-pytestmark = pytest.mark.skipif(bool(megatron_cpu_problems(None)),
-                                reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`")
+pytestmark = pytest.mark.skipif(
+    bool(megatron_cpu_problems(None)), reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed: `make venv`"
+)
 
 TP, PAD = 2, 4
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +66,7 @@ def _check(tp_rank: int, tp: int, where: str) -> None:
     head = _nested(torch.cat([row, torch.full((row.shape[0], PAD), 6.0)], dim=1) for row in full_logits.unbind())
     padded, _, _ = preprocess_bshd_engine(head, pre_process=True)
     local_vocab = (VOCAB + PAD) // tp
-    shard = padded[..., tp_rank * local_vocab:(tp_rank + 1) * local_vocab].clone().requires_grad_(True)
+    shard = padded[..., tp_rank * local_vocab : (tp_rank + 1) * local_vocab].clone().requires_grad_(True)
 
     output = verl_losses.ppo_loss(config, student_logits=shard, data=data, data_format="bshd")
     weights = {"troll_log_p": 1.0, "troll_regression_kl": 0.5}
@@ -74,8 +75,9 @@ def _check(tp_rank: int, tp: int, where: str) -> None:
     reference_logits = padded[..., :VOCAB].clone().requires_grad_(True)
     local = _Local("troll", K, reference_logits, data, "bshd")
     rows = local.rows(reference_logits)
-    reference = troll_outputs(config, rows, local.ids, local.logprobs, local.sampled, local.sampled_logprobs,
-                              local.mask & ~local.unusable)
+    reference = troll_outputs(
+        config, rows, local.ids, local.logprobs, local.sampled, local.sampled_logprobs, local.mask & ~local.unusable
+    )
     (sum((reference[key] * w).sum() for key, w in weights.items())).backward()
 
     for key in troll_mode.OUTPUT_KEYS.values():
@@ -84,7 +86,7 @@ def _check(tp_rank: int, tp: int, where: str) -> None:
     assert output["troll_valid"].sum() > 0 and output["troll_projected"].sum() > 0, where  # rows were projected
     grad = reference_logits.grad
     full_grad = torch.cat([grad, torch.zeros(*grad.shape[:2], PAD)], dim=-1)
-    want_grad = full_grad[..., tp_rank * local_vocab:(tp_rank + 1) * local_vocab]
+    want_grad = full_grad[..., tp_rank * local_vocab : (tp_rank + 1) * local_vocab]
     assert torch.allclose(shard.grad, want_grad, rtol=1e-5, atol=1e-7), (where, (shard.grad - want_grad).abs().max())
     assert shard.grad.abs().sum() > 0, where
 

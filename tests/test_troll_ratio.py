@@ -127,8 +127,9 @@ def test_through_verls_engine_the_loss_and_gradients_are_finite_with_the_capped_
     config = actor_config("troll", topk=K, troll_eps=eps, troll_alpha=1.0)
     model.zero_grad(set_to_none=True)
     loss_fn, model_output, _ = run(model, data, config)
-    terms = {key: no_padding_2_padding(model_output[f"troll_{key}"], data) for key in ("log_p", "log_mu",
-                                                                                       "regression_kl")}
+    terms = {
+        key: no_padding_2_padding(model_output[f"troll_{key}"], data) for key in ("log_p", "log_mu", "regression_kl")
+    }
     log_r = (terms["log_p"] - terms["log_mu"]).detach()
     assert float(log_r[0, 1]) > FLOAT32_EXP_OVERFLOW, "the case must overflow float32's exp"
     assert float(log_r.masked_fill(log_r == log_r[0, 1], 0.0).max()) < troll.MAX_LOG_RATIO  # one far token

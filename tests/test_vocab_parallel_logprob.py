@@ -141,8 +141,9 @@ def _rank(rank: int, init_file: str) -> None:
     h, w_local, labels, start, want_gh = _check_float64(shard, rank, group, where)
     # reduce_grad_hidden=False: this rank's share of dh; the group's sum is the whole gradient
     hh = h.clone().requires_grad_()
-    log_p, ent = vocab_parallel_token_logprobs(hh, w_local, labels, start, 0.6, group, entropy=True, chunk_tokens=7,
-                                               reduce_grad_hidden=False)
+    log_p, ent = vocab_parallel_token_logprobs(
+        hh, w_local, labels, start, 0.6, group, entropy=True, chunk_tokens=7, reduce_grad_hidden=False
+    )
     (share,) = torch.autograd.grad(_weighted(log_p, ent, 2), hh)
     assert not _close(share, want_gh, 1e-3), f"{where}: one rank's share is not the whole gradient"
     dist.all_reduce(share)
@@ -183,7 +184,13 @@ def test_the_kernels_path_under_tritons_interpreter():
     (Triton from .venv/triton-interpret, as tests/test_kernels.py); float64 stays on the torch path."""
     site = Path(sys.prefix) / "triton-interpret"
     assert (site / "triton").is_dir(), f"{site} holds no Triton: `make venv` installs it there"
-    env = dict(os.environ, TRITON_INTERPRET="1", VERL_DPPO_KERNELS="triton", PYTHONPATH=os.pathsep.join(
-        [str(site), str(Path(__file__).resolve().parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        VERL_DPPO_KERNELS="triton",
+        PYTHONPATH=os.pathsep.join(
+            [str(site), str(Path(__file__).resolve().parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
     done = subprocess.run([sys.executable, "-c", KERNELS_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "kernels' path agrees" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]

@@ -78,8 +78,10 @@ def flat_from_dicts(positions: Sequence[dict], sampled_ids: Sequence[int], k: in
     for entries, sampled in zip(positions, sampled_ids):
         flat.start_indices.append(len(flat.token_ids))
         # vLLM's flat layout: the sampled entry, then the top-K by rank (the dict may hold the sampled token once).
-        top = sorted(((token, lp) for token, lp in entries.items() if len(entries) == k or token != sampled),
-                     key=lambda item: item[1].rank)
+        top = sorted(
+            ((token, lp) for token, lp in entries.items() if len(entries) == k or token != sampled),
+            key=lambda item: item[1].rank,
+        )
         items = [(sampled, entries[sampled])] + top
         for token, lp in items:
             flat.token_ids.append(token)

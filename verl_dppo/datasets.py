@@ -218,7 +218,7 @@ def _read_local(path: str) -> list[dict]:
             rows = data.get("data") if isinstance(data, dict) else data
             if not isinstance(rows, list):
                 raise DataError(
-                    f"--from-file {path}: expected a JSON list of rows (or {{\"data\": [rows]}}), found "
+                    f'--from-file {path}: expected a JSON list of rows (or {{"data": [rows]}}), found '
                     f"{type(data).__name__}"
                 )
     except UnicodeDecodeError:

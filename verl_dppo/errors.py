@@ -52,8 +52,10 @@ def run_handler(args) -> int:
         print("verl-dppo: interrupted", file=sys.stderr)
         return 130
     except ConnectionError as error:  # Ray's "could not connect" among them
-        return report(f"cannot connect: {_first_line(error)} (check RAY_ADDRESS / --ray-address, or start the "
-                      "cluster with `ray start --head`)")
+        return report(
+            f"cannot connect: {_first_line(error)} (check RAY_ADDRESS / --ray-address, or start the "
+            "cluster with `ray start --head`)"
+        )
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         return report(f"{where}{error.strerror or _first_line(error)}")

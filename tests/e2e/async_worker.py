@@ -34,8 +34,16 @@ STALENESS = (0, 2, 8)
 VERSIONS = max(STALENESS)
 """Training steps (one weight push each) before the measured batch: the trainer is at version VERSIONS."""
 
-SHAPE = driver.RunShape(prompts=4, samples_per_prompt=4, mini_batches=1, prompt_length=8, response_length=16,
-                        token_budget=64, lr=5e-3, seed=0)
+SHAPE = driver.RunShape(
+    prompts=4,
+    samples_per_prompt=4,
+    mini_batches=1,
+    prompt_length=8,
+    response_length=16,
+    token_budget=64,
+    lr=5e-3,
+    seed=0,
+)
 """16 sequences, one mini-batch (every micro-batch of the measured step sees the same pi) of 2-4 micro-batches."""
 
 MEASURE_SEED = 1234
@@ -72,8 +80,9 @@ def _register_backend():
         async def send_weights(self, weights, global_steps=None):
             if global_steps is None:
                 raise ValueError("a weight push without its version (global_steps)")
-            _received[int(global_steps)] = {name: tensor.detach().to("cpu", torch.bfloat16).clone()
-                                            for name, tensor in weights}
+            _received[int(global_steps)] = {
+                name: tensor.detach().to("cpu", torch.bfloat16).clone() for name, tensor in weights
+            }
 
         async def receive_weights(self, global_steps=None):
             for item in _received[int(global_steps)].items():
@@ -96,8 +105,10 @@ def push(worker: Any, version: int) -> None:
     asyncio.run(worker.update_weights(global_steps=version))
 
 
-ENGINE_OVERRIDES = (f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
-                    f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={MODULE}")
+ENGINE_OVERRIDES = (
+    f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
+    f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={MODULE}",
+)
 """The checkpoint engine whose far side is the rollout copy, loaded as verl loads a custom one."""
 
 
@@ -115,8 +126,9 @@ def run_mode(runner: Any, loss_mode: str) -> dict:
     record: dict[str, Any] = {"method": driver.method_for_mode(loss_mode), "warm_rewards": [], "stale": {}}
     start = time.perf_counter()
     try:
-        config = driver.compose_config(loss_mode, runner.model_dir, SHAPE, trainer_mode="separate_async",
-                                       overrides=ENGINE_OVERRIDES)
+        config = driver.compose_config(
+            loss_mode, runner.model_dir, SHAPE, trainer_mode="separate_async", overrides=ENGINE_OVERRIDES
+        )
         record["parameter_sync_step"] = int(config.trainer.v1.separate_async.parameter_sync_step)
         record["max_off_policy_threshold"] = config.actor_rollout_ref.actor.policy_loss.max_off_policy_threshold
         worker = build_worker(config)
@@ -141,8 +153,9 @@ def run_mode(runner: Any, loss_mode: str) -> dict:
             worker.restore_model_from_cpu(VERSIONS)  # the same pi for every k
             rollout_copy.load(_received[VERSIONS - k].items())
             rollout = rollout_copy.sample(SHAPE, torch.Generator().manual_seed(MEASURE_SEED), topk)
-            metrics = trainer.step(rollout, driver.target_token_reward(rollout),
-                                   versions(VERSIONS - k, len(rollout.responses)))
+            metrics = trainer.step(
+                rollout, driver.target_token_reward(rollout), versions(VERSIONS - k, len(rollout.responses))
+            )
             record["stale"][str(k)] = metrics
     except Exception as error:  # recorded, so that the test shows it next to the other modes' results
         record["error"] = f"{type(error).__name__}: {error}"
@@ -161,5 +174,15 @@ def compose_all() -> None:
     driver.compose_recipes({driver.method_for_mode(mode) for mode in driver.plugin_loss_modes()}, "separate_async")
 
 
-__all__ = ["BACKEND", "ENGINE_OVERRIDES", "STALENESS", "VERSIONS", "RolloutCopyEngine", "build_worker", "compose_all",
-           "push", "scenario_async", "versions"]
+__all__ = [
+    "BACKEND",
+    "ENGINE_OVERRIDES",
+    "STALENESS",
+    "VERSIONS",
+    "RolloutCopyEngine",
+    "build_worker",
+    "compose_all",
+    "push",
+    "scenario_async",
+    "versions",
+]

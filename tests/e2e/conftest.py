@@ -28,8 +28,9 @@ def launches(request, tmp_path_factory) -> Launches:
             tiers.append(module)
     root = tmp_path_factory.mktemp("lanes")
     tiers = [module for module in tiers if getattr(module, "LANES_AVAILABLE", True)]
-    done = Launches(loop.run_pool(root, [chain for module in tiers for chain in module.lane_chains(root)],
-                                  prepare=warm_model))
+    done = Launches(
+        loop.run_pool(root, [chain for module in tiers for chain in module.lane_chains(root)], prepare=warm_model)
+    )
     done.tiers = {module.__name__ for module in tiers}
     request.config._dppo_pool = done
     return done
@@ -43,8 +44,9 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     runs = sorted(done.values(), key=lambda run: -run.seconds)
     launches = f"{len(runs)} launch" + ("es" if len(runs) != 1 else "")
-    terminalreporter.write_line(f"e2e pool: {launches}, {sum(run.seconds for run in runs):,.0f} s in all (lanes side "
-                                "by side):")
+    terminalreporter.write_line(
+        f"e2e pool: {launches}, {sum(run.seconds for run in runs):,.0f} s in all (lanes side by side):"
+    )
     listed = [f"{run.name} {run.seconds:.0f} s" + (f" (rc {run.rc})" if run.rc else "") for run in runs]
     terminalreporter.write_line("  " + ", ".join(listed))
 

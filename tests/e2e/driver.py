@@ -84,29 +84,64 @@ class ModelSize:
 
 
 TINY_MODEL = ModelSize(
-    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-    initializer_range=0.3, max_position_embeddings=256,
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    initializer_range=0.3,
+    max_position_embeddings=256,
 )
 """About 0.1M parameters: small enough for many worker builds on 2 CPU cores, peaked enough to mask tokens."""
 
 TINY_MOE = ModelSize(
-    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-    initializer_range=0.3, max_position_embeddings=256, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    initializer_range=0.3,
+    max_position_embeddings=256,
+    num_experts=8,
+    experts_per_token=2,
+    moe_intermediate_size=32,
 )
 """TINY_MODEL's widths as a Qwen3-MoE of 8 experts, top-2 (the CPU smoke path of R3 through verl's worker)."""
 
 GPU_MOE = ModelSize(
-    vocab_size=151_936, hidden_size=2048, num_layers=4, num_heads=32, num_kv_heads=4, head_dim=128,
-    intermediate_size=6144, tie_word_embeddings=False, initializer_range=0.02, max_position_embeddings=8192,
-    num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+    vocab_size=151_936,
+    hidden_size=2048,
+    num_layers=4,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    max_position_embeddings=8192,
+    num_experts=128,
+    experts_per_token=8,
+    moe_intermediate_size=768,
 )
 """Qwen3-30B-A3B's layer shape (hidden 2,048, 128 experts of 768, top-8, 32 heads of 128, 4 KV heads) and real
 vocabulary with 4 of its 48 layers: about 3.1B parameters, 2.4B of them experts (R3 on verl's FSDP engine, issue
 72.6): about 50 GB of fp32 weights, gradients and Adam state on one GPU, beside the bf16 rollout copy's 6 GB."""
 
 GPU_MODEL = ModelSize(
-    vocab_size=151_936, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, head_dim=128,
-    intermediate_size=3072, tie_word_embeddings=True, initializer_range=0.02, max_position_embeddings=8192,
+    vocab_size=151_936,
+    hidden_size=1024,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    max_position_embeddings=8192,
 )
 """Qwen3-0.6B's widths and real vocabulary with 8 of its 28 layers: about 280M parameters."""
 
@@ -177,7 +212,8 @@ def method_for_mode(loss_mode: str, anchor: str = "rollout") -> str:
     if anchor == "rollout" and settings.get(loss_mode, {}).get("loss_mode") == loss_mode:
         return loss_mode
     candidates = [
-        name for name, s in settings.items()
+        name
+        for name, s in settings.items()
         if s["loss_mode"] == loss_mode and s["anchor"] == anchor and bool(s["bypass_mode"]) == (anchor == "rollout")
     ]
     if not candidates:
@@ -202,9 +238,9 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
     vocab = {f"t{i}": i for i in range(size.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1"
-    ).save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1").save_pretrained(
+        directory
+    )
     settings = dict(
         vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
@@ -223,9 +259,14 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
     if size.num_experts:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        config = Qwen3MoeConfig(**settings, num_experts=size.num_experts, num_experts_per_tok=size.experts_per_token,
-                                moe_intermediate_size=size.moe_intermediate_size, decoder_sparse_step=1,
-                                norm_topk_prob=True)
+        config = Qwen3MoeConfig(
+            **settings,
+            num_experts=size.num_experts,
+            num_experts_per_tok=size.experts_per_token,
+            moe_intermediate_size=size.moe_intermediate_size,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
         build = Qwen3MoeForCausalLM
     else:
         config, build = Qwen3Config(**settings), Qwen3ForCausalLM
@@ -235,8 +276,10 @@ def save_model(directory: str | Path, size: ModelSize, seed: int = 0) -> Path:
     return directory
 
 
-R3_OVERRIDES = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+R3_OVERRIDES = (
+    "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+)
 """R3 on verl's FSDP engine (the plugin's replay): the rollout's routes (`Rollout.routed_experts`) replayed."""
 
 
@@ -260,8 +303,13 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
     for override in OverridesParser.create().parse_overrides(list(overrides)):
         if override.is_delete():
             raise ValueError(f"deletions are not supported here: {override.input_line}")
-        OmegaConf.update(config, override.key_or_group, override.value(), merge=True,
-                         force_add=override.is_add() or override.is_force_add())
+        OmegaConf.update(
+            config,
+            override.key_or_group,
+            override.value(),
+            merge=True,
+            force_add=override.is_add() or override.is_force_add(),
+        )
     return config
 
 
@@ -365,8 +413,11 @@ def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: Opti
 
         cpu_platform.install()
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port or os.environ.get("MASTER_PORT") or free_port()),
     )
     if not torch.distributed.is_initialized():
@@ -438,9 +489,11 @@ class RolloutCopy:
         from transformers import AutoModelForCausalLM
 
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
-        ).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+            .to(device)
+            .eval()
+        )
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
 
@@ -497,7 +550,7 @@ class RolloutCopy:
         """For an MoE copy, each sample's routes as an engine returns them and verl's agent loop pads them: the
         experts the copy's routers choose for every token fed (the prompt, then each response token but the last),
         in one uncached forward of the sequence, and a zero row for the last token. None for a dense copy."""
-        from verl_dppo.plugin.router_replay import routers_of
+        from verl_dppo.plugin.moe.router_replay import routers_of
 
         routers = routers_of(self.model)
         if not routers:
@@ -507,8 +560,10 @@ class RolloutCopy:
         for prompt, response in zip(prompts, responses):
             fed = torch.cat([prompt, response[:-1]]).to(self.device)[None]
             chosen: dict[int, torch.Tensor] = {}
-            hooks = [router.register_forward_hook(lambda _m, _i, out, i=i: chosen.__setitem__(i, out[2]))
-                     for i, router in routers]
+            hooks = [
+                router.register_forward_hook(lambda _m, _i, out, i=i: chosen.__setitem__(i, out[2]))
+                for i, router in routers
+            ]
             try:
                 self.model(input_ids=fed)
             finally:
@@ -529,8 +584,8 @@ class RolloutCopy:
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         attention = torch.zeros(batch, width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - prompt.numel():] = prompt
-            attention[row, width - prompt.numel():] = 1
+            input_ids[row, width - prompt.numel() :] = prompt
+            attention[row, width - prompt.numel() :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -538,7 +593,10 @@ class RolloutCopy:
         step_ids, step_positions = input_ids, positions
         for _ in range(length):
             out = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=step_positions, past_key_values=cache,
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_positions,
+                past_key_values=cache,
                 use_cache=True,
             )
             cache = out.past_key_values
@@ -606,9 +664,19 @@ class Trainer:
 
     def fields(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Per-sample rows, as `AgentLoopWorkerTQ._agent_loop_postprocess` puts them into TransferQueue."""
-        rows: dict[str, list[torch.Tensor]] = {key: [] for key in (
-            "prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask", "rollout_log_probs",
-            "rm_scores")}
+        rows: dict[str, list[torch.Tensor]] = {
+            key: []
+            for key in (
+                "prompts",
+                "responses",
+                "input_ids",
+                "position_ids",
+                "response_mask",
+                "loss_mask",
+                "rollout_log_probs",
+                "rm_scores",
+            )
+        }
         if self.topk is not None:
             rows["rollout_topk_ids"], rows["rollout_topk_logprobs"] = [], []
         if rollout.routed_experts is not None and self.replays:
@@ -647,14 +715,19 @@ class Trainer:
         ]
 
     @staticmethod
-    def tensordict(rows: dict[str, list[torch.Tensor]], indices: list[int], extra_info: dict,
-                   extra_fields: Optional[list[dict]] = None) -> Any:
+    def tensordict(
+        rows: dict[str, list[torch.Tensor]],
+        indices: list[int],
+        extra_info: dict,
+        extra_fields: Optional[list[dict]] = None,
+    ) -> Any:
         from tensordict import NonTensorStack, TensorDict
 
         from verl.utils import tensordict_utils as tu
 
-        data = TensorDict({key: _nested([values[i] for i in indices]) for key, values in rows.items()},
-                          batch_size=[len(indices)])
+        data = TensorDict(
+            {key: _nested([values[i] for i in indices]) for key, values in rows.items()}, batch_size=[len(indices)]
+        )
         if extra_fields is not None:  # the agent loop's per-sample dict (min/max_global_steps: the versions)
             data.set("extra_fields", NonTensorStack(*[dict(extra_fields[i]) for i in indices]))
         for key, value in extra_info.items():  # what the TransferQueue bridge does with KVBatchMeta.extra_info
@@ -682,8 +755,9 @@ class Trainer:
         )
         return [advantages[i, : m.numel()] for i, m in enumerate(rows["response_mask"])]
 
-    def step(self, rollout: Rollout, rewards: torch.Tensor, extra_fields: Optional[list[dict]] = None
-             ) -> dict[str, float]:
+    def step(
+        self, rollout: Rollout, rewards: torch.Tensor, extra_fields: Optional[list[dict]] = None
+    ) -> dict[str, float]:
         """One training step on this rank's share of `rollout`; returns the actor metrics the trainer logs.
         `extra_fields`: each sample's `extra_fields` as the async trainers' agent loop stores it."""
         from verl.utils import tensordict_utils as tu

@@ -37,24 +37,42 @@ import test_full_loop as loop  # noqa: E402  (the cluster, the runs, the JSONL r
 pytestmark = pytest.mark.e2e
 
 TWO_RANKS = loop.TWO_RANKS
-BF16 = ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
-        "actor_rollout_ref.rollout.dtype=bfloat16")
-FAMILIES = {"dppo_binary_kl": "shape-2r-bf16-binary_kl", "dppo_topk_tv": "shape-2r-bf16-topk_tv",
-            "troll": "shape-2r-bf16-troll-kl"}
+BF16 = (
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+    "actor_rollout_ref.rollout.dtype=bfloat16",
+)
+FAMILIES = {
+    "dppo_binary_kl": "shape-2r-bf16-binary_kl",
+    "dppo_topk_tv": "shape-2r-bf16-topk_tv",
+    "troll": "shape-2r-bf16-troll-kl",
+}
 
 
 def _lanes(root: Path) -> list[list[loop.Run]]:
     def observed(name: str) -> tuple[str, ...]:
         parts, dump = root / name / "parts", root / name / "rollouts"
         parts.mkdir(parents=True, exist_ok=True)
-        return (f"trainer.rollout_data_dir={dump}",
-                f"+ray_kwargs.ray_init.runtime_env.env_vars.DPPO_TEST_PARTS={parts}",
-                f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={HERE / 'parts_probe'}")
+        return (
+            f"trainer.rollout_data_dir={dump}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.DPPO_TEST_PARTS={parts}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={HERE / 'parts_probe'}",
+        )
 
-    families = [loop.Run(name, method, via_cli=True, warm_model=True,
-                         overrides=(*TWO_RANKS, *BF16, *observed(name),
-                                    *(("actor_rollout_ref.actor.use_kl_loss=True",) if method == "troll" else ())))
-                for method, name in FAMILIES.items()]
+    families = [
+        loop.Run(
+            name,
+            method,
+            via_cli=True,
+            warm_model=True,
+            overrides=(
+                *TWO_RANKS,
+                *BF16,
+                *observed(name),
+                *(("actor_rollout_ref.actor.use_kl_loss=True",) if method == "troll" else ()),
+            ),
+        )
+        for method, name in FAMILIES.items()
+    ]
     return [families]
 
 
@@ -102,7 +120,8 @@ def test_two_ranks_bf16_learn_and_mask_nothing_on_policy(shape_runs, method):
     for step, outputs in groups.items():
         assert all(len(group) == 2 for group in outputs), loop._fail(run, f"step {step}: groups {outputs}")
         assert any(len(set(group)) == 2 for group in outputs), loop._fail(
-            run, f"step {step}: every prompt's two samples are the same text")
+            run, f"step {step}: every prompt's two samples are the same text"
+        )
     assert max(run.values("critic/advantages/max")) > 0, loop._fail(run, "every advantage 0")
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")
     assert max(run.values("actor/pg_clipfrac")) == 0.0, loop._fail(run, f"masked {run.values('actor/pg_clipfrac')}")
@@ -112,7 +131,8 @@ def test_two_ranks_bf16_learn_and_mask_nothing_on_policy(shape_runs, method):
         # the reference is the initial policy: a KL loss after the policy moved (step 1 sees the reference itself)
         kl_loss, grad_norm = run.values("actor/kl_loss"), run.values("actor/grad_norm")
         assert len(kl_loss) == run.steps and grad_norm[0] > 0 and kl_loss[-1] > 0, loop._fail(
-            run, f"kl_loss {kl_loss}, grad_norm {grad_norm}")
+            run, f"kl_loss {kl_loss}, grad_norm {grad_norm}"
+        )
     else:
         masked = run.values("actor/dppo/masked_frac_pos")
         assert max(masked) == 0.0, loop._fail(run, f"masked_frac_pos {masked}")

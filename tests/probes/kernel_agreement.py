@@ -83,8 +83,13 @@ def close_gradients(where, got_grads, want_grads, dtype):
     to bf16 once, from float32 values that may differ by rounding."""
     for name, g, r in zip(("hidden", "weight"), got_grads, want_grads):
         scale = float(r.float().abs().max())
-        close(f"{where} {name} gradient", g.float(), r.float(), rtol=0.0,
-              atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        close(
+            f"{where} {name} gradient",
+            g.float(),
+            r.float(),
+            rtol=0.0,
+            atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale,
+        )
 
 
 # Vocabularies above and below one 4,096-column block, none a multiple of it.
@@ -94,20 +99,29 @@ VOCABS = (1_000, 5_000)
 def topk_cases():
     for vocab in VOCABS:
         for seed, (top1, k, dtype, inside) in enumerate(
-            [(1 - 1e-9, 20, torch.bfloat16, False), (1 - 1e-9, 20, torch.float32, True), (None, 5, torch.float16, False),
-             (1 - 1e-5, 1, torch.bfloat16, True)]
+            [
+                (1 - 1e-9, 20, torch.bfloat16, False),
+                (1 - 1e-9, 20, torch.float32, True),
+                (None, 5, torch.float16, False),
+                (1 - 1e-5, 1, torch.bfloat16, True),
+            ]
         ):
             logits = llm_logits(24, vocab, seed, top1_prob=top1)  # log-probs down to -100 and beyond
-            _, ids, lp, sampled, sampled_lp = rollout_topk(logits + 0.3 * torch.randn(24, vocab, dtype=torch.float64,
-                                                           generator=torch.Generator().manual_seed(seed)), k, seed,
-                                                           inside)
+            _, ids, lp, sampled, sampled_lp = rollout_topk(
+                logits
+                + 0.3 * torch.randn(24, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)),
+                k,
+                seed,
+                inside,
+            )
             logits = logits.to(dtype)
             logits[5] = -math.inf  # a padded row, masked out below
             mask = torch.ones(24, dtype=torch.bool)
             mask[5] = mask[::7] = False
             for row_mask in (mask, None if dtype != torch.float16 else mask):
-                want, got = both(lambda: topk_divergence(logits, ids, lp, sampled, sampled_lp, mask=row_mask),
-                                 waits=1)  # issue 54.2: the checks and the mask's count in one read
+                want, got = both(
+                    lambda: topk_divergence(logits, ids, lp, sampled, sampled_lp, mask=row_mask), waits=1
+                )  # issue 54.2: the checks and the mask's count in one read
                 for name, g, w in zip(("tv", "kl"), got, want):
                     close(f"topk V={vocab} {dtype} top1={top1} K={k} {name}", g, w)
             print(f"top-k V={vocab} {dtype} top1={top1} K={k} a_t {'inside' if inside else 'outside'}: agree, one wait")
@@ -123,15 +137,16 @@ def _vocab_parallel_rank(rank: int, init_file: str) -> None:
     _, ids, lp, sampled, sampled_lp = rollout_topk(logits, 20, 3, inside=False)
     full = torch.cat([logits, torch.full((16, padded - vocab), 7.0, dtype=torch.float64)], dim=1).to(torch.bfloat16)
     half = padded // 2
-    shard = full[:, rank * half:(rank + 1) * half]
+    shard = full[:, rank * half : (rank + 1) * half]
     mask = torch.arange(16) % 5 != 0
     os.environ[kernels.KERNELS_ENV] = "torch"
     want = topk_divergence(full[:, :vocab], ids, lp, sampled, sampled_lp, mask=mask)
     os.environ[kernels.KERNELS_ENV] = "triton"
     start = LAUNCHES["count"]
     with host_reads() as reads:
-        got = vocab_parallel_topk_divergence(shard, rank * half, padded, None, ids, lp, sampled, sampled_lp,
-                                             mask=mask, valid_vocab=vocab)
+        got = vocab_parallel_topk_divergence(
+            shard, rank * half, padded, None, ids, lp, sampled, sampled_lp, mask=mask, valid_vocab=vocab
+        )
     assert LAUNCHES["count"] > start
     assert len(reads) <= 1, f"the vocabulary-parallel kernels' path waited {len(reads)} times: {reads}"
     for name, g, w in zip(("tv", "kl"), got, want):
@@ -159,6 +174,7 @@ def troll_cases():
         mask = torch.arange(rows) % 4 != 1
         advantages = torch.randn(rows, generator=torch.Generator().manual_seed(2))
         for row_mask, inplace in ((None, False), (mask, True)):  # the mask and the in-place write together
+
             def run():
                 x = logits.clone().requires_grad_()
                 terms = troll_token_terms(x, ids, lp, sampled, sampled_lp, row_mask, inplace_backward=inplace)
@@ -175,8 +191,10 @@ def troll_cases():
             # bf16 gradients: one rounding of a float32 value that may differ by float32 rounding.
             step = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
             close(f"{where} gradient", got_grad, want_grad, rtol=step, atol=1e-6)
-        print(f"troll V={vocab} {dtype}, peaked and flat rows, log mu(a_t) = -100, masks, in place: agree, "
-              "at most 5 waits")
+        print(
+            f"troll V={vocab} {dtype}, peaked and flat rows, log mu(a_t) = -100, masks, in place: agree, "
+            "at most 5 waits"
+        )
 
     # The backward's guard under the kernels: logits overwritten since the forward are refused.
     logits = llm_logits(6, 1_000, 4).float().requires_grad_()
@@ -210,17 +228,32 @@ def troll_nonfinite_case():
     mask = torch.arange(8) != 5
     no_pi = [r in (1, 2, 3) for r in range(8)]
     for name, fn in (
-        ("unfused", lambda: (troll_token_terms(logits, ids, lp, sampled, sampled_lp, mask),
-                             topk_divergence(logits, ids, lp, sampled, sampled_lp, mask)[1])),
-        ("fused", lambda: (fused_troll_token_terms(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[0],
-                           fused_topk_divergence(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[1])),
+        (
+            "unfused",
+            lambda: (
+                troll_token_terms(logits, ids, lp, sampled, sampled_lp, mask),
+                topk_divergence(logits, ids, lp, sampled, sampled_lp, mask)[1],
+            ),
+        ),
+        (
+            "fused",
+            lambda: (
+                fused_troll_token_terms(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[0],
+                fused_topk_divergence(bad_h, w, ids, lp, sampled, sampled_lp, mask, chunk_tokens=4)[1],
+            ),
+        ),
     ):
         (want, want_kl), (got, got_kl) = both(fn)
         rows = no_pi if name == "unfused" else [r in (1, 2) for r in range(8)]
         for terms, kl in ((want, want_kl), (got, got_kl)):
             assert torch.isnan(kl).tolist() == rows, (name, kl)
-            for value in (terms.log_p_sampled, terms.regression_kl, terms.diagnostics["kl_before"],
-                          terms.diagnostics["eta"], terms.diagnostics["kl_after"]):
+            for value in (
+                terms.log_p_sampled,
+                terms.regression_kl,
+                terms.diagnostics["kl_before"],
+                terms.diagnostics["eta"],
+                terms.diagnostics["kl_after"],
+            ):
                 assert torch.isnan(value).tolist() == rows and float(value[5]) == 0.0, (name, value)
         close(f"troll {name} non-finite rows", got.log_p_sampled, want.log_p_sampled, atol=1e-6)
     print("troll, unfused and fused, on rows with NaN, +inf or only -inf logits: NaN as Top-K, on both paths")
@@ -298,18 +331,43 @@ def fused_cases():
             def run():
                 hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
                 if mode == "top-k":
-                    tv, kl, stats = fused_topk_divergence(hh, ww, ids, lp, sampled, sampled_lp, mask,
-                                                          temperature=temperature, chunk_tokens=8, entropy=entropy)
+                    tv, kl, stats = fused_topk_divergence(
+                        hh,
+                        ww,
+                        ids,
+                        lp,
+                        sampled,
+                        sampled_lp,
+                        mask,
+                        temperature=temperature,
+                        chunk_tokens=8,
+                        entropy=entropy,
+                    )
                     outs = (tv, kl, stats.log_p_sampled) + ((stats.entropy,) if entropy else ())
-                    loss = ((stats.log_p_sampled * weights[0]).sum() + (stats.log_p_other * weights[1] * mask).sum()
-                            + (stats.log_p_topk.sum(dim=1) * weights[2] * mask).sum())
+                    loss = (
+                        (stats.log_p_sampled * weights[0]).sum()
+                        + (stats.log_p_other * weights[1] * mask).sum()
+                        + (stats.log_p_topk.sum(dim=1) * weights[2] * mask).sum()
+                    )
                     if entropy:
                         loss = loss + (stats.entropy * weights[3]).sum()
                 else:
-                    terms, policy = fused_troll_token_terms(hh, ww, ids, lp, sampled, sampled_lp, mask,
-                                                            temperature=temperature, chunk_tokens=8, entropy=entropy)
+                    terms, policy = fused_troll_token_terms(
+                        hh,
+                        ww,
+                        ids,
+                        lp,
+                        sampled,
+                        sampled_lp,
+                        mask,
+                        temperature=temperature,
+                        chunk_tokens=8,
+                        entropy=entropy,
+                    )
                     outs = (terms.log_p_sampled, terms.regression_kl, policy.log_p_sampled)
-                    loss = (troll_token_loss(terms, weights[0]) * mask).sum() + (policy.log_p_sampled * weights[1]).sum()
+                    loss = (troll_token_loss(terms, weights[0]) * mask).sum() + (
+                        policy.log_p_sampled * weights[1]
+                    ).sum()
                     if entropy:
                         outs += (policy.entropy,)
                         loss = loss + (policy.entropy * weights[3]).sum()
@@ -325,15 +383,33 @@ def fused_cases():
             for i, (g, r) in enumerate(zip(got, want)):
                 close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
             close_gradients(where, got_grads, want_grads, dtype)
-        print(f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward, with the entropy, "
-              "flat rows read again after the pass: agree")
+        print(
+            f"fused top-k and troll V={vocab} {dtype} T={temperature}, forward and backward, with the entropy, "
+            "flat rows read again after the pass: agree"
+        )
     fused_troll.support_by_topk = by_topk
 
 
-_NO_LAUNCH = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "as_strided", "detach", "alias",
-              "unsqueeze", "squeeze", "permute", "empty", "empty_like", "empty_strided", "lift_fresh"}
+_NO_LAUNCH = {
+    "view",
+    "_unsafe_view",
+    "slice",
+    "select",
+    "expand",
+    "t",
+    "transpose",
+    "as_strided",
+    "detach",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "lift_fresh",
+}
 """aten ops that launch nothing on a GPU (views, allocations)."""
-
 
 
 def fused_troll_launches_case():
@@ -399,15 +475,18 @@ def fused_troll_launches_case():
         os.environ.pop(kernels.KERNELS_ENV)
     assert per_chunk <= 20, f"fused troll: {per_chunk} torch ops per chunk on the kernels (selection deferred)"
     assert per_chunk_old > 3 * per_chunk, (per_chunk_old, per_chunk)
-    for name, a, b, c in zip(("log_p_sampled", "regression_kl", "policy log_p", "hidden grad", "weight grad"),
-                             deferred, chunkwise, budgeted):
+    for name, a, b, c in zip(
+        ("log_p_sampled", "regression_kl", "policy log_p", "hidden grad", "weight grad"), deferred, chunkwise, budgeted
+    ):
         # the selection over every row in one go or in blocks of rows: the same operations per row
         assert torch.equal(a, c), f"fused troll selected in one go vs in blocks: {name} differs"
         # chunk by chunk the candidates' columns are cut to the widest row's (one wait per chunk): the tail summed
         # over fewer columns, equal to float32 rounding
         close(f"fused troll deferred vs chunk by chunk: {name}", a.float(), b.float(), rtol=1e-6, atol=1e-6)
-    print(f"fused troll on the kernels: {per_chunk:.1f} torch ops per chunk with S_t selected after the pass "
-          f"(chunk by chunk: {per_chunk_old:.1f}); the same outputs and gradients")
+    print(
+        f"fused troll on the kernels: {per_chunk:.1f} torch ops per chunk with S_t selected after the pass "
+        f"(chunk by chunk: {per_chunk_old:.1f}); the same outputs and gradients"
+    )
 
 
 def fused_logprob_cases():
@@ -440,10 +519,10 @@ def fused_logprob_cases():
         print(f"{where}, forward and backward with the entropy: agree")
         # one read of each chunk in the forward, the entropy with it (a launch a chunk; it was two: row_entropy's)
         topk_ids = torch.stack([torch.randperm(vocab, generator=gen)[:5] for _ in range(rows)])
-        for name, forward in (("log-prob", lambda: fused_token_logprobs(h, w, labels, temperature, entropy=True,
-                                                                        chunk_tokens=8)),
-                              ("top-k", lambda: fused_topk_logprobs(h, w, labels, topk_ids, temperature,
-                                                                    entropy=True, chunk_tokens=8))):
+        for name, forward in (
+            ("log-prob", lambda: fused_token_logprobs(h, w, labels, temperature, entropy=True, chunk_tokens=8)),
+            ("top-k", lambda: fused_topk_logprobs(h, w, labels, topk_ids, temperature, entropy=True, chunk_tokens=8)),
+        ):
             launched = LAUNCHES["launched"]
             forward()
             reads, chunks = LAUNCHES["launched"] - launched, -(-rows // 8)
@@ -476,8 +555,13 @@ def logits_logprob_cases():
             close(f"{where} output {i}", g.double(), r.double(), atol=1e-6)
         assert got_grad.dtype == dtype
         scale = float(want_grad.float().abs().max())
-        close(f"{where} gradient", got_grad.float(), want_grad.float(), rtol=0.0,
-              atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale)
+        close(
+            f"{where} gradient",
+            got_grad.float(),
+            want_grad.float(),
+            rtol=0.0,
+            atol=(2.0**-6 if dtype == torch.bfloat16 else 1e-5) * scale,
+        )
         print(f"{where}, forward and backward with the entropy: agree")
     # its forward's one kernel pass: what the two passes it replaces return, to the bit
     gen = torch.Generator().manual_seed(3)
@@ -509,7 +593,7 @@ def kernel_edges():
     out = torch.full_like(x, 3.0)
     kernels.scaled_exp_into(out, x, torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.5, -1.0, 2.0]), rows)
     assert bool((out[[1, 3]] == 3.0).all()), "rows outside the selection were written"
-    want = ((xf - torch.tensor([1.0, 2.0, 0.0])[:, None]).exp() * torch.tensor([0.5, -1.0, 2.0])[:, None])
+    want = (xf - torch.tensor([1.0, 2.0, 0.0])[:, None]).exp() * torch.tensor([0.5, -1.0, 2.0])[:, None]
     close("kernel scaled exp", out[rows].float(), want.to(torch.bfloat16).float(), rtol=2.0**-7, atol=0.0)
     # the entropy in one read against the torch path's, on peaked rows (top-1 1 - 1e-9), log-probs to -100, flat
     # rows, and more than one block of columns

@@ -14,8 +14,13 @@ from triton.backends.compiler import GPUTarget
 
 from verl_dppo.math import kernels
 
-POINTERS = {"logits_ptr": "*bf16", "rows_ptr": "*i64", "excluded_ptr": "*i64", "count_ptr": "*i32",
-            "candidates_ptr": "*i32"}  # every other pointer: float32
+POINTERS = {
+    "logits_ptr": "*bf16",
+    "rows_ptr": "*i64",
+    "excluded_ptr": "*i64",
+    "count_ptr": "*i32",
+    "candidates_ptr": "*i32",
+}  # every other pointer: float32
 WIDE = {"stride_row", "stride_out"}  # int64 arguments; every other scalar: int32
 CONSTANTS = {"HAS_ROWS": True, "HAS_MAX": False, "SUMS": False, "BLOCK": 1024}
 VARIANTS = ({"ENTROPY": False}, {"ENTROPY": True})  # the kernels with an entropy flag compile both ways
@@ -48,6 +53,8 @@ if __name__ == "__main__":
             source = triton.compiler.ASTSource(fn=fn, signature=types, constexprs=constants)
             compiled = triton.compile(source, target=target, options={"num_warps": kernels._WARPS})
             assert compiled.asm["cubin"], fn.__name__
-            print(f"{fn.__name__}{variant or ''}: sm_90 cubin of {len(compiled.asm['cubin'])} bytes in "
-                  f"{time.perf_counter() - start:.1f} s")
+            print(
+                f"{fn.__name__}{variant or ''}: sm_90 cubin of {len(compiled.asm['cubin'])} bytes in "
+                f"{time.perf_counter() - start:.1f} s"
+            )
     print(f"kernel compile: all kernels compile for sm_90 with Triton {triton.__version__}")

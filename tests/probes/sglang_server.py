@@ -58,10 +58,17 @@ from verl.workers.rollout.sglang_rollout import async_sglang_server as server_mo
 
 def main(k: int, role: str = "") -> dict:
     server = object.__new__(server_module.SGLangHttpServer)
-    server.config = OmegaConf.create({
-        "max_model_len": 64, "response_length": 8, "prompt_length": 8, "enable_rollout_routing_replay": False,
-        "mtp": None, "custom": {"dppo_topk": k} if k else {}, "skip_tokenizer_init": True,
-    })
+    server.config = OmegaConf.create(
+        {
+            "max_model_len": 64,
+            "response_length": 8,
+            "prompt_length": 8,
+            "enable_rollout_routing_replay": False,
+            "mtp": None,
+            "custom": {"dppo_topk": k} if k else {},
+            "skip_tokenizer_init": True,
+        }
+    )
     server.model_config = types.SimpleNamespace(processor=None, lora_rank=0, lora={})
     server.tokenizer_manager = TokenizerManager()
     server.replica_rank, server.global_steps = 0, 1

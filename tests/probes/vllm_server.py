@@ -63,8 +63,10 @@ class FlatLogprobs:
         return len(self.start_indices)
 
     def __getitem__(self, position):
-        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i])
-                for i in range(self.start_indices[position], self.end_indices[position])}
+        return {
+            self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i])
+            for i in range(self.start_indices[position], self.end_indices[position])
+        }
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -85,14 +87,25 @@ class Engine:
         self.seen_flat = sampling_params.extra.get("flat_logprobs")
         positions = FlatLogprobs() if self.seen_flat else []
         for top, sampled in zip(VOCAB_TOP, SAMPLED):
-            entries = [(sampled, Logprob(-3.0 if sampled not in top else -0.5 - top.index(sampled),
-                                         top.index(sampled) + 1 if sampled in top else 99))]
+            entries = [
+                (
+                    sampled,
+                    Logprob(
+                        -3.0 if sampled not in top else -0.5 - top.index(sampled),
+                        top.index(sampled) + 1 if sampled in top else 99,
+                    ),
+                )
+            ]
             for rank, token in enumerate(top[: (k or 0)]):
                 entries.append((token, Logprob(-0.5 - rank, rank + 1)))
             positions.append(entries if self.seen_flat else dict(entries))
         self.seen_layout = type(positions).__name__ if k is not None else None
-        output = types.SimpleNamespace(token_ids=list(SAMPLED), logprobs=positions if k is not None else None,
-                                       finish_reason="stop", routed_experts=None)
+        output = types.SimpleNamespace(
+            token_ids=list(SAMPLED),
+            logprobs=positions if k is not None else None,
+            finish_reason="stop",
+            routed_experts=None,
+        )
         yield types.SimpleNamespace(outputs=[output], prompt_logprobs=None, num_cached_tokens=0)
 
 
@@ -105,10 +118,18 @@ from verl.workers.rollout.vllm_rollout import vllm_async_server as server_module
 def main(k: int, stop: str = "", logprobs: str = "1") -> dict:
     server = object.__new__(server_module.vLLMHttpServer)
     custom = {"dppo_topk": k} if k else {}
-    server.config = OmegaConf.create({
-        "max_model_len": 64, "response_length": 8, "prompt_length": 8, "full_determinism": False,
-        "enable_rollout_routing_replay": False, "mtp": None, "custom": custom, "logprobs_mode": "processed_logprobs",
-    })
+    server.config = OmegaConf.create(
+        {
+            "max_model_len": 64,
+            "response_length": 8,
+            "prompt_length": 8,
+            "full_determinism": False,
+            "enable_rollout_routing_replay": False,
+            "mtp": None,
+            "custom": custom,
+            "logprobs_mode": "processed_logprobs",
+        }
+    )
     server.model_config = types.SimpleNamespace(processor=None, lora_rank=0, lora={})
     server.engine = Engine()
     server.replica_rank, server.global_steps, server._admitting = 0, 1, 0

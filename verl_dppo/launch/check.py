@@ -56,8 +56,18 @@ from verl_dppo.errors import EXIT_USAGE
 from verl_dppo.launch.launch_line import Launch, config_folder, missing_search_paths, parse_launch
 from verl_dppo.launch.findings.overrides import empty_values, group_choices, override_problems
 
-__all__ = ["add_command", "split_command", "compose_main_ppo", "override_problems", "check_command", "Verdict",
-           "EXIT_FINE", "EXIT_WRONG", "EXIT_NOT_HERE", "EXIT_REHEARSAL"]
+__all__ = [
+    "add_command",
+    "split_command",
+    "compose_main_ppo",
+    "override_problems",
+    "check_command",
+    "Verdict",
+    "EXIT_FINE",
+    "EXIT_WRONG",
+    "EXIT_NOT_HERE",
+    "EXIT_REHEARSAL",
+]
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
@@ -67,8 +77,9 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], Optional[str], str]:
     return launch.overrides, launch.config_path, launch.config_name
 
 
-def compose_main_ppo(overrides: Sequence[str], config_path: Optional[str] = None,
-                     config_name: str = "ppo_trainer") -> tuple[Any, Any]:
+def compose_main_ppo(
+    overrides: Sequence[str], config_path: Optional[str] = None, config_name: str = "ppo_trainer"
+) -> tuple[Any, Any]:
     """(verl's config with the overrides, verl's config without them), composed as main_ppo composes them."""
     launch = Launch(overrides=list(overrides), config_path=config_path, config_name=config_name)
     return tuple(_compose([list(overrides), []], launch))
@@ -84,13 +95,17 @@ def _compose(override_lists: Sequence[Sequence[str]], launch: Launch) -> list:
     folder = config_folder(launch)
     if not folder.is_dir():
         given = f"--config-path={launch.config_path}" if launch.config_path is not None else "main_ppo's config"
-        raise RecipeError(f"{given}: no config folder {folder} (Hydra reads a relative --config-path from the folder "
-                          "of the file that declares @hydra.main: verl/trainer/ for main_ppo, not the working folder)")
+        raise RecipeError(
+            f"{given}: no config folder {folder} (Hydra reads a relative --config-path from the folder "
+            "of the file that declares @hydra.main: verl/trainer/ for main_ppo, not the working folder)"
+        )
     extra = [f"file://{Path(folder).resolve()}" for folder in launch.config_dirs]
     try:
         with stdout_to_stderr(), _quiet(), initialize_config_dir(config_dir=str(folder), version_base=None):
-            return [compose(launch.config_name, overrides=_with_config_dirs(list(overrides), extra))
-                    for overrides in override_lists]
+            return [
+                compose(launch.config_name, overrides=_with_config_dirs(list(overrides), extra))
+                for overrides in override_lists
+            ]
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise RecipeError(" ".join(str(error).split())) from None
 
@@ -101,7 +116,7 @@ def _with_config_dirs(overrides: list[str], folders: list[str]) -> list[str]:
         return overrides
     for index, override in enumerate(overrides):
         if override.startswith("hydra.searchpath=[") and override.endswith("]"):
-            inner = override[len("hydra.searchpath=["):-1]
+            inner = override[len("hydra.searchpath=[") : -1]
             overrides[index] = f"hydra.searchpath=[{','.join([*folders, *([inner] if inner else [])])}]"
             return overrides
     return [*overrides, f"hydra.searchpath=[{','.join(folders)}]"]
@@ -138,7 +153,7 @@ class Verdict:
     rule: Optional[str] = None
     """The update rule in effect (`update_rule`), where the command has no problem."""
     arm: Optional[str] = None
-    """The MoE arm the command launches (`verl_dppo.plugin.moe_arm`), where the model routes or a replay is set."""
+    """The MoE arm the command launches (`verl_dppo.plugin.moe.arm`), where the model routes or a replay is set."""
     machine: Optional[str] = None
     """What a launch from this machine lacks that a cluster has (`findings.command.machine_line`): no exit code."""
     unchecked: Optional[str] = None
@@ -156,7 +171,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
     from verl_dppo.launch.commands import threshold_findings
     from verl_dppo.launch.findings.command import command_findings, hub_offline, machine_line, unreadable_models
-    from verl_dppo.plugin.moe_arm import moe_arm
+    from verl_dppo.plugin.moe.arm import moe_arm
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
 
@@ -168,8 +183,10 @@ def check_command(argv: Sequence[str]) -> Verdict:
         return verdict
     if launch.config_path is not None and Path(launch.config_path).is_absolute() and not config_folder(launch).is_dir():
         # a folder of the user's machine (`$(pwd)/examples/...` in verl's multi-turn scripts): not here, not wrong
-        verdict.not_here.append(f"--config-path={launch.config_path}: no such folder here, so its config "
-                                f"{launch.config_name!r} cannot be read")
+        verdict.not_here.append(
+            f"--config-path={launch.config_path}: no such folder here, so its config "
+            f"{launch.config_name!r} cannot be read"
+        )
         verdict.unchecked = "that folder holds the command's primary config"
         return verdict
     try:  # the keys each override may set: verl's config with the command's group choices (model_engine=megatron)
@@ -190,8 +207,9 @@ def check_command(argv: Sequence[str]) -> Verdict:
     config = verdict.config
     with hub_offline():  # nothing is downloaded, and no request waits on retries
         unreadable, skip_critic = unreadable_models(config)
-        found, packages = recipe_problems(config, plain=True, skip_critic=skip_critic,
-                                         empty=empty_values(baseline, usable))
+        found, packages = recipe_problems(
+            config, plain=True, skip_critic=skip_critic, empty=empty_values(baseline, usable)
+        )
     verdict.problems += found
     verdict.not_here += [*unreadable, *packages]
     try:
@@ -219,7 +237,7 @@ def _missing_files(config: Any) -> list[str]:
     problems = []
     for key in ("train_files", "val_files"):
         value = config.data.get(key)
-        for path in ([value] if isinstance(value, str) else list(value or [])):
+        for path in [value] if isinstance(value, str) else list(value or []):
             if "://" not in str(path) and not Path(str(path)).expanduser().exists():
                 problems.append(f"data.{key}: {path} does not exist here")
     model = str(config.actor_rollout_ref.model.path)
@@ -259,10 +277,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     shape = rehearsal_shape(verdict.config)
     mode = str(verdict.config.actor_rollout_ref.actor.policy_loss.loss_mode)
-    run = ["run", "cpu_tiny", "--method", "grpo_clip_higher",
-           *(["--trainer-mode", shape.trainer_mode] if shape.trainer_mode else []),
-           *rehearsal_overrides(verdict.config), *shape.overrides, f"trainer.total_training_steps={args.steps}",
-           f"dppo.run_label=rehearsal+{mode}", "trainer.resume_mode=disable"]
+    run = [
+        "run",
+        "cpu_tiny",
+        "--method",
+        "grpo_clip_higher",
+        *(["--trainer-mode", shape.trainer_mode] if shape.trainer_mode else []),
+        *rehearsal_overrides(verdict.config),
+        *shape.overrides,
+        f"trainer.total_training_steps={args.steps}",
+        f"dppo.run_label=rehearsal+{mode}",
+        "trainer.resume_mode=disable",
+    ]
     # The `verl-dppo run` line is thousands of characters: the run record keeps it (its "command").
     rehearsed, left_out = shape.lines(mode, args.steps)
     print(f"verl-dppo: check: {rehearsed}", file=sys.stderr)
@@ -277,30 +303,49 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _verdict_line(verdict: Verdict) -> str:
     if verdict.problems:
         where = f"; {len(verdict.not_here)} more only here" if verdict.not_here else ""
-        return f"the command is wrong: {len(verdict.problems)} problem(s) above, on any machine{where} (exit {EXIT_WRONG})"
+        return (
+            f"the command is wrong: {len(verdict.problems)} problem(s) above, on any machine{where} (exit {EXIT_WRONG})"
+        )
     if verdict.unchecked:
-        return (f"cannot be checked further here: {verdict.unchecked}, and {len(verdict.not_here)} thing(s) above "
-                f"are not on this machine (exit {EXIT_NOT_HERE})")
+        return (
+            f"cannot be checked further here: {verdict.unchecked}, and {len(verdict.not_here)} thing(s) above "
+            f"are not on this machine (exit {EXIT_NOT_HERE})"
+        )
     if verdict.not_here:
-        return (f"the command passed verl's checks and the plugin's, but cannot start here: {len(verdict.not_here)} "
-                f"thing(s) above that it needs are not on this machine (exit {EXIT_NOT_HERE})")
+        return (
+            f"the command passed verl's checks and the plugin's, but cannot start here: {len(verdict.not_here)} "
+            f"thing(s) above that it needs are not on this machine (exit {EXIT_NOT_HERE})"
+        )
     return "the command passed verl's checks and the plugin's; nothing found that would stop the launch from here"
 
 
 def add_command(commands: Any) -> None:
     parser = commands.add_parser(
-        "check", help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
-        description=__doc__.split("\n\n")[1], epilog=__doc__.split("\n\n")[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rehearse", action="store_true",
-                        help="then train the command's update rule (its loss, advantages, rollout sampling) on "
-                             "cpu_tiny's model and data on this CPU, through verl's trainer, in the command's shape "
-                             "where the CPU runs it (a MoE and its router replay, vLLM, Megatron, LoRA, the trainer "
-                             "mode, bf16); two lines say what is kept and what is left out")
+        "check",
+        help="the plugin's launch checks on a plain `python -m verl.trainer.main_ppo ...` command line",
+        description=__doc__.split("\n\n")[1],
+        epilog=__doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="then train the command's update rule (its loss, advantages, rollout sampling) on "
+        "cpu_tiny's model and data on this CPU, through verl's trainer, in the command's shape "
+        "where the CPU runs it (a MoE and its router replay, vLLM, Megatron, LoRA, the trainer "
+        "mode, bf16); two lines say what is kept and what is left out",
+    )
     parser.add_argument("--steps", type=int, default=2, help="training steps of the rehearsal (default 2)")
-    parser.add_argument("--library-output", action="store_true",
-                        help="after check's own lines, what other libraries (verl, VeOmni, transformers, vLLM) printed "
-                             "while the command was read; kept out otherwise")
-    parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND",
-                        help="the main_ppo command line, or its overrides alone")
+    parser.add_argument(
+        "--library-output",
+        action="store_true",
+        help="after check's own lines, what other libraries (verl, VeOmni, transformers, vLLM) printed "
+        "while the command was read; kept out otherwise",
+    )
+    parser.add_argument(
+        "command_line",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND",
+        help="the main_ppo command line, or its overrides alone",
+    )
     parser.set_defaults(handler=cmd_check)

@@ -41,8 +41,9 @@ class _Once(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, None) is not None:
-            raise UsageError(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): give it "
-                             "once")
+            raise UsageError(
+                f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): give it once"
+            )
         setattr(namespace, self.dest, values)
 
 
@@ -87,7 +88,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr,
         validate_recipe,
     )
-    from verl_dppo.rehearsal.setups.cpu_tiny import build_assets, builds_assets, check_engine, select_platform, size_local_ray
+    from verl_dppo.rehearsal.setups.cpu_tiny import (
+        build_assets,
+        builds_assets,
+        check_engine,
+        select_platform,
+        size_local_ray,
+    )
     from verl_dppo.launch.run_logs import pin_file_logger
 
     # RAY_ADDRESS=local (or unset) starts a local instance, as in ray.init.
@@ -131,14 +138,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         for problem in site:
             print(f"verl-dppo: warning: at launch from here: {problem}", file=sys.stderr)
         if tiny_pending:
-            print(f"verl-dppo: note: the launch builds the model at {config.actor_rollout_ref.model.path} and the data "
-                  f"{config.data.train_files} unless already there", file=sys.stderr)
+            print(
+                f"verl-dppo: note: the launch builds the model at {config.actor_rollout_ref.model.path} and the data "
+                f"{config.data.train_files} unless already there",
+                file=sys.stderr,
+            )
         sys.stdout.write(resolved_yaml(config))
         sys.stdout.flush()
         stops = len(problems) + len(site)
-        print("verl-dppo: dry run: the config passed verl's checks (validate_config, the workers' config classes); "
-              + (f"{stops} problem(s) above would stop the launch from here" if stops
-                 else "nothing found that would stop the launch from here"), file=sys.stderr)
+        print(
+            "verl-dppo: dry run: the config passed verl's checks (validate_config, the workers' config classes); "
+            + (
+                f"{stops} problem(s) above would stop the launch from here"
+                if stops
+                else "nothing found that would stop the launch from here"
+            ),
+            file=sys.stderr,
+        )
         return 0
     problems += site
     for line in built:
@@ -162,8 +178,12 @@ def threshold_findings(config) -> tuple[Optional[str], list[str]]:
     or None; the warnings on the thresholds in effect), from the values the actor will use. `verl-dppo check` counts
     the first as a problem."""
     from verl_dppo.plugin.options import resolve_options
-    from verl_dppo.plugin.paper_settings import (inherited_out_of_range_problem, inherited_thresholds_warning,
-                                                 tv_threshold_warning, unusual_thresholds_warning)
+    from verl_dppo.plugin.paper_settings import (
+        inherited_out_of_range_problem,
+        inherited_thresholds_warning,
+        tv_threshold_warning,
+        unusual_thresholds_warning,
+    )
     from verl_dppo.plugin.modes import mode_named
 
     actor = config.actor_rollout_ref.actor
@@ -171,9 +191,11 @@ def threshold_findings(config) -> tuple[Optional[str], list[str]]:
     registered = mode_named(mode)
     options = resolve_options(actor, registered.uses_divergence_thresholds if registered is not None else True)
     problem = inherited_out_of_range_problem(mode, options)
-    found = [tv_threshold_warning(mode, options.delta_low, options.delta_high),
-             None if problem else inherited_thresholds_warning(mode, options),  # the problem names the same fix
-             unusual_thresholds_warning(mode, options)]
+    found = [
+        tv_threshold_warning(mode, options.delta_low, options.delta_high),
+        None if problem else inherited_thresholds_warning(mode, options),  # the problem names the same fix
+        unusual_thresholds_warning(mode, options),
+    ]
     return problem, [warning for warning in found if warning]
 
 
@@ -265,7 +287,9 @@ def run_command_line(argv: list[str]) -> int:
 def add_command(commands) -> None:
     from verl_dppo.datasets import DATASETS
 
-    recipes = commands.add_parser("recipes", help="list the paper's setups and methods, with the figure each reproduces")
+    recipes = commands.add_parser(
+        "recipes", help="list the paper's setups and methods, with the figure each reproduces"
+    )
     recipes.add_argument("-v", "--verbose", action="store_true", help="also print each recipe's one-line summary")
     recipes.set_defaults(handler=cmd_recipes)
 
@@ -277,7 +301,9 @@ def add_command(commands) -> None:
     )
     run.__class__ = IntermixedParser
     run.add_argument("setup", help="a setup from `verl-dppo recipes` (model, data, lengths, parallelism)")
-    run.add_argument("--method", required=True, action=_Once, help="a method from `verl-dppo recipes` (loss mode and options)")
+    run.add_argument(
+        "--method", required=True, action=_Once, help="a method from `verl-dppo recipes` (loss mode and options)"
+    )
     run.add_argument(
         "--trainer-mode",
         default=None,

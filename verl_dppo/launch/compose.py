@@ -8,7 +8,7 @@ A recipe is a pair (setup, method) of Hydra config groups under `recipes/`, run 
 
 The check is verl's own: `validate_config` (which builds the actor's dataclass, our `DPPOLossConfig` included) and
 the dataclass conversions verl's workers run, plus what verl does not check until the first actor update hours
-into a run: that the loss mode is registered.
+into a run (`verl_dppo.launch.recipe_checks`: that the loss mode is registered, the run's length, the anchor).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.launch.findings.overrides import check_override_types, group_choices, key_hint, override_problems
+from verl_dppo.launch.recipe_checks import check_anchor, check_length, check_loss_registered, check_topk_rollout
+from verl_dppo.launch.recipe_checks import check_supported, check_trainer_mode  # noqa: F401  (check_supported: API)
 from verl_dppo.launch.preflight import check_launch_site, check_paths, check_writable  # noqa: F401  (part of this module's API)
 from verl_dppo.launch.recipe_files import (  # noqa: F401  (part of this module's API)
     GROUP_KEYS,
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 _SECTIONS_IN_USE = ("actor_rollout_ref", "data", "algorithm", "trainer", "dppo")
+
 
 def _verl_error_types() -> tuple:
     from hydra.errors import HydraException
@@ -79,8 +82,13 @@ def _without_pass_line() -> Iterator[None]:
         sys.stderr.write("".join(kept))
 
 
-def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), config_dirs: Sequence[str] = (),
-                   trainer_mode: Optional[str] = None) -> Any:
+def compose_recipe(
+    setup: str,
+    method: str,
+    overrides: Sequence[str] = (),
+    config_dirs: Sequence[str] = (),
+    trainer_mode: Optional[str] = None,
+) -> Any:
     """Compose verl's ppo_trainer.yaml + dppo.yaml + setup + method + trainer mode + overrides into one DictConfig.
 
     `trainer_mode`: one of TRAINER_MODES (None: sync, the recipes' default), the recipe-level switch to verl's
@@ -98,8 +106,10 @@ def compose_recipe(setup: str, method: str, overrides: Sequence[str] = (), confi
     if trainer_mode is not None and trainer_mode not in TRAINER_MODES:
         raise RecipeError(f"unknown trainer mode {trainer_mode!r}: choose one of {', '.join(TRAINER_MODES)}")
     # Ahead of the user's overrides: the search path, and the trainer mode group's choice.
-    searchpath = [*searchpath_override(recipes_dir(), folders),
-                  *([f"trainer_mode={trainer_mode}"] if trainer_mode is not None else [])]
+    searchpath = [
+        *searchpath_override(recipes_dir(), folders),
+        *([f"trainer_mode={trainer_mode}"] if trainer_mode is not None else []),
+    ]
     for override in overrides:
         if "=" not in override and not override.startswith("~"):
             raise RecipeError(
@@ -162,13 +172,6 @@ def _compose(setup: str, method: str, overrides: Sequence[str]) -> Any:
         raise RecipeError(f"cannot compose {setup} + {method}: {message}.{hint}") from None
 
 
-def _loss_registered(loss_mode: str) -> bool:
-    import verl  # noqa: F401  (loads the verl.plugins entry points: our loss modes)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    return loss_mode in POLICY_LOSS_REGISTRY
-
-
 def validate_recipe(config: Any, plain: bool = False) -> None:
     """Run verl's own checks on a composed recipe; raise RecipeError naming the setting to change (the first of
     `recipe_problems`). `plain`: verl's own config as a `main_ppo` command line composes it (`verl-dppo check`): no
@@ -178,8 +181,9 @@ def validate_recipe(config: Any, plain: bool = False) -> None:
         raise RecipeError((problems or not_here)[0])
 
 
-def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False,
-                    empty: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+def recipe_problems(
+    config: Any, plain: bool = False, skip_critic: bool = False, empty: Sequence[str] = ()
+) -> tuple[list[str], list[str]]:
     """(every problem verl's checks and the plugin's find in a composed config, each one line; what they need that
     is not installed here). Each check runs whatever the others found, so that one run names them all; verl's
     `validate_config`, which stops at its first complaint, is followed by its parts that stand alone
@@ -201,7 +205,7 @@ def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False,
     if missing:
         return ["set these mandatory values: " + ", ".join(f"{key}=..." for key in missing)], []
     problems: list[str] = []
-    for check in (check_length, _check_loss_registered, _check_trainer_mode):
+    for check in (check_length, check_loss_registered, check_trainer_mode):
         try:
             check(config)
         except RecipeError as error:
@@ -215,7 +219,7 @@ def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False,
             "actor_rollout_ref.actor.policy_loss._target_ must be verl_dppo.DPPOLossConfig (the DPPO options "
             "delta_low, delta_high, ratio_cap, anchor, relax_below, relax_side, topk live there)."
         )
-    for check in (_check_anchor, _check_topk_rollout):
+    for check in (check_anchor, check_topk_rollout):
         try:
             check(config)
         except RecipeError as error:
@@ -226,45 +230,9 @@ def recipe_problems(config: Any, plain: bool = False, skip_critic: bool = False,
     return problems, not_here
 
 
-def _check_loss_registered(config: Any) -> None:
-    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
-    if _loss_registered(loss_mode):
-        return
-    import difflib
-
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    close = difflib.get_close_matches(str(loss_mode), sorted(POLICY_LOSS_REGISTRY), n=1, cutoff=0.6)
-    if close:
-        raise RecipeError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: not registered in verl's "
-            f"POLICY_LOSS_REGISTRY. Did you mean {close[0]!r}? (`verl-dppo doctor` lists the registered modes.)"
-        )
-    raise RecipeError(
-        f"loss mode {loss_mode!r} is not registered in verl's POLICY_LOSS_REGISTRY: the plugin that provides it "
-        "is not installed or failed to load (run `verl-dppo doctor`), or "
-        "actor_rollout_ref.actor.policy_loss.loss_mode is misspelt."
-    )
-
-
-def _check_trainer_mode(config: Any) -> None:
-    chosen = config.dppo.get("trainer_mode", "sync") if config.get("dppo") is not None else None
-    running = config.trainer.v1.get("trainer_mode", "sync")
-    if chosen is not None and chosen != running:
-        raise RecipeError(
-            f"trainer.v1.trainer_mode={running} set by an override: choose the trainer with --trainer-mode {running} "
-            f"(recipes/trainer_mode/{running}.yaml also sets what that trainer needs), not the bare key."
-        )
-    if not config.trainer.get("use_v1", True):
-        raise RecipeError(
-            "trainer.use_v1=False: `verl-dppo run` launches verl's v1 trainer, as `main_ppo` does by default (verl "
-            "0.9.1 deprecates the legacy one; the plugin is tested on v1 only and its Top-K modes need it): remove "
-            "trainer.use_v1=False."
-        )
-
-
-def verl_validation(config: Any, skip_critic: bool = False,
-                    empty: Sequence[str] = ()) -> tuple[list[str], list[str], Any]:
+def verl_validation(
+    config: Any, skip_critic: bool = False, empty: Sequence[str] = ()
+) -> tuple[list[str], list[str], Any]:
     """(verl's complaints about the config, one line each; the modules its checks need that are not installed here;
     the policy loss's config object, or None where it does not build). verl's `validate_config` stops at its first
     complaint: where it complains, its parts that stand alone (the actor's dataclass and `validate`, router replay,
@@ -291,12 +259,15 @@ def verl_validation(config: Any, skip_critic: bool = False,
     def critic_check() -> None:
         omega_conf_to_dataclass(config.critic).validate(n_gpus, config.data.train_batch_size)
 
-    steps = [("validate_config", lambda: validate_config(config, need_reference_policy(config), use_critic)),
-             ("actor_rollout_ref.actor", actor_check), ("router replay", router_replay),
-             *([("critic", critic_check)] if use_critic else []),
-             ("actor_rollout_ref.actor.policy_loss", lambda: omega_conf_to_dataclass(actor.policy_loss)),
-             ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
-             ("algorithm", lambda: omega_conf_to_dataclass(config.algorithm))]
+    steps = [
+        ("validate_config", lambda: validate_config(config, need_reference_policy(config), use_critic)),
+        ("actor_rollout_ref.actor", actor_check),
+        ("router replay", router_replay),
+        *([("critic", critic_check)] if use_critic else []),
+        ("actor_rollout_ref.actor.policy_loss", lambda: omega_conf_to_dataclass(actor.policy_loss)),
+        ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
+        ("algorithm", lambda: omega_conf_to_dataclass(config.algorithm)),
+    ]
     from hydra.errors import HydraException
 
     errors = _verl_error_types()
@@ -308,9 +279,11 @@ def verl_validation(config: Any, skip_critic: bool = False,
             with _without_pass_line(), _quiet_warnings():
                 results[name] = step()
         except ModuleNotFoundError as error:
-            line = (f"verl's check of {name} needs the module {error.name!r}, which is not installed here; run the "
-                    "check where the rollout engine is installed, or change the setting that needs it "
-                    "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA).")
+            line = (
+                f"verl's check of {name} needs the module {error.name!r}, which is not installed here; run the "
+                "check where the rollout engine is installed, or change the setting that needs it "
+                "(e.g. actor_rollout_ref.model.lora.merge=True avoids importing vLLM for LoRA)."
+            )
             if line not in not_here:
                 not_here.append(line)
         except Exception as error:  # noqa: BLE001  (verl's checks raise assertions, ValueErrors, Hydra's and more)
@@ -322,25 +295,15 @@ def verl_validation(config: Any, skip_critic: bool = False,
                 continue
             texts.add(text)
             if _raised_by_plugin(cause):  # DPPOLossConfig's own checks, run inside verl's dataclass build
-                problems.append(f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): "
-                                f"{text}")
+                problems.append(
+                    f"verl-dppo rejects actor_rollout_ref.actor.policy_loss ({type(cause).__name__}): {text}"
+                )
             else:
                 from verl_dppo.launch.findings.command import complaint_hint
 
                 hint = complaint_hint(text, cause, config, empty)
                 problems.append(f"verl rejects the config ({name}): {text.rstrip('.') if hint else text}{hint}")
     return problems, not_here, results.get("actor_rollout_ref.actor.policy_loss")
-
-
-def check_length(config: Any) -> None:
-    """A run that would train nothing: verl starts Ray, trains no step and exits 0 with an empty log."""
-    steps = config.trainer.get("total_training_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise RecipeError(f"trainer.total_training_steps={steps}: a run trains at least one step; set a positive "
-                          "number, or null to train trainer.total_epochs over the data")
-    epochs = config.trainer.get("total_epochs")
-    if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise RecipeError(f"trainer.total_epochs={epochs}: a run trains at least one epoch; set a positive number")
 
 
 def _raised_by_plugin(error: BaseException) -> bool:
@@ -350,18 +313,6 @@ def _raised_by_plugin(error: BaseException) -> bool:
     package = str(Path(__file__).resolve().parent.parent)
     frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
     return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package)
-
-
-def _check_topk_rollout(config: Any) -> None:
-    """The Top-K modes' driver-side rollout check (it runs again at launch), on a copy: the config stays as composed."""
-    import copy
-
-    from verl_dppo.patches.llm_server import sync_rollout_config
-
-    try:
-        sync_rollout_config(copy.deepcopy(config))
-    except ValueError as error:
-        raise RecipeError(str(error)) from None
 
 
 def _missing_paths(node: Any, prefix: str) -> list[str]:
@@ -381,31 +332,6 @@ def _quiet_warnings() -> Iterator[None]:
         yield
 
 
-def _check_anchor(config: Any) -> None:
-    """The run-level checks the plugin repeats at launch (anchor vs bypass mode, how the rollout computes mu)."""
-    from verl_dppo.plugin.run_config import RunConfigError, check_run_config
-
-    try:
-        check_run_config(config)
-    except RunConfigError as error:
-        raise RecipeError(str(error)) from None
-    from verl_dppo.plugin.run_config import is_plugin_mode
-
-    if is_plugin_mode(config) and not config.actor_rollout_ref.rollout.calculate_log_probs:
-        raise RecipeError(
-            "the DPPO losses need the rollout engine's log-probs (mu): set "
-            "actor_rollout_ref.rollout.calculate_log_probs=True."
-        )
-
-
-def check_supported(config: Any) -> list[str]:
-    """Combinations verl-dppo does not run, each saying what to do; [] when none. They compose and pass verl's
-    checks, so a dry-run only warns, but `run` refuses them instead of failing at the first actor update."""
-    from verl_dppo.plugin.topk_mode import unsupported_settings
-
-    return unsupported_settings(config)
-
-
 def resolved_yaml(config: Any) -> str:
     from omegaconf import OmegaConf
 
@@ -416,4 +342,3 @@ def compose_and_validate(setup: str, method: str, overrides: Sequence[str] = ())
     config = compose_recipe(setup, method, overrides)
     validate_recipe(config)
     return config
-

@@ -23,12 +23,20 @@ def version_of(package: str) -> Optional[str]:
 def engines_here() -> dict[str, Optional[str]]:
     """engine -> its version where it is importable here, else None. Found without importing it: importing vLLM
     takes seconds and may initialise CUDA."""
-    return {engine: (version_of(engine) or "?") if importlib.util.find_spec(engine) else None
-            for engine in ROLLOUT_ENGINES}
+    return {
+        engine: (version_of(engine) or "?") if importlib.util.find_spec(engine) else None for engine in ROLLOUT_ENGINES
+    }
 
 
-TRAINER_MODULES = {"transfer_queue": "TransferQueue", "ray": "ray", "fastapi": "fastapi", "uvicorn": "uvicorn",
-                   "zmq": "pyzmq", "msgspec": "msgspec", "cachetools": "cachetools"}
+TRAINER_MODULES = {
+    "transfer_queue": "TransferQueue",
+    "ray": "ray",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "zmq": "pyzmq",
+    "msgspec": "msgspec",
+    "cachetools": "cachetools",
+}
 """Module -> package: what verl 0.9.1's trainer, workers and agent loop import at run time without requiring it
 (setup.py's install_requires brings each)."""
 

@@ -27,8 +27,14 @@ from verl_dppo.errors import UsageError
 __all__ = ["Launch", "parse_launch", "config_folder", "missing_search_paths", "MAIN_PPO"]
 
 MAIN_PPO = "verl.trainer.main_ppo"
-_HYDRA_VALUE_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
-                      "--config-dir": "dir", "-cd": "dir"}
+_HYDRA_VALUE_FLAGS = {
+    "--config-path": "path",
+    "-cp": "path",
+    "--config-name": "name",
+    "-cn": "name",
+    "--config-dir": "dir",
+    "-cd": "dir",
+}
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _SHELL_WORDS = ("\\", "$@", '"$@"', "${@}", '"${@}"', "--")
 
@@ -62,14 +68,20 @@ def _other_entry(entry: str) -> UsageError:
 
     module = entry.removesuffix(".py").replace("/", ".").lstrip(".") if entry.endswith(".py") else entry
     if not entry.endswith(".py") and not _module_exists(entry):
-        return UsageError(f"{entry}: verl {verl.__version__} (installed here) has no such module; `check` reads "
-                          f"{MAIN_PPO}'s command line (`python3 -m {MAIN_PPO} ...`)")
+        return UsageError(
+            f"{entry}: verl {verl.__version__} (installed here) has no such module; `check` reads "
+            f"{MAIN_PPO}'s command line (`python3 -m {MAIN_PPO} ...`)"
+        )
     hint = ""
     if "fully_async" in module or "one_step_off" in module:
-        hint = ("; the plugin runs verl's asynchronous trainers through main_ppo's v1 trainer "
-                "(trainer.v1.trainer_mode, `verl-dppo run SETUP --trainer-mode MODE`)")
-    return UsageError(f"{entry}: another entry point than {MAIN_PPO}, with its own config: `check` reads only "
-                      f"{MAIN_PPO}'s command line, so this one is not checked{hint}")
+        hint = (
+            "; the plugin runs verl's asynchronous trainers through main_ppo's v1 trainer "
+            "(trainer.v1.trainer_mode, `verl-dppo run SETUP --trainer-mode MODE`)"
+        )
+    return UsageError(
+        f"{entry}: another entry point than {MAIN_PPO}, with its own config: `check` reads only "
+        f"{MAIN_PPO}'s command line, so this one is not checked{hint}"
+    )
 
 
 def _entry_index(words: Sequence[str]) -> tuple[int, int, Optional[str]]:
@@ -106,9 +118,11 @@ def parse_launch(argv: Sequence[str]) -> Launch:
     words = [word for word in _unquoted(argv) if word not in _SHELL_WORDS]
     script = next((word for word in words if word.endswith((".sh", ".bash")) and "=" not in word), None)
     if script is not None:
-        raise UsageError(f"{script}: a shell script; `check` reads the main_ppo command line a script runs, not the "
-                         "script: pass that line's words (python3 -m verl.trainer.main_ppo and its overrides, the "
-                         "script's variables filled in) after `verl-dppo check`, or its overrides alone")
+        raise UsageError(
+            f"{script}: a shell script; `check` reads the main_ppo command line a script runs, not the "
+            "script: pass that line's words (python3 -m verl.trainer.main_ppo and its overrides, the "
+            "script's variables filled in) after `verl-dppo check`, or its overrides alone"
+        )
     begin, start, entry = _entry_index(words)
     launch = Launch()
     if entry is not None:
@@ -166,7 +180,7 @@ def config_folder(launch: Launch) -> Path:
 
 def _pkg_folder(where: str) -> str:
     """`pkg://a.b/sub` as a folder on this machine ('' where the package is not installed here)."""
-    package, _, sub = where[len("pkg://"):].partition("/")
+    package, _, sub = where[len("pkg://") :].partition("/")
     if not package or not _module_exists(package):
         return ""
     spec = importlib.util.find_spec(package)
@@ -191,19 +205,29 @@ def missing_search_paths(overrides: Sequence[str]) -> list[str]:
         for entry in value if isinstance(value, list) else [value]:
             entry = str(entry)
             if entry.startswith("pkg://"):
-                package = entry[len("pkg://"):].partition("/")[0]
+                package = entry[len("pkg://") :].partition("/")[0]
                 if not _module_exists(package):
                     names = package.split(".")
-                    package = next((".".join(names[:depth]) for depth in range(1, len(names) + 1)
-                                    if not _module_exists(".".join(names[:depth]))), package)
-                    missing.append(f"hydra.searchpath: {entry}: the Python package {package!r} is not installed "
-                                   "here, so the configs it adds cannot be read; install it (or check where it is)")
+                    package = next(
+                        (
+                            ".".join(names[:depth])
+                            for depth in range(1, len(names) + 1)
+                            if not _module_exists(".".join(names[:depth]))
+                        ),
+                        package,
+                    )
+                    missing.append(
+                        f"hydra.searchpath: {entry}: the Python package {package!r} is not installed "
+                        "here, so the configs it adds cannot be read; install it (or check where it is)"
+                    )
                 elif not Path(_pkg_folder(entry) or "/nonexistent").is_dir():
-                    missing.append(f"hydra.searchpath: {entry}: the package {package!r} is installed but has no "
-                                   "such folder")
+                    missing.append(
+                        f"hydra.searchpath: {entry}: the package {package!r} is installed but has no such folder"
+                    )
             else:
-                folder = entry[len("file://"):] if entry.startswith("file://") else entry
+                folder = entry[len("file://") :] if entry.startswith("file://") else entry
                 if not Path(folder).expanduser().is_dir():
-                    missing.append(f"hydra.searchpath: {entry}: no such folder here, so the configs it adds cannot be "
-                                   "read")
+                    missing.append(
+                        f"hydra.searchpath: {entry}: no such folder here, so the configs it adds cannot be read"
+                    )
     return missing

@@ -44,8 +44,11 @@ def check_writable(config: Any) -> list[str]:
             os.rmdir(probe)
         except OSError as error:
             where = f"DPPO_ROOT={root}: " if root and folder.startswith(root) else ""
-            problems.append(f"{where}cannot create {folder} ({error.strerror or error}): set DPPO_ROOT to a "
-                            "writable folder" if where else f"cannot create {folder} ({error.strerror or error})")
+            problems.append(
+                f"{where}cannot create {folder} ({error.strerror or error}): set DPPO_ROOT to a writable folder"
+                if where
+                else f"cannot create {folder} ({error.strerror or error})"
+            )
             break
     return problems
 
@@ -68,8 +71,10 @@ def check_paths(config: Any) -> list[str]:
     model_path = str(config.actor_rollout_ref.model.path)
     model_dir = Path(os.path.expanduser(model_path))
     if model_path.startswith(("/", "~", ".")):
-        download = (f"Download it with `hf download {config.dppo.get('model_id') or '<hub id>'} --local-dir "
-                    f"{model_path}`, or set actor_rollout_ref.model.path (or DPPO_ROOT; now {config.dppo.root}).")
+        download = (
+            f"Download it with `hf download {config.dppo.get('model_id') or '<hub id>'} --local-dir "
+            f"{model_path}`, or set actor_rollout_ref.model.path (or DPPO_ROOT; now {config.dppo.root})."
+        )
         if not model_dir.exists():
             problems.append(f"actor_rollout_ref.model.path: {model_path} does not exist. {download}")
         elif not (model_dir / "config.json").is_file():
@@ -95,8 +100,9 @@ def _model_problems(config: Any, model_dir: Path) -> list[str]:
     try:
         from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(str(model_dir),
-                                                  trust_remote_code=bool(arr.model.get("trust_remote_code", False)))
+        model_config = AutoConfig.from_pretrained(
+            str(model_dir), trust_remote_code=bool(arr.model.get("trust_remote_code", False))
+        )
     except Exception:  # a config transformers cannot read here: the engine's own check stays
         return []
     if getattr(model_config, "tie_word_embeddings", True):
@@ -113,11 +119,15 @@ def _missing_data_hint(path: str, key: str, config: Any) -> str:
     root = str(config.dppo.root)
     under_root = f" (or set DPPO_ROOT; now {root})" if os.path.abspath(path).startswith(root.rstrip("/") + "/") else ""
     if file.suffix == ".parquet" and file.stem in DATASETS:
-        return (f"Write it with `verl-dppo data {file.stem} --out {file.parent}`, or point data.{key} at your "
-                f"copy{under_root}.")
-    return (f"Point data.{key} at a parquet file in verl's RL-dataset schema{under_root}; `verl-dppo data NAME "
-            f"--from-file FILE --out DIR` converts a .parquet / .json / .jsonl of yours to DIR/NAME.parquet (NAME: the data set whose "
-            f"verifier scores it: {', '.join(sorted(DATASETS))}).")
+        return (
+            f"Write it with `verl-dppo data {file.stem} --out {file.parent}`, or point data.{key} at your "
+            f"copy{under_root}."
+        )
+    return (
+        f"Point data.{key} at a parquet file in verl's RL-dataset schema{under_root}; `verl-dppo data NAME "
+        f"--from-file FILE --out DIR` converts a .parquet / .json / .jsonl of yours to DIR/NAME.parquet (NAME: the data set whose "
+        f"verifier scores it: {', '.join(sorted(DATASETS))})."
+    )
 
 
 def _parquet_problem(file: Path, columns: Sequence[str]) -> Optional[str]:
@@ -132,8 +142,10 @@ def _parquet_problem(file: Path, columns: Sequence[str]) -> Optional[str]:
         return f"is not readable as parquet ({' '.join(str(error).split())[:200]}); write it with `verl-dppo data`"
     missing = [column for column in columns if column not in names]
     if missing:
-        return (f"lacks the column(s) verl reads: {', '.join(missing)} (has {', '.join(sorted(names))}); "
-                "convert it with `verl-dppo data NAME --from-file` or set data.prompt_key / data.reward_fn_key")
+        return (
+            f"lacks the column(s) verl reads: {', '.join(missing)} (has {', '.join(sorted(names))}); "
+            "convert it with `verl-dppo data NAME --from-file` or set data.prompt_key / data.reward_fn_key"
+        )
     return None
 
 
@@ -155,8 +167,11 @@ def check_launch_site(config: Any, ray_address: Optional[str], ray_timeout_s: fl
     pool = (int(rollout.get("nnodes", 0) or 0), int(rollout.get("n_gpus_per_node", 0) or 0))
     if async_trainer_mode(config) != "separate_async":
         pool = (0, 0)
-    pool_text = (f" + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = {pool[0] * pool[1]} for the separate "
-                 "rollout") if pool[0] else ""
+    pool_text = (
+        (f" + actor_rollout_ref.rollout.nnodes x n_gpus_per_node = {pool[0] * pool[1]} for the separate rollout")
+        if pool[0]
+        else ""
+    )
     wanted += pool[0] * pool[1]
     engine = str(config.actor_rollout_ref.rollout.get("name", ""))
     if engine in ("vllm", "sglang") and importlib.util.find_spec(engine) is None:

@@ -54,8 +54,9 @@ def run_probe(kind: str, address: Optional[str], timeout_s: float) -> dict:
     """Run `kind` ("worker": the plugin inside a Ray worker; "resources": the cluster's CPUs/GPUs) in a child
     process, at most `timeout_s` seconds. Raises RayUnreachable with Ray's own first line when it fails."""
     command = [sys.executable, "-m", "verl_dppo.launch.ray_probe", kind, address or ""]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -66,8 +67,7 @@ def run_probe(kind: str, address: Optional[str], timeout_s: float) -> dict:
         process.communicate()
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
         raise RayUnreachable(
-            f"{where} did not answer within {timeout_s:g} s; check that it is up (`ray status`) and reachable from "
-            "here"
+            f"{where} did not answer within {timeout_s:g} s; check that it is up (`ray status`) and reachable from here"
         ) from None
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if process.returncode == 0 and lines:
@@ -92,8 +92,11 @@ def _main(kind: str, address: str) -> None:
             result = ray.get(remote.remote())
         else:
             resources = ray.cluster_resources()
-            result = {"GPU": resources.get("GPU", 0.0), "CPU": resources.get("CPU", 0.0),
-                      "nodes": len([node for node in ray.nodes() if node.get("Alive")])}
+            result = {
+                "GPU": resources.get("GPU", 0.0),
+                "CPU": resources.get("CPU", 0.0),
+                "nodes": len([node for node in ray.nodes() if node.get("Alive")]),
+            }
     finally:
         ray.shutdown()
     print(json.dumps(result), flush=True)

@@ -33,8 +33,17 @@ import sys
 import time
 from typing import Any, Optional
 
-__all__ = ["start", "mark_run", "descendants", "segments", "mapped_segments", "marked", "RunSegments", "sweep_segments",
-           "RUN_MARKER"]
+__all__ = [
+    "start",
+    "mark_run",
+    "descendants",
+    "segments",
+    "mapped_segments",
+    "marked",
+    "RunSegments",
+    "sweep_segments",
+    "RUN_MARKER",
+]
 
 POLL_S = 0.5
 GRACE_S = 5.0
@@ -105,12 +114,12 @@ def _segments_of(pid: str) -> set[str]:
     for line in text.splitlines():
         at = line.find(marker)
         if at >= 0:
-            found.add(line[at + len(marker):].split()[0])
+            found.add(line[at + len(marker) :].split()[0])
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target.startswith(marker):
-                found.add(target[len(marker):].split()[0])
+                found.add(target[len(marker) :].split()[0])
     except OSError:
         pass
     return found
@@ -245,9 +254,16 @@ def start(kill: bool = True, run_id: Optional[str] = None) -> Optional[subproces
         return None
     read_end, write_end = os.pipe()  # both non-inheritable (PEP 446): only the watchdog gets the read end, below
     watchdog = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from verl_dppo.launch.ray_reaper import watch; "
-         f"watch({os.getpid()}, sys.stdin.fileno(), kill={bool(kill)}, run_id={run_id!r})"],
-        stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from verl_dppo.launch.ray_reaper import watch; "
+            f"watch({os.getpid()}, sys.stdin.fileno(), kill={bool(kill)}, run_id={run_id!r})",
+        ],
+        stdin=read_end,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     os.close(read_end)
     _WRITE_ENDS.append(write_end)  # open for the life of this process; the kernel closes it at its exit

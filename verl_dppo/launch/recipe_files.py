@@ -12,8 +12,18 @@ from typing import Any, Sequence
 
 from verl_dppo.errors import UsageError
 
-__all__ = ["GROUPS", "GROUP_KEYS", "PRIMARY_CONFIG", "RecipeError", "RecipeInfo", "TRAINER_MODES", "check_name",
-           "list_recipes", "recipes_dir", "register_resolvers"]
+__all__ = [
+    "GROUPS",
+    "GROUP_KEYS",
+    "PRIMARY_CONFIG",
+    "RecipeError",
+    "RecipeInfo",
+    "TRAINER_MODES",
+    "check_name",
+    "list_recipes",
+    "recipes_dir",
+    "register_resolvers",
+]
 
 PRIMARY_CONFIG = "dppo"
 GROUPS = ("setup", "method")
@@ -139,14 +149,19 @@ def check_name(group: str, name: str, folders: Sequence[Path] = ()) -> None:
     shipped, own = _group_names(group), user_names(group, folders)
     clash = sorted(set(shipped) & set(own))
     if clash:
-        raise RecipeError(f"--config-dir: {group} {', '.join(clash)} is also a shipped {group}, which Hydra would "
-                          "read instead: rename your file")
+        raise RecipeError(
+            f"--config-dir: {group} {', '.join(clash)} is also a shipped {group}, which Hydra would "
+            "read instead: rename your file"
+        )
     names = sorted(shipped + own)
     if name not in names:
         import difflib
 
-        close = [VERL_LOSS_NAMES[name]] if group == "method" and name in VERL_LOSS_NAMES else \
-            difflib.get_close_matches(name, names, n=1)
+        close = (
+            [VERL_LOSS_NAMES[name]]
+            if group == "method" and name in VERL_LOSS_NAMES
+            else difflib.get_close_matches(name, names, n=1)
+        )
         hint = f" Did you mean {close[0]!r}?" if close else ""
         if group == "method" and name in VERL_LOSS_NAMES:
             hint += f" (verl's loss mode {name} is the plugin's {VERL_LOSS_NAMES[name]})"

@@ -18,12 +18,28 @@ from typing import Any, Optional
 __all__ = ["REHEARSED", "Shape", "rehearsal_overrides", "rehearsal_shape"]
 
 REHEARSED = {
-    "actor_rollout_ref.actor": ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
-                                "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coeff", "ppo_epochs"),
+    "actor_rollout_ref.actor": (
+        "clip_ratio",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "clip_ratio_c",
+        "loss_agg_mode",
+        "use_kl_loss",
+        "kl_loss_coef",
+        "kl_loss_type",
+        "entropy_coeff",
+        "ppo_epochs",
+    ),
     "actor_rollout_ref.rollout": ("temperature", "top_p", "top_k", "calculate_log_probs", "n"),
     "algorithm": ("adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "gamma", "lam"),
-    "algorithm.rollout_correction": ("bypass_mode", "loss_type", "rollout_is", "rollout_is_threshold", "rollout_rs",
-                                     "rollout_rs_threshold"),
+    "algorithm.rollout_correction": (
+        "bypass_mode",
+        "loss_type",
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_rs",
+        "rollout_rs_threshold",
+    ),
 }
 """What a rehearsal takes from the command: the update rule and its inputs (the loss, the advantages, the rollout's
 sampling and log-probs). cpu_tiny supplies the model, data, lengths, batch and hardware."""
@@ -54,15 +70,15 @@ def rehearsal_overrides(config: Any) -> list[str]:
         if key != "_target_" and not isinstance(value, (dict, list)):
             overrides.append(f"++actor_rollout_ref.actor.policy_loss.{key}={_value(value)}")
     if plain:  # the command's thresholds are verl's clip_ratio_* keys: no DPPOLossConfig value in the way
-        overrides += [f"actor_rollout_ref.actor.policy_loss.{key}=null" for key in ("delta_low", "delta_high",
-                                                                                    "ratio_cap")]
+        overrides += [
+            f"actor_rollout_ref.actor.policy_loss.{key}=null" for key in ("delta_low", "delta_high", "ratio_cap")
+        ]
     for node, keys in REHEARSED.items():
         section = OmegaConf.select(config, node)
         for key in keys:
             if section is not None and key in section:
                 overrides.append(f"++{node}.{key}={_value(OmegaConf.select(section, key))}")
     return overrides
-
 
 
 @dataclass
@@ -77,8 +93,11 @@ class Shape:
 
     def lines(self, mode: str, steps: int) -> tuple[str, str]:
         """(what is rehearsed, what is left out): the console's two lines before the run."""
-        return (f"rehearsing {mode} as your command sets it for {steps} step(s) on this CPU: its update rule, "
-                + ", ".join(self.kept), "rehearsal: left out: " + ", ".join(self.left_out))
+        return (
+            f"rehearsing {mode} as your command sets it for {steps} step(s) on this CPU: its update rule, "
+            + ", ".join(self.kept),
+            "rehearsal: left out: " + ", ".join(self.left_out),
+        )
 
 
 def _vllm_cpu() -> bool:
@@ -96,8 +115,8 @@ def rehearsal_shape(config: Any) -> Shape:
     on top of `rehearsal_overrides`, and the line naming what is kept and left out."""
     from omegaconf import OmegaConf
 
-    from verl_dppo.plugin.moe_arm import ENGINE_REPLAY
-    from verl_dppo.plugin.router_replay import model_experts
+    from verl_dppo.plugin.moe.arm import ENGINE_REPLAY
+    from verl_dppo.plugin.moe.router_replay import model_experts
 
     def get(key: str, default: Any = None) -> Any:
         return OmegaConf.select(config, key, default=default)
@@ -107,14 +126,18 @@ def rehearsal_shape(config: Any) -> Shape:
     actor, rollout = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     model = str(get("actor_rollout_ref.model.path", ""))
     nodes, per_node = int(get("trainer.nnodes", 1) or 1), int(get("trainer.n_gpus_per_node", 1) or 1)
-    left += [f"the model {model} (cpu_tiny's, random-init and warmed up on GSM8K)",
-             "the data, the lengths and the batch sizes (cpu_tiny's)",
-             f"{nodes} node(s) x {per_node} GPU(s) (one CPU worker)"]
-    parallel = {f"{rollout}.tensor_model_parallel_size": "the rollout's tensor parallelism",
-                f"{actor}.ulysses_sequence_parallel_size": "Ulysses sequence parallelism",
-                f"{actor}.megatron.tensor_model_parallel_size": "Megatron's tensor parallelism",
-                f"{actor}.megatron.pipeline_model_parallel_size": "Megatron's pipeline parallelism",
-                f"{actor}.megatron.expert_model_parallel_size": "Megatron's expert parallelism"}
+    left += [
+        f"the model {model} (cpu_tiny's, random-init and warmed up on GSM8K)",
+        "the data, the lengths and the batch sizes (cpu_tiny's)",
+        f"{nodes} node(s) x {per_node} GPU(s) (one CPU worker)",
+    ]
+    parallel = {
+        f"{rollout}.tensor_model_parallel_size": "the rollout's tensor parallelism",
+        f"{actor}.ulysses_sequence_parallel_size": "Ulysses sequence parallelism",
+        f"{actor}.megatron.tensor_model_parallel_size": "Megatron's tensor parallelism",
+        f"{actor}.megatron.pipeline_model_parallel_size": "Megatron's pipeline parallelism",
+        f"{actor}.megatron.expert_model_parallel_size": "Megatron's expert parallelism",
+    }
     left += [f"{what} {int(get(key))}" for key, what in parallel.items() if int(get(key, 1) or 1) > 1]
 
     name = str(get(f"{rollout}.name", "hf"))
@@ -163,9 +186,11 @@ def rehearsal_shape(config: Any) -> Shape:
 
     lora = int(get("actor_rollout_ref.model.lora_rank", 0) or 0)
     if lora > 0:
-        ours += [f"actor_rollout_ref.model.lora_rank={lora}",
-                 f"actor_rollout_ref.model.lora_alpha={get('actor_rollout_ref.model.lora_alpha', 16)}",
-                 f"actor_rollout_ref.model.target_modules={_value(get('actor_rollout_ref.model.target_modules'))}"]
+        ours += [
+            f"actor_rollout_ref.model.lora_rank={lora}",
+            f"actor_rollout_ref.model.lora_alpha={get('actor_rollout_ref.model.lora_alpha', 16)}",
+            f"actor_rollout_ref.model.target_modules={_value(get('actor_rollout_ref.model.target_modules'))}",
+        ]
         kept.append(f"LoRA rank {lora}")
     trainer_mode = str(get("trainer.v1.trainer_mode", "sync") or "sync")
     if trainer_mode != "sync":
@@ -178,8 +203,10 @@ def rehearsal_shape(config: Any) -> Shape:
         ours += [] if vllm else [f"{rollout}.dtype=bfloat16"]
         kept.append("bf16 (the actor" + ("; vLLM stays float32 here)" if vllm else " and the rollout)"))
     else:  # verl's bf16 default, or Megatron's: cpu_tiny trains float32, where its mismatch is the sync's alone
-        left.append("verl's bf16 (float32 here, unless the command sets "
-                    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16)")
+        left.append(
+            "verl's bf16 (float32 here, unless the command sets "
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16)"
+        )
     if get(f"{actor}.use_kl_loss", False) or get("algorithm.use_kl_in_reward", False):
         kept.append("the KL term and its reference")
     return shape

@@ -153,10 +153,12 @@ def read_log(path: str) -> tuple[dict[str, dict[int, float]], list[str]]:
                 series.setdefault(name, {})[int(step)] = number_value
     if bad_lines:
         shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
-        message = f"{path}: {len(bad_lines)} line(s) are not verl file-logger rows {{\"step\": s, \"data\": {{...}}}}"
+        message = f'{path}: {len(bad_lines)} line(s) are not verl file-logger rows {{"step": s, "data": {{...}}}}'
         if len(bad_lines) == len(numbered) or not series:
-            raise PlotError(f"{path}: not a verl log: no line is a verl file-logger row {{\"step\": s, \"data\": "
-                            "{...}} (write one with trainer.logger=['console','file'])")
+            raise PlotError(
+                f'{path}: not a verl log: no line is a verl file-logger row {{"step": s, "data": '
+                "{...}} (write one with trainer.logger=['console','file'])"
+            )
         warnings.append(f"{message}; skipped lines {shown}")
     if not series:
         if warnings:  # the only row was cut short

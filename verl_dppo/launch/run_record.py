@@ -28,9 +28,12 @@ RECORDED_BEFORE = {"trainer_mode": "sync"}
 
 
 def identity(config: Any) -> dict[str, str]:
-    return {"setup": str(config.dppo.setup), "method": str(config.dppo.method),
-            "loss_mode": str(config.actor_rollout_ref.actor.policy_loss.loss_mode),
-            "trainer_mode": str(config.dppo.get("trainer_mode", "sync"))}
+    return {
+        "setup": str(config.dppo.setup),
+        "method": str(config.dppo.method),
+        "loss_mode": str(config.actor_rollout_ref.actor.policy_loss.loss_mode),
+        "trainer_mode": str(config.dppo.get("trainer_mode", "sync")),
+    }
 
 
 def _same_run(record: Optional[dict], me: dict[str, str]) -> bool:
@@ -52,8 +55,11 @@ def log_path(config: Any) -> Optional[str]:
     if path:
         return os.path.abspath(os.path.expanduser(str(path)))
     root = env_vars.get(ROOT_VARIABLE) or os.environ.get(ROOT_VARIABLE) or "."
-    return os.path.abspath(os.path.join(os.path.expanduser(str(root)), str(config.trainer.project_name),
-                                        f"{config.trainer.experiment_name}.jsonl"))
+    return os.path.abspath(
+        os.path.join(
+            os.path.expanduser(str(root)), str(config.trainer.project_name), f"{config.trainer.experiment_name}.jsonl"
+        )
+    )
 
 
 def _log_record(log: str) -> str:
@@ -64,8 +70,12 @@ def write_records(config: Any, command: Optional[str] = None) -> list[str]:
     """Record this launch's identity (and its `verl-dppo run` command line, where given) beside its checkpoints and
     its log. Returns the problems (one line each) for a warning: a record that cannot be written only weakens the
     next launch's check."""
-    record = {**identity(config), "experiment_name": str(config.trainer.experiment_name),
-              "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "by": "verl-dppo run"}
+    record = {
+        **identity(config),
+        "experiment_name": str(config.trainer.experiment_name),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "by": "verl-dppo run",
+    }
     if command:
         record["command"] = command
     targets = [os.path.join(checkpoint_dir(config), CHECKPOINT_RECORD)]
@@ -107,8 +117,10 @@ def _who(record: Optional[dict]) -> str:
     if record is None:
         return "a run whose method is not recorded (not launched by `verl-dppo run`)"
     mode = record.get("trainer_mode", RECORDED_BEFORE["trainer_mode"])
-    return (f"{record.get('setup')} --method {record.get('method')} --trainer-mode {mode} "
-            f"(loss_mode {record.get('loss_mode')})")
+    return (
+        f"{record.get('setup')} --method {record.get('method')} --trainer-mode {mode} "
+        f"(loss_mode {record.get('loss_mode')})"
+    )
 
 
 def clash_warning(config: Any) -> Optional[str]:
@@ -130,10 +142,13 @@ def clash_warning(config: Any) -> Optional[str]:
         if not _same_run(record, me):
             owner = "its" if clauses and record == others[0] else f"the log of {_who(record)},"
             # the plugin's FileLogger: a resumed run keeps the lines up to its checkpoint, a fresh one starts anew
-            clauses.append(f"continue {owner} {log} after step {step}" if step is not None
-                           else f"overwrite {owner} {log}")
+            clauses.append(
+                f"continue {owner} {log} after step {step}" if step is not None else f"overwrite {owner} {log}"
+            )
     if not clauses:
         return None
-    return (f"this launch ({me['setup']} --method {me['method']} --trainer-mode {me['trainer_mode']}, loss_mode "
-            f"{me['loss_mode']}) would "
-            f"{' and '.join(clauses)}: give it its own trainer.experiment_name=NAME")
+    return (
+        f"this launch ({me['setup']} --method {me['method']} --trainer-mode {me['trainer_mode']}, loss_mode "
+        f"{me['loss_mode']}) would "
+        f"{' and '.join(clauses)}: give it its own trainer.experiment_name=NAME"
+    )

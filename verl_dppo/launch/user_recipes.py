@@ -24,8 +24,10 @@ def check_config_dirs(config_dirs: Sequence[str]) -> list[Path]:
         if not folder.is_dir():
             raise UsageError(f"--config-dir {config_dir}: no such folder")
         if not any((folder / group).is_dir() for group in GROUPS):
-            raise UsageError(f"--config-dir {config_dir}: holds neither setup/ nor method/ (put my_setup.yaml in "
-                             f"{folder}/setup/, my_method.yaml in {folder}/method/)")
+            raise UsageError(
+                f"--config-dir {config_dir}: holds neither setup/ nor method/ (put my_setup.yaml in "
+                f"{folder}/setup/, my_method.yaml in {folder}/method/)"
+            )
         if "'" in str(folder):
             raise UsageError(f"--config-dir {config_dir}: Hydra cannot take a path with a quote (') in it")
         folders.append(folder)
@@ -33,8 +35,9 @@ def check_config_dirs(config_dirs: Sequence[str]) -> list[Path]:
 
 
 def user_names(group: str, folders: Sequence[Path]) -> list[str]:
-    return sorted({path.stem for folder in folders for path in (folder / group).glob("*.yaml")
-                   if not path.stem.startswith("_")})
+    return sorted(
+        {path.stem for folder in folders for path in (folder / group).glob("*.yaml") if not path.stem.startswith("_")}
+    )
 
 
 def searchpath_override(recipes_dir: Path, folders: Sequence[Path]) -> list[str]:

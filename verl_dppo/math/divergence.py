@@ -126,8 +126,9 @@ def within_rounding(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, radius: 
     return pi_logprob - torch.maximum(torch.minimum(gap, radius), -radius)
 
 
-def nearest_within_rounding(mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, mu_radius: torch.Tensor,
-                            pi_radius: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nearest_within_rounding(
+    mu_logprob: torch.Tensor, pi_logprob: torch.Tensor, mu_radius: torch.Tensor, pi_radius: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pair (mu', pi') nearest each other with each log-prob within its own side's rounding radius of the value
     given: pi moved toward mu by at most pi_radius, then mu toward that pi by at most mu_radius.
 

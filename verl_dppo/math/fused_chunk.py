@@ -14,8 +14,17 @@ import torch
 
 from verl_dppo.math.kernels import chunk_bytes_for, logits_at, scaled_exp_into
 
-__all__ = ["chunk_logits", "entropy_rows", "entropy_sums", "entropy_grad", "logits_grad_in_place", "GradTerms",
-           "grad_terms", "log_normalisers", "chunk_grad"]
+__all__ = [
+    "chunk_logits",
+    "entropy_rows",
+    "entropy_sums",
+    "entropy_grad",
+    "logits_grad_in_place",
+    "GradTerms",
+    "grad_terms",
+    "log_normalisers",
+    "chunk_grad",
+]
 
 _ENTROPY_ROWS = 16
 """Rows per block of the entropy's temporaries on the torch path on a CPU (a few MiB each at Qwen3's vocabulary);

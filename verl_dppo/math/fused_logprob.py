@@ -1,6 +1,6 @@
 """log pi(a_t) and the entropy fused with the LM head, for the modes that need nothing else of the logits (the binary
 DPPO modes, the ratio-clip and PG-IS baselines): what verl's `FusedLinearForPPO` returns, from the plugin's one-read
-pass (`verl_dppo.math.fused_topk.fused_slot_logprobs` with a_t as the only slot).
+pass (`verl_dppo.math.fused_slots.fused_slot_logprobs` with a_t as the only slot).
 
 Pure torch (no verl import). Per chunk of tokens the logits are formed once and read once: their max, the logit at
 a_t, the sum of exp over the rest and the entropy (on a GPU in one Triton kernel, `kernels.max_sum_outside_and_entropy`
@@ -31,18 +31,24 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_dppo.math.fused_chunk import (chunk_grad, chunk_logits, entropy_grad, entropy_sums, grad_terms,
-                                        log_normalisers)
-from verl_dppo.math.fused_topk import DEFAULT_CHUNK_TOKENS, _fixed_selector, _kernels_read, fused_slot_logprobs
+from verl_dppo.math.fused_chunk import chunk_grad, chunk_logits, entropy_grad, entropy_sums, grad_terms, log_normalisers
+from verl_dppo.math.fused_slots import DEFAULT_CHUNK_TOKENS, _kernels_read, fused_slot_logprobs
+from verl_dppo.math.fused_topk import _fixed_selector
 from verl_dppo.math.kernels import logits_at, max_and_sum_exp_outside, max_sum_outside_and_entropy_sums
 from verl_dppo.math.topk import _finite, _pi_at_slots, _sum_exp_outside
 
 __all__ = ["fused_token_logprobs", "vocab_parallel_token_logprobs"]
 
 
-def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                         *, entropy: bool = False,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fused_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log pi(labels) [T], the entropy [T] or None) with logits = hidden @ weight^T / temperature, hidden [T, H],
     weight [V, H], labels [T] in [0, V); float32 (float64 for float64 inputs), with exact gradients to hidden and
     weight (each chunk's logits recomputed in the backward)."""
@@ -50,8 +56,9 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"labels [T={hidden.shape[0]}] expected, got {tuple(labels.shape)}")
     slot_ids = labels.long()[:, None]
     dropped = torch.zeros_like(slot_ids, dtype=torch.bool)
-    log_pi, _, ent, _, _, _ = fused_slot_logprobs(hidden, weight, temperature, _fixed_selector(slot_ids, dropped), 1,
-                                                  entropy, chunk_tokens)
+    log_pi, _, ent, _, _, _ = fused_slot_logprobs(
+        hidden, weight, temperature, _fixed_selector(slot_ids, dropped), 1, entropy, chunk_tokens
+    )
     out = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     return log_pi[:, 0].to(out), (ent.to(out) if entropy else None)
 
@@ -76,8 +83,11 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         sum_outside, at_label = torch.zeros_like(row_max), torch.zeros_like(row_max)
         rest, weighted = (torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(2))
         in_place = _kernels_read(work, dev)
-        buffer = (torch.empty(min(chunk, n), local_vocab, dtype=work, device=dev)
-                  if not in_place or hidden.dtype == weight.dtype == work else None)
+        buffer = (
+            torch.empty(min(chunk, n), local_vocab, dtype=work, device=dev)
+            if not in_place or hidden.dtype == weight.dtype == work
+            else None
+        )
         matmul_dtype = work
         for start in range(0, n if local_vocab else 0, chunk):
             c = slice(start, min(start + chunk, n))
@@ -103,16 +113,22 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         top = _finite(top)
         shift = row_max.double() - top.double()
         scale, holds = shift.exp(), row_max == top  # scale: 1 on the ranks holding the max, 0 on an empty shard
-        partials = torch.stack([scale * sum_outside.double(), at_label.double(),
-                                scale * rest + torch.where(holds, 0.0, scale), holds.double(),
-                                torch.where(scale > 0, scale * (weighted + shift * (1.0 + rest)), 0.0)], dim=1)
+        partials = torch.stack(
+            [
+                scale * sum_outside.double(),
+                at_label.double(),
+                scale * rest + torch.where(holds, 0.0, scale),
+                holds.double(),
+                torch.where(scale > 0, scale * (weighted + shift * (1.0 + rest)), 0.0),
+            ],
+            dim=1,
+        )
         _all_reduce(partials, group, "SUM")
         slot, dropped = partials[:, 1:2], torch.zeros(n, 1, dtype=torch.bool, device=dev)
         log_pi, _ = _pi_at_slots(top, partials[:, 0], slot, dropped)
         log_z, log_z_tail = log_normalisers(top, partials[:, 0], slot, dropped)
         z_less_1 = partials[:, 2] + (partials[:, 3] - 1.0)
-        entropy = (torch.log1p(z_less_1) - partials[:, 4] / (1.0 + z_less_1) if want_entropy
-                   else torch.zeros_like(log_z))
+        entropy = torch.log1p(z_less_1) - partials[:, 4] / (1.0 + z_less_1) if want_entropy else torch.zeros_like(log_z)
         ctx.temperature, ctx.chunk, ctx.matmul_dtype, ctx.want_entropy = temperature, chunk, matmul_dtype, want_entropy
         ctx.group, ctx.reduce_grad_h = group, reduce_grad_h
         ctx.autocast = (dev.type, torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
@@ -125,9 +141,17 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         hidden, weight, ids, owned, log_pi, log_z, log_z_tail, entropy = ctx.saved_tensors
         n, dev, (need_h, need_w) = hidden.shape[0], hidden.device, ctx.needs_input_grad[:2]
         work = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        terms = grad_terms(None if g_log_pi is None else g_log_pi[:, None], None,
-                           g_entropy if ctx.want_entropy else None, torch.zeros(n, 1, dtype=torch.bool, device=dev),
-                           log_pi, log_z, log_z_tail, entropy, work)
+        terms = grad_terms(
+            None if g_log_pi is None else g_log_pi[:, None],
+            None,
+            g_entropy if ctx.want_entropy else None,
+            torch.zeros(n, 1, dtype=torch.bool, device=dev),
+            log_pi,
+            log_z,
+            log_z_tail,
+            entropy,
+            work,
+        )
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight) if need_w else None
         device_type, autocast_on, autocast_dtype = ctx.autocast
@@ -160,8 +184,15 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
 
 
 def vocab_parallel_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, temperature: float = 1.0,
-    group: Any = None, *, entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    group: Any = None,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     reduce_grad_hidden: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`fused_token_logprobs` from this rank's shard of a vocabulary-parallel LM head (the module doc): hidden [T, H]
@@ -172,18 +203,33 @@ def vocab_parallel_token_logprobs(
         if vocab_start != 0:
             raise ValueError(f"one rank holds the whole vocabulary: vocab_start must be 0, got {vocab_start}")
         return fused_token_logprobs(hidden, weight, labels, temperature, entropy=entropy, chunk_tokens=chunk_tokens)
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.dim() != 1 \
-            or labels.shape[0] != hidden.shape[0]:
-        raise ValueError(f"hidden [T, H], weight [V_local, H] and labels [T] expected, got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(labels.shape)}")
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or labels.dim() != 1
+        or labels.shape[0] != hidden.shape[0]
+    ):
+        raise ValueError(
+            f"hidden [T, H], weight [V_local, H] and labels [T] expected, got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(labels.shape)}"
+        )
     if not (temperature > 0 and math.isfinite(temperature)) or chunk_tokens < 1:
         raise ValueError(f"need temperature > 0 and chunk_tokens >= 1, got {temperature}, {chunk_tokens}")
-    return _parallel(hidden, weight, labels, vocab_start, temperature, group, entropy, chunk_tokens,
-                     reduce_grad_hidden)
+    return _parallel(hidden, weight, labels, vocab_start, temperature, group, entropy, chunk_tokens, reduce_grad_hidden)
 
 
 def _parallel(hidden, weight, labels, vocab_start, temperature, group, entropy, chunk_tokens, reduce_grad_hidden):
     """The vocabulary-parallel pass (group None: one rank's arithmetic without collectives; the tests')."""
-    log_pi, ent = _VocabParallelTokenLogprobs.apply(hidden, weight, labels, int(vocab_start), float(temperature),
-                                                    int(chunk_tokens), bool(entropy), group, bool(reduce_grad_hidden))
+    log_pi, ent = _VocabParallelTokenLogprobs.apply(
+        hidden,
+        weight,
+        labels,
+        int(vocab_start),
+        float(temperature),
+        int(chunk_tokens),
+        bool(entropy),
+        group,
+        bool(reduce_grad_hidden),
+    )
     return log_pi, (ent if entropy else None)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from verl_dppo.math.fused_topk import DEFAULT_CHUNK_TOKENS, ChunkSlots, fused_slot_logprobs
+from verl_dppo.math.fused_slots import DEFAULT_CHUNK_TOKENS, ChunkSlots, fused_slot_logprobs
 from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll import (
     EPS,
@@ -60,8 +60,9 @@ class _SupportSelector:
     only. extra = each slot's candidate column (mu's source for `mu_on_atoms`). The crowded rows (more logits at
     the threshold than the candidates' room) come back as `again` and are selected with torch's top-k."""
 
-    def __init__(self, sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float, width: int,
-                 vocab: int):
+    def __init__(
+        self, sampled, mu_ids, mu_selected, troll_rows, k_pi: int, support_mass: float, width: int, vocab: int
+    ):
         self.sampled, self.mu_ids, self.mu_selected, self.troll_rows = sampled, mu_ids, mu_selected, troll_rows
         self.k_pi, self.support_mass, self.width = k_pi, support_mass, width
         self.pi_width = pi_read_width(k_pi, vocab)
@@ -91,16 +92,23 @@ class _SupportSelector:
         if self.known is None:  # a_t and mu's ids of every row, and their order for the kernel, once
             self.known = torch.cat([self.sampled[:, None], self.mu_ids], dim=1)
             self.known_sorted = sorted_excluded(self.known, block.shape[1])
-        return tuple(read_candidates(block, None, self.known[index], self.pi_width, self.capacity,
-                                     self.known_sorted[index]))
+        return tuple(
+            read_candidates(block, None, self.known[index], self.pi_width, self.capacity, self.known_sorted[index])
+        )
 
     def finish(self, reads, index) -> ChunkSlots:
         s, slot_logits, crowded = support_from_candidates(
-            CandidateReads(*reads), *self._chunk(index), self.k_pi, self.support_mass, self.pi_width,
-            self.troll_rows[index])
+            CandidateReads(*reads),
+            *self._chunk(index),
+            self.k_pi,
+            self.support_mass,
+            self.pi_width,
+            self.troll_rows[index],
+        )
         w = self.width
-        return ChunkSlots(s.ids[:, :w], ~s.valid[:, :w], s.row_max, s.tail, slot_logits[:, :w], s.source[:, :w],
-                          crowded)
+        return ChunkSlots(
+            s.ids[:, :w], ~s.valid[:, :w], s.row_max, s.tail, slot_logits[:, :w], s.source[:, :w], crowded
+        )
 
 
 def fused_troll_token_terms(
@@ -136,8 +144,9 @@ def fused_troll_token_terms(
     Raises:
         TrollInputError: as `troll_token_terms`, and ids outside [0, V) on any row.
     """
-    check_topk_inputs(hidden, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
-                      TrollInputError)
+    check_topk_inputs(
+        hidden, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask, TrollInputError
+    )
     n, vocab = hidden.shape[0], weight.shape[0]
     sampled_all = sampled_ids.long()
 
@@ -180,8 +189,18 @@ def fused_troll_token_terms(
         return ids[:, :used], source[:, :used], valid[:, :used], log_pi[:, :used], log_other
 
     terms = troll_terms_from_support(
-        read_support, vocab, out_dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
-        rollout_sampled_logprobs, mask, eps=eps, support_mass=support_mass, topk=topk, mass_tolerance=mass_tolerance,
+        read_support,
+        vocab,
+        out_dtype,
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        eps=eps,
+        support_mass=support_mass,
+        topk=topk,
+        mass_tolerance=mass_tolerance,
         checks_everywhere=every_row,
     )
     if not policy:  # no row in the update: troll_terms_from_support read nothing, verl still needs log pi(a_t)

@@ -75,8 +75,17 @@ class _LogitsLogprobs(torch.autograd.Function):
             return None, None, None, None
         n, vocab = logits.shape
         work = torch.promote_types(logits.dtype, torch.float32)
-        terms = grad_terms(g_log_pi[:, None] if g_log_pi is not None else None, None, g_entropy, dropped, log_pi,
-                           log_z, log_z_tail, entropy, work)
+        terms = grad_terms(
+            g_log_pi[:, None] if g_log_pi is not None else None,
+            None,
+            g_entropy,
+            dropped,
+            log_pi,
+            log_z,
+            log_z_tail,
+            entropy,
+            work,
+        )
         grad = torch.empty(n, vocab, dtype=logits.dtype, device=logits.device)
         direct = ctx.in_place or logits.dtype == work  # dL/dlogits formed in the output itself
         step = n if ctx.in_place else ctx.chunk_rows
@@ -90,8 +99,13 @@ class _LogitsLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
-def logits_logprobs(logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *, entropy: bool = False,
-                    chunk_rows: Optional[int] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def logits_logprobs(
+    logits: torch.Tensor,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(log pi(labels) or None without labels, the entropy or None unless asked) from logits [..., V] and labels
     [...] in [0, V); float32 (float64 for float64 logits), shaped like the logits' leading dims, with exact
     gradients to the logits. chunk_rows: rows per chunk on the torch path (default: `kernels.chunk_bytes_for`)."""
@@ -99,8 +113,9 @@ def logits_logprobs(logits: torch.Tensor, labels: Optional[torch.Tensor] = None,
     if labels is not None and tuple(labels.shape) != tuple(lead):
         raise ValueError(f"labels {tuple(lead)} expected, got {tuple(labels.shape)}")
     flat = logits.reshape(-1, vocab)
-    ids = labels.reshape(-1) if labels is not None else torch.zeros(flat.shape[0], dtype=torch.long,
-                                                                     device=logits.device)
+    ids = (
+        labels.reshape(-1) if labels is not None else torch.zeros(flat.shape[0], dtype=torch.long, device=logits.device)
+    )
     if chunk_rows is None:
         chunk_rows = max(1, chunk_bytes_for(logits.device) // (4 * max(vocab, 1)))
     log_pi, ent = _LogitsLogprobs.apply(flat, ids, bool(entropy), int(chunk_rows))

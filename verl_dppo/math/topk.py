@@ -44,10 +44,19 @@ import torch
 
 from verl_dppo.math.divergence import LOG_FLOOR, log1mexp
 from verl_dppo.math.topk_inputs import (
-    MASS_TOLERANCE, TopKInputError, check_topk_inputs, mu_problems, raise_first, row_problems,
+    MASS_TOLERANCE,
+    TopKInputError,
+    check_topk_inputs,
+    mu_problems,
+    raise_first,
+    row_problems,
 )
 from verl_dppo.math.kernels import (
-    CPU_CHUNK_BYTES, backend_for, chunk_bytes_for, logits_at, max_and_sum_exp_outside,
+    CPU_CHUNK_BYTES,
+    backend_for,
+    chunk_bytes_for,
+    logits_at,
+    max_and_sum_exp_outside,
 )
 
 __all__ = [
@@ -62,6 +71,7 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = CPU_CHUNK_BYTES
 """Float32 working set per chunk of rows on a CPU; on a GPU the chunk follows free memory (`chunk_bytes_for`)."""
+
 
 def _rows_per_chunk(chunk_bytes: int, work_dtype: torch.dtype, vocab: int) -> int:
     return max(1, chunk_bytes // (torch.finfo(work_dtype).bits // 8 * vocab))
@@ -212,7 +222,10 @@ def _mu_at_slots(mu_logprobs: torch.Tensor, dropped: torch.Tensor) -> tuple[torc
 
 
 def _divergence(
-    mu_lp: torch.Tensor, log_mass_mu: torch.Tensor, pi_logprobs: torch.Tensor, pi_log_other: torch.Tensor,
+    mu_lp: torch.Tensor,
+    log_mass_mu: torch.Tensor,
+    pi_logprobs: torch.Tensor,
+    pi_log_other: torch.Tensor,
     dropped: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`divergence_at_slots` on checked rows, from `_mu_at_slots`."""
@@ -387,4 +400,3 @@ def vocab_parallel_topk_divergence(
         mask,
         mass_tolerance,
     )
-

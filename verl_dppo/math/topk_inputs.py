@@ -14,12 +14,14 @@ __all__ = ["MASS_TOLERANCE", "TopKInputError", "check_topk_inputs", "raise_first
 MASS_TOLERANCE = 1e-3
 """mu's kept mass may exceed 1 by this much (rounding in the engine's log-softmax); more is an error."""
 
+
 class TopKInputError(ValueError):
     """The rollout's top-K statistics are malformed (duplicates, ids outside the vocabulary, mass > 1)."""
 
 
-def check_topk_inputs(logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
-                      error: type[Exception] = TopKInputError) -> None:
+def check_topk_inputs(
+    logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask, error: type[Exception] = TopKInputError
+) -> None:
     """The shapes and dtypes of a learner's logits and the rollout's top-K rows (shared with TROLL, which raises its
     own `error`)."""
     if logits.dim() != 2 or not logits.is_floating_point():
@@ -113,8 +115,10 @@ def mu_problems(mu_lp: torch.Tensor, log_mass_mu: torch.Tensor, mass_tolerance: 
 def _raise_unusable(unusable: torch.Tensor) -> None:
     """NaN/+inf log mu at kept slots: the error names the top-K rows or a_t's own log-prob (last slot)."""
     counts = unusable[:, :-1].any(dim=1).sum().item(), unusable[:, -1].sum().item()
-    names = ("the rollout's top-K log-probs (rollout_topk_logprobs) contain", "the rollout's log-prob of the sampled "
-             "token (rollout_sampled_logprobs) is")
+    names = (
+        "the rollout's top-K log-probs (rollout_topk_logprobs) contain",
+        "the rollout's log-prob of the sampled token (rollout_sampled_logprobs) is",
+    )
     found = [f"{name} NaN or +inf at {c} of {unusable.shape[0]} rows" for name, c in zip(names, counts) if c]
     raise TopKInputError(" and ".join(found) + ": mask such tokens out (verl's logits hook drops them)")
 

@@ -4,8 +4,9 @@ Becker, Freymuth, Thilges, Otto, Neumann 2025, "TROLL: Trust Regions improve Rei
 Language Models" (arXiv 2510.03817). Pure torch (no verl import). Entry points: `troll_token_terms` (from the
 current policy's logits and the rollout's top-K, the per-token pieces of the loss), `troll_token_loss` (their Eq. 5
 per token, to aggregate with verl's agg_loss), `kl_projection` (the projection on given atoms). The code is in
-three modules: this one (inputs, the per-token terms, the loss), `troll_support` (the sparse support from the
-logits, chunked, with its autograd; mu on the same atoms) and `troll_projection` (the projection and eta's solver).
+four modules: this one (inputs, the per-token terms, the loss), `troll_support` (the sparse support from the
+logits, chunked or by the kernels), `troll_support_grad` (pi on it with its autograd) and `troll_projection` (the
+projection and eta's solver).
 
 Per response token t, with pi the current policy, mu the rollout policy (known on the engine's top-K ids and on
 the sampled token a_t) and Top(q) = q's most probable tokens until their mass reaches SUPPORT_MASS, at most TOPK,
@@ -67,9 +68,15 @@ from verl_dppo.math.divergence import MAX_LOG_RATIO  # the DPPO modes' cap, for 
 from verl_dppo.math.kernels import CPU_CHUNK_BYTES, chunk_bytes_for
 from verl_dppo.math.topk import check_topk_inputs
 from verl_dppo.math.troll_projection import (  # noqa: F401  (LOG_ETA_BRACKET, SOLVER_STEPS: re-exported)
-    EPS, LOG_ETA_BRACKET, SOLVER_STEPS, Projection, _logsumexp, kl_projection,
+    EPS,
+    LOG_ETA_BRACKET,
+    SOLVER_STEPS,
+    Projection,
+    _logsumexp,
+    kl_projection,
 )
-from verl_dppo.math.troll_support import pi_on_support, top_selected
+from verl_dppo.math.troll_support import top_selected
+from verl_dppo.math.troll_support_grad import pi_on_support
 
 __all__ = [
     "EPS",
@@ -255,8 +262,9 @@ def troll_token_terms(
         TrollInputError: ids outside [0, V), a row repeating a top-K id, NaN/+inf top-K log-probs, mu's reported
             mass above 1 + mass_tolerance.
     """
-    check_topk_inputs(logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
-                      TrollInputError)
+    check_topk_inputs(
+        logits, rollout_topk_ids, rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask, TrollInputError
+    )
     chunk_bytes = chunk_bytes or chunk_bytes_for(logits.device)
     work_bytes = torch.finfo(torch.promote_types(logits.dtype, torch.float32)).bits // 8
     rows_per_chunk = max(1, chunk_bytes // (work_bytes * logits.shape[1]))
@@ -267,16 +275,36 @@ def troll_token_terms(
         )
 
     return troll_terms_from_support(
-        read_support, logits.shape[1], torch.promote_types(logits.dtype, torch.float32), rollout_topk_ids,
-        rollout_topk_logprobs, sampled_ids, rollout_sampled_logprobs, mask,
-        eps=eps, support_mass=support_mass, topk=topk, mass_tolerance=mass_tolerance,
+        read_support,
+        logits.shape[1],
+        torch.promote_types(logits.dtype, torch.float32),
+        rollout_topk_ids,
+        rollout_topk_logprobs,
+        sampled_ids,
+        rollout_sampled_logprobs,
+        mask,
+        eps=eps,
+        support_mass=support_mass,
+        topk=topk,
+        mass_tolerance=mass_tolerance,
     )
 
 
 def troll_terms_from_support(
-    read_support, vocab: int, out_dtype: torch.dtype, rollout_topk_ids, rollout_topk_logprobs, sampled_ids,
-    rollout_sampled_logprobs, mask=None, *, eps: float, support_mass: float, topk: int,
-    mass_tolerance: float = MASS_TOLERANCE, checks_everywhere: Sequence[Problem] = (),
+    read_support,
+    vocab: int,
+    out_dtype: torch.dtype,
+    rollout_topk_ids,
+    rollout_topk_logprobs,
+    sampled_ids,
+    rollout_sampled_logprobs,
+    mask=None,
+    *,
+    eps: float,
+    support_mass: float,
+    topk: int,
+    mass_tolerance: float = MASS_TOLERANCE,
+    checks_everywhere: Sequence[Problem] = (),
 ) -> TrollTerms:
     """`troll_token_terms` with pi read by `read_support(rows or None, sampled, mu_ids, mu_selected)` -> (ids,
     source, valid, log pi at the ids, log pi(other)) on the rows in the update: `pi_on_support` on the logits, or

@@ -36,7 +36,6 @@ class Projection(NamedTuple):
     projected: torch.Tensor
 
 
-
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     # torch.logsumexp is many times slower than this on CPU in float64; rows hold at least one finite entry.
     top = x.amax(dim=1, keepdim=True)
@@ -140,4 +139,3 @@ def kl_projection(log_pi: torch.Tensor, log_mu: torch.Tensor, eps: float = EPS) 
     kl_after = _kl(log_p.detach(), mu, present)
     log_p = torch.where(present, log_p, -math.inf)
     return Projection(log_p, eta0, kl_before, kl_after, projected)
-

@@ -1,6 +1,7 @@
-"""TROLL's sparse support from the full logits, chunk by chunk: pi on S_t U {other} with autograd (the logits saved,
-not copied; softmax recomputed in backward), and mu coarsened to the same atoms. Part of `verl_dppo.math.troll`, the
-public entry point (its module doc gives the support rule, the "other" bucket and what backward keeps).
+"""TROLL's sparse support from the full logits, chunk by chunk or by the kernels: S_t = {a_t} U Top(mu) U Top(pi),
+pi's normaliser and its tail. Part of `verl_dppo.math.troll`, the public entry point (its module doc gives the support
+rule, the "other" bucket and what backward keeps); `verl_dppo.math.troll_support_grad` is pi on S_t U {other} with
+autograd built on it (the logits saved, not copied; softmax recomputed in backward).
 """
 
 from __future__ import annotations
@@ -12,21 +13,28 @@ import torch
 
 from verl_dppo.math.kernels import (
     LANES,
-    backend_for,
     logits_at,
     max_and_sum_exp_outside,
-    scaled_exp_into,
     sum_exp_below,
     top_threshold,
 )
 
-__all__ = ["pi_on_support", "top_selected", "pi_read_width", "support_by_kernel",
-           "support_by_topk", "CandidateReads", "candidate_room", "read_candidates", "support_from_candidates"]
+__all__ = [
+    "top_selected",
+    "pi_read_width",
+    "support_by_kernel",
+    "support_by_topk",
+    "CandidateReads",
+    "candidate_room",
+    "read_candidates",
+    "support_from_candidates",
+]
 
 CANDIDATE_ROOM = 256
 """Room per row for pi's candidates in `support_by_kernel` (at least 4x pi's read width): a real row has a few more
 than k_pi + 1 (the lanes' threshold sits just below pi's (k_pi + 1)-th logit); a flat row of ties may have more,
 and is read again with torch's top-k."""
+
 
 def _candidates(sampled, mu_ids, pi_ids):
     """Every id that may enter S_t, {a_t} U mu's reported ids U Top-K(pi), sorted by id. `first` marks the first
@@ -90,8 +98,9 @@ def top_selected(values: torch.Tensor, probs: torch.Tensor, limit: int, support_
     return (mass_above < support_mass) & (group_end < limit)
 
 
-def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
-                     pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
+def support_in_chunk(
+    block, scratch, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float, pi_rows: Optional[torch.Tensor] = None
+) -> ChunkSupport:
     """S_t = {a_t} U Top(mu) U Top(pi) from a chunk's logits `block` [n, V] (`scratch`: a buffer of its shape,
     overwritten). Top(pi): pi's smallest prefix of its k_pi most likely ids holding `support_mass`, in whole tie
     groups (`top_selected`), only on `pi_rows` (bool [n]; None: every row). One pass over the vocabulary for the
@@ -102,8 +111,20 @@ def support_in_chunk(block, scratch, sampled, mu_ids, mu_selected, k_pi: int, su
     candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
     c_exp = torch.where(c_first, shifted_exp.gather(1, c_ids), 0.0)
     rest = shifted_exp.scatter_(1, candidates, 0.0).sum(dim=1)  # every id that is no candidate
-    return _support(top_logits, row_max.squeeze(1), rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected,
-                    k_pi, support_mass, pi_rows)
+    return _support(
+        top_logits,
+        row_max.squeeze(1),
+        rest,
+        c_ids,
+        c_source,
+        c_first,
+        c_exp,
+        sampled,
+        mu_selected,
+        k_pi,
+        support_mass,
+        pi_rows,
+    )
 
 
 class CandidateReads(NamedTuple):
@@ -129,21 +150,33 @@ def _picked(logits, rows, ids):
     return logits.gather(1, ids) if rows is None else logits[rows[:, None], ids]
 
 
-def read_candidates(logits, rows, known: torch.Tensor, width: int, capacity: int,
-                    known_sorted: Optional[torch.Tensor] = None) -> CandidateReads:
+def read_candidates(
+    logits, rows, known: torch.Tensor, width: int, capacity: int, known_sorted: Optional[torch.Tensor] = None
+) -> CandidateReads:
     """The kernels' two reads of the selected `rows` of the logits (`support_by_kernel`'s steps 1 and 2), and the
     logits at the candidates: `known` [n, 1 + K] (a_t, then mu's ids) and the columns found at pi's threshold.
     known_sorted: `kernels.sorted_excluded(known)`, when the caller sorted it once for many chunks."""
     row_max, threshold = top_threshold(logits, width - 1, rows)
     excluded = known if known_sorted is None else known_sorted
-    rest, count, found = sum_exp_below(logits, excluded, row_max, threshold, capacity, rows,
-                                       presorted=known_sorted is not None)
-    return CandidateReads(row_max, rest, count, found, _picked(logits, rows, found.clamp(min=0).long()),
-                          _picked(logits, rows, known))
+    rest, count, found = sum_exp_below(
+        logits, excluded, row_max, threshold, capacity, rows, presorted=known_sorted is not None
+    )
+    return CandidateReads(
+        row_max, rest, count, found, _picked(logits, rows, found.clamp(min=0).long()), _picked(logits, rows, known)
+    )
 
 
-def support_from_candidates(reads: CandidateReads, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
-                            width: int, pi_rows: Optional[torch.Tensor] = None, used: Optional[int] = None):
+def support_from_candidates(
+    reads: CandidateReads,
+    sampled,
+    mu_ids,
+    mu_selected,
+    k_pi: int,
+    support_mass: float,
+    width: int,
+    pi_rows: Optional[torch.Tensor] = None,
+    used: Optional[int] = None,
+):
     """S_t from what `read_candidates` read (no logits needed): (ChunkSupport, the logits at its slots in float32
     at least [n, slots], crowded bool [n]: rows with more columns at the threshold than `found` holds, whose
     S_t here is wrong and must be read another way). used: how many of `found`'s columns to look at (None: all;
@@ -161,14 +194,28 @@ def support_from_candidates(reads: CandidateReads, sampled, mu_ids, mu_selected,
     column_logits = torch.cat([known, torch.where(present, values, known[:, :1])], dim=1)
     _, c_ids, c_source, c_first = _candidates(sampled, mu_ids, pi_ids)
     c_exp = torch.where(c_first, (column_logits.gather(1, c_source) - reads.row_max[:, None]).exp(), 0.0)
-    support = _support(values[:, :width], reads.row_max, reads.rest, c_ids, c_source, c_first, c_exp, sampled,
-                       mu_selected, k_pi, support_mass, pi_rows, pi_columns=found.shape[1])
+    support = _support(
+        values[:, :width],
+        reads.row_max,
+        reads.rest,
+        c_ids,
+        c_source,
+        c_first,
+        c_exp,
+        sampled,
+        mu_selected,
+        k_pi,
+        support_mass,
+        pi_rows,
+        pi_columns=found.shape[1],
+    )
     slot_logits = torch.where(support.valid, column_logits.gather(1, support.source), known[:, :1])
     return support, slot_logits, reads.count > reads.found.shape[1]
 
 
-def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float,
-                      pi_rows: Optional[torch.Tensor] = None) -> ChunkSupport:
+def support_by_kernel(
+    logits, rows, sampled, mu_ids, mu_selected, k_pi: int, support_mass: float, pi_rows: Optional[torch.Tensor] = None
+) -> ChunkSupport:
     """`support_in_chunk` on the selected `rows` of the whole logits, read in place by two kernels
     (`verl_dppo.math.kernels`), no [n, V] temporary and no sort of the vocabulary:
 
@@ -190,14 +237,22 @@ def support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi: int, sup
     if reads.count.numel():  # the candidates' columns in use and the crowded rows' count: one wait
         most, crowded_rows = torch.stack([reads.count.max(), (reads.count > capacity).sum()]).tolist()
         used = max(width, min(most, capacity))
-    support, _, crowded = support_from_candidates(reads, sampled, mu_ids, mu_selected, k_pi, support_mass, width,
-                                                  pi_rows, used)
+    support, _, crowded = support_from_candidates(
+        reads, sampled, mu_ids, mu_selected, k_pi, support_mass, width, pi_rows, used
+    )
     if crowded_rows == 0:
         return support
     crowded = torch.argsort((~crowded).to(torch.uint8), stable=True)[:crowded_rows]  # ascending
-    again = support_by_topk(logits, crowded if rows is None else rows[crowded], sampled[crowded], mu_ids[crowded],
-                             mu_selected[crowded], k_pi, support_mass,
-                             None if pi_rows is None else pi_rows[crowded])
+    again = support_by_topk(
+        logits,
+        crowded if rows is None else rows[crowded],
+        sampled[crowded],
+        mu_ids[crowded],
+        mu_selected[crowded],
+        k_pi,
+        support_mass,
+        None if pi_rows is None else pi_rows[crowded],
+    )
     return _overwrite_rows(support, crowded, again, sampled)
 
 
@@ -210,8 +265,11 @@ def _overwrite_rows(support: ChunkSupport, at: torch.Tensor, other: ChunkSupport
         if extra == 0:
             return s
         pad = fill_ids[:, None].expand(-1, extra)
-        return s._replace(ids=torch.cat([s.ids, pad], dim=1), source=torch.cat([s.source, torch.zeros_like(pad)], 1),
-                          valid=torch.cat([s.valid, torch.zeros_like(pad, dtype=torch.bool)], dim=1))
+        return s._replace(
+            ids=torch.cat([s.ids, pad], dim=1),
+            source=torch.cat([s.source, torch.zeros_like(pad)], 1),
+            valid=torch.cat([s.valid, torch.zeros_like(pad, dtype=torch.bool)], dim=1),
+        )
 
     support, other = padded(support, sampled), padded(other, sampled[at])
     return ChunkSupport(*(mine.index_copy(0, at, theirs) for mine, theirs in zip(support, other)))
@@ -232,12 +290,26 @@ def support_by_topk(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_ma
     candidates, c_ids, c_source, c_first = _candidates(sampled, mu_ids, top_ids)
     _, rest = max_and_sum_exp_outside(logits, candidates, rows, row_max)
     c_exp = torch.where(c_first, (logits_at(logits, rows, c_ids) - row_max[:, None]).exp(), 0.0)
-    return _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi,
-                    support_mass, pi_rows)
+    return _support(
+        top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi, support_mass, pi_rows
+    )
 
 
-def _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled, mu_selected, k_pi, support_mass,
-             pi_rows=None, pi_columns: Optional[int] = None) -> ChunkSupport:
+def _support(
+    top_logits,
+    row_max,
+    rest,
+    c_ids,
+    c_source,
+    c_first,
+    c_exp,
+    sampled,
+    mu_selected,
+    k_pi,
+    support_mass,
+    pi_rows=None,
+    pi_columns: Optional[int] = None,
+) -> ChunkSupport:
     """S_t and pi's normaliser and tail from pi's top logits, the sum of exp(l - max) over the non-candidates
     (`rest`) and the candidates' own exp(l - max) (`c_exp`, 0 on repeats). pi_columns: how many of the candidate
     columns are pi's (None: as many as top_logits; more when pi's candidates go on past its top)."""
@@ -254,156 +326,3 @@ def _support(top_logits, row_max, rest, c_ids, c_source, c_first, c_exp, sampled
     order = (~keep).long().argsort(dim=1, stable=True)  # S_t first; padding slots repeat a_t
     ids = torch.where(keep, c_ids, sampled[:, None]).gather(1, order)
     return ChunkSupport(ids, c_source.gather(1, order), keep.gather(1, order), row_max, tail, log_z)
-
-
-class _PiOnSupport(torch.autograd.Function):
-    """log pi at the support ids and log pi(other) from the full logits, with Top(pi) and S_t found on the way.
-
-    Saves the logits (no copy), the support ids and [n]-sized log-normalisers; recomputes softmax in backward.
-    Two float32 chunk buffers are reused across chunks (fresh multi-MiB allocations cost page faults on CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace):
-        vocab = logits.shape[1]
-        n = sampled.shape[0]
-        k_pi = min(topk, vocab)
-        if backend_for(logits) == "triton":
-            s = support_by_kernel(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass)
-            ids, source, valid, log_z = s.ids, s.source, s.valid, s.log_z
-            log_pi = logits_at(logits, rows, ids) - log_z[:, None]
-            log_z_tail = s.row_max + s.tail.log()
-        else:
-            ids, source, valid, log_pi, log_z, log_z_tail = _support_by_chunks(
-                logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, rows_per_chunk
-            )
-        used = int(valid.sum(dim=1).max()) if n else 0
-        ids, source, valid = ids[:, :used].contiguous(), source[:, :used].contiguous(), valid[:, :used].contiguous()
-        log_pi = log_pi[:, :used].contiguous()
-        ctx.rows, ctx.rows_per_chunk, ctx.inplace = rows, rows_per_chunk, inplace
-        ctx.save_for_backward(logits, ids, valid, log_pi, log_z, log_z_tail)
-        ctx.mark_non_differentiable(ids, source, valid)
-        return ids, source, valid, log_pi, log_z_tail - log_z
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, _g_ids, _g_source, _g_valid, g_log_pi, g_log_other):
-        logits, ids, valid, log_pi, log_z, log_z_tail = ctx.saved_tensors
-        rows = ctx.rows
-        work = log_pi.dtype
-        g_s = torch.zeros_like(log_pi) if g_log_pi is None else torch.where(valid, g_log_pi.to(work), 0.0)
-        has_tail = torch.isfinite(log_z_tail)
-        g_o = torch.zeros_like(log_z) if g_log_other is None else torch.where(has_tail, g_log_other.to(work), 0.0)
-        # d/dl_j: on S, g_j - G pi_j; off S, q_j (g_o - G pi_o) with q = softmax of the tail (G = sum of all g).
-        total = g_s.sum(dim=1) + g_o
-        pi_other = torch.where(has_tail, (log_z_tail - log_z).exp(), 0.0)
-        tail_coef = g_o - total * pi_other
-        on_support = torch.where(valid, g_s - total[:, None] * log_pi.exp(), 0.0)
-        tail_base = torch.where(has_tail, log_z_tail, log_z)
-        grad = logits if ctx.inplace else torch.zeros_like(logits) if rows is not None else torch.empty_like(logits)
-        fill = _grad_by_kernel if backend_for(logits) == "triton" else _grad_by_chunks
-        if fill(grad, logits, rows, ctx.rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef, on_support):
-            raise RuntimeError(
-                "TROLL's backward found the logits changed since its forward: another backward overwrote them in "
-                "place (verl's flash-attn cross entropy with inplace_backward=True does). Take the loss's gradient "
-                "only through TROLL's outputs, or disable the in-place cross entropy (VERL_DISABLE_FLASH_ATTN_CE=1, "
-                "or calculate_entropy=True)"
-            )
-        if ctx.inplace and rows is not None:
-            unused = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-            unused[rows] = False
-            grad.masked_fill_(unused[:, None], 0.0)
-        return grad, None, None, None, None, None, None, None, None
-
-
-def _changed(reread: torch.Tensor, before: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Whether the support's log pi, re-read from the logits, differs from the forward's (NaN equal to NaN)."""
-    return (valid & (reread != before) & ~(reread.isnan() & before.isnan())).any()
-
-
-def _grad_by_chunks(grad, logits, rows, rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef,
-                    on_support) -> bool:
-    """The gradient chunk by chunk (torch); True if the logits changed since the forward (checked once, at the end:
-    a check per chunk would synchronise a GPU each time)."""
-    changed = torch.zeros((), dtype=torch.bool, device=logits.device)
-    for start, end, block, scratch in _ChunkReader(logits, rows, rows_per_chunk):
-        s_ids = ids[start:end]
-        changed |= _changed(block.gather(1, s_ids) - log_z[start:end, None], log_pi[start:end], valid[start:end])
-        q = torch.sub(block, tail_base[start:end, None], out=scratch).exp_().scatter_(1, s_ids, 0.0)
-        q.mul_(tail_coef[start:end, None]).scatter_add_(1, s_ids, on_support[start:end])
-        if rows is None:
-            grad[start:end].copy_(q)
-        else:
-            grad.index_copy_(0, rows[start:end], q.to(grad.dtype))
-    return bool(changed)
-
-
-def _grad_by_kernel(grad, logits, rows, _rows_per_chunk, ids, valid, log_pi, log_z, tail_base, tail_coef,
-                    on_support) -> bool:
-    """The gradient in one kernel pass (every column of the selected rows gets the tail's formula), then the
-    support's columns set to their own: [n, |S|] writes. The logits' check comes first: in place, grad is them."""
-    if bool(_changed(logits_at(logits, rows, ids) - log_z[:, None], log_pi, valid)):
-        return True
-    scaled_exp_into(grad, logits, tail_base, tail_coef, rows)
-    at = (ids,) if rows is None else (rows[:, None].expand_as(ids), ids)
-    # Padding slots repeat a_t with a zero gradient: zero everything on the support first, then add.
-    if rows is None:
-        grad.scatter_(1, ids, 0.0).scatter_add_(1, ids, on_support.to(grad.dtype))
-    else:
-        grad.index_put_(at, torch.zeros((), dtype=grad.dtype, device=grad.device))
-        grad.index_put_(at, on_support.to(grad.dtype), accumulate=True)
-    return False
-
-
-def _support_by_chunks(logits, rows, sampled, mu_ids, mu_selected, k_pi, support_mass, rows_per_chunk):
-    """(ids, source, valid, log pi at the ids, log Z, log Z of the tail) chunk by chunk (the torch path)."""
-    n, dev = sampled.shape[0], logits.device
-    reader = _ChunkReader(logits, rows, rows_per_chunk)
-    width = 1 + mu_ids.shape[1] + pi_read_width(k_pi, logits.shape[1])
-    ids = torch.empty(n, width, dtype=torch.long, device=dev)
-    source = torch.empty_like(ids)
-    valid = torch.empty(n, width, dtype=torch.bool, device=dev)
-    log_pi = torch.empty(n, width, dtype=reader.work, device=dev)
-    log_z = torch.empty(n, dtype=reader.work, device=dev)
-    log_z_tail = torch.empty_like(log_z)
-    for start, end, block, scratch in reader:
-        s = support_in_chunk(block, scratch, sampled[start:end], mu_ids[start:end], mu_selected[start:end], k_pi,
-                             support_mass)
-        ids[start:end], source[start:end], valid[start:end] = s.ids, s.source, s.valid
-        log_pi[start:end] = block.gather(1, s.ids) - s.log_z[:, None]
-        log_z[start:end] = s.log_z
-        log_z_tail[start:end] = s.row_max + s.tail.log()
-    return ids, source, valid, log_pi, log_z, log_z_tail
-
-
-class _ChunkReader:
-    """Iterates (start, end, block, scratch) over the selected rows: block holds the rows' logits in float32 at
-    least (a view of the logits when no conversion is needed: never written), scratch is a same-sized buffer."""
-
-    def __init__(self, logits: torch.Tensor, rows: Optional[torch.Tensor], rows_per_chunk: int):
-        self.logits, self.rows, self.step = logits, rows, rows_per_chunk
-        self.work = torch.promote_types(logits.dtype, torch.float32)
-        self.n = logits.shape[0] if rows is None else rows.numel()
-
-    def __iter__(self):
-        size = (min(self.step, self.n), self.logits.shape[1])
-        converted = torch.empty(size, dtype=self.work, device=self.logits.device)
-        scratch = torch.empty_like(converted)
-        for start in range(0, self.n, self.step):
-            end = min(start + self.step, self.n)
-            if self.rows is None:
-                source = self.logits[start:end]
-            else:
-                source = self.logits.index_select(0, self.rows[start:end])
-            if source.dtype == self.work:
-                block = source
-            else:
-                block = converted[: end - start]
-                block.copy_(source)
-            yield start, end, block, scratch[: end - start]
-
-
-pi_on_support = _PiOnSupport.apply
-"""(logits, rows, sampled, mu_ids, mu_selected, topk, support_mass, rows_per_chunk, inplace) -> (ids, source, valid,
-log pi at the ids, log pi(other)): see `_PiOnSupport`."""
-

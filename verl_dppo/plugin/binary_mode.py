@@ -35,13 +35,37 @@ class BinaryFamily(LossFamily):
         return at_hand if at_hand is not None else (tokens.ratio - 1.0).abs()
 
 
-FAMILY = BinaryFamily((
-    LossMode("dppo_binary_tv", "DPPO-Binary-TV: Eq. (12) with D = Eq. (13)", divergence=binary_tv, measure="tv",
-             paper_delta=0.15, label="bTV", color="#d62728"),
-    LossMode("dppo_binary_kl", "DPPO-Binary-KL: Eq. (12) with D = Eq. (14)", divergence=binary_kl, measure="kl",
-             paper_delta=0.05, label="bKL", color="#ff7f0e"),
-    LossMode("grpo_clip", "GRPO / Clip-Higher: ratio clip, Eq. (9); Relax: Sec. 6", divergence=ratio_deviation,
-             uses_divergence_thresholds=False, label="clip", color="#1f77b4", panels="clip"),
-    LossMode("pg_is", "PG-IS; with a finite ratio_cap, PG-TIS (= CISPO)", label="PG-IS", color="#7f7f7f",
-             panels="clip"),
-))
+FAMILY = BinaryFamily(
+    (
+        LossMode(
+            "dppo_binary_tv",
+            "DPPO-Binary-TV: Eq. (12) with D = Eq. (13)",
+            divergence=binary_tv,
+            measure="tv",
+            paper_delta=0.15,
+            label="bTV",
+            color="#d62728",
+        ),
+        LossMode(
+            "dppo_binary_kl",
+            "DPPO-Binary-KL: Eq. (12) with D = Eq. (14)",
+            divergence=binary_kl,
+            measure="kl",
+            paper_delta=0.05,
+            label="bKL",
+            color="#ff7f0e",
+        ),
+        LossMode(
+            "grpo_clip",
+            "GRPO / Clip-Higher: ratio clip, Eq. (9); Relax: Sec. 6",
+            divergence=ratio_deviation,
+            uses_divergence_thresholds=False,
+            label="clip",
+            color="#1f77b4",
+            panels="clip",
+        ),
+        LossMode(
+            "pg_is", "PG-IS; with a finite ratio_cap, PG-TIS (= CISPO)", label="PG-IS", color="#7f7f7f", panels="clip"
+        ),
+    )
+)

@@ -79,8 +79,16 @@ class IpoFamily(BinaryFamily):
         return {f"{self.metric_prefix}ipo_log_ratio_sq_mean": (sums[0], sums[1])}
 
 
-FAMILY = IpoFamily((
-    LossMode("ipo", "IPO (prime-rl): mask |pi - mu| > eps whatever the sign, Eq. (11)'s weight, tau (log pi/mu)^2",
-             divergence=binary_tv, measure="tv", label="IPO", color="#b15928",
-             demo=("IPO (prime-rl), eps 0.3, tau 0", (("delta_low", 0.3), ("delta_high", 0.3), ("ratio_cap", 10000.0)))),
-))
+FAMILY = IpoFamily(
+    (
+        LossMode(
+            "ipo",
+            "IPO (prime-rl): mask |pi - mu| > eps whatever the sign, Eq. (11)'s weight, tau (log pi/mu)^2",
+            divergence=binary_tv,
+            measure="tv",
+            label="IPO",
+            color="#b15928",
+            demo=("IPO (prime-rl), eps 0.3, tau 0", (("delta_low", 0.3), ("delta_high", 0.3), ("ratio_cap", 10000.0))),
+        ),
+    )
+)

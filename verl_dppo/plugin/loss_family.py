@@ -120,9 +120,16 @@ class LossFamily:
     def blocked(self, tokens: Tokens, divergence: Optional[torch.Tensor]) -> torch.Tensor:
         """Eq. (12): the tokens whose update moves D past delta in the direction A pushes (none without D)."""
         options = tokens.options
-        return trust_region_blocked(tokens.adv, tokens.log_ratio_to_anchor, divergence, options.delta_low,
-                                    options.delta_high, rollout_prob=tokens.mu_prob, relax_below=options.relax_below,
-                                    relax_side=options.relax_side)
+        return trust_region_blocked(
+            tokens.adv,
+            tokens.log_ratio_to_anchor,
+            divergence,
+            options.delta_low,
+            options.delta_high,
+            rollout_prob=tokens.mu_prob,
+            relax_below=options.relax_below,
+            relax_side=options.relax_side,
+        )
 
     def loss_matrix(self, tokens: Tokens, blocked: torch.Tensor) -> torch.Tensor:
         """Eq. (11) per token: -M_t * sg(min(r_t, C)) * A_t * log pi(a_t)."""

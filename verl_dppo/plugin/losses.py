@@ -23,8 +23,13 @@ import torch
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from verl_dppo.math.divergence import (MAX_LOG_RATIO, binary_kl_floored, floor_logprob, nearest_within_rounding,
-                                       rounding_radius)
+from verl_dppo.math.divergence import (
+    MAX_LOG_RATIO,
+    binary_kl_floored,
+    floor_logprob,
+    nearest_within_rounding,
+    rounding_radius,
+)
 from verl_dppo.plugin.paper_settings import inherited_thresholds_warning, tv_threshold_warning
 from verl_dppo.plugin.extras import DPPO_MODES, current_extras
 from verl_dppo.plugin.log_once import warn_once
@@ -67,8 +72,9 @@ def dppo_policy_loss(
     options, family_options, described = family.options(mode, config)
     _announce(mode.name, options, described)
     extras = current_extras()
-    rollout_log_prob = _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask,
-                                       rollout_is_weights)
+    rollout_log_prob = _checked_inputs(
+        mode, options, extras, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
+    )
     # mu: the policy that generated the data. Without the hook, old_log_prob is mu (bypass mode / direct call).
     mu_log_prob = rollout_log_prob if rollout_log_prob is not None else old_log_prob
     anchored_on_mu = options.anchor == "rollout"
@@ -84,18 +90,37 @@ def dppo_policy_loss(
     sanitized = not bool(torch.isfinite(probe))
     valid = response
     if sanitized:
-        pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(mode.name, response, pi, mu, anchor, adv,
-                                                               anchored_on_mu, unusable)
-    tokens = Tokens(mode=mode, options=options, family_options=family_options, log_prob=log_prob, pi=pi, mu=mu,
-                    anchor=anchor, adv=adv, response=response, valid=valid, sanitized=sanitized,
-                    anchored_on_mu=anchored_on_mu, hook=hook, unusable=unusable,
-                    **_measure(pi, mu, anchor, anchored_on_mu, options.ratio_cap, log_prob.dtype, mu_log_prob.dtype))
+        pi, mu, anchor, adv, unusable, valid = _drop_nonfinite(
+            mode.name, response, pi, mu, anchor, adv, anchored_on_mu, unusable
+        )
+    tokens = Tokens(
+        mode=mode,
+        options=options,
+        family_options=family_options,
+        log_prob=log_prob,
+        pi=pi,
+        mu=mu,
+        anchor=anchor,
+        adv=adv,
+        response=response,
+        valid=valid,
+        sanitized=sanitized,
+        anchored_on_mu=anchored_on_mu,
+        hook=hook,
+        unusable=unusable,
+        **_measure(pi, mu, anchor, anchored_on_mu, options.ratio_cap, log_prob.dtype, mu_log_prob.dtype),
+    )
     blocked = family.blocked(tokens, family.divergence(tokens))
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {})
-    loss = agg_loss(loss_mat=family.loss_matrix(tokens, blocked), loss_mask=response, loss_agg_mode=loss_agg_mode,
-                    **global_batch_info)
-    metrics, ratio_parts = _diagnostics(tokens, blocked & valid, (tokens.ratio >= options.ratio_cap) & family.truncates,
-                                        extras)
+    loss = agg_loss(
+        loss_mat=family.loss_matrix(tokens, blocked),
+        loss_mask=response,
+        loss_agg_mode=loss_agg_mode,
+        **global_batch_info,
+    )
+    metrics, ratio_parts = _diagnostics(
+        tokens, blocked & valid, (tokens.ratio >= options.ratio_cap) & family.truncates, extras
+    )
     own = {**family.metrics(tokens), **_rows_mass(family, extras, valid)}
     ratio_parts.update(own)
     metrics.update(ratios(own))
@@ -113,8 +138,10 @@ def dppo_policy_loss(
 def _announce(mode_name: str, options, described: str) -> None:
     """Once per process and setting: the values in effect, and what in them is probably not meant."""
     warn_once(("in effect", mode_name, described), "verl-dppo %s in effect: %s", mode_name, described)
-    for kind, warning in (("wide", tv_threshold_warning(mode_name, options.delta_low, options.delta_high)),
-                          ("inherited", inherited_thresholds_warning(mode_name, options))):
+    for kind, warning in (
+        ("wide", tv_threshold_warning(mode_name, options.delta_low, options.delta_high)),
+        ("inherited", inherited_thresholds_warning(mode_name, options)),
+    ):
         if warning:
             warn_once((kind, mode_name, described), "verl-dppo %s", warning)
 
@@ -132,8 +159,14 @@ def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, r
     """The shapes, the settings the mode's family refuses, and the anchor's inputs; returns the rollout log-probs
     (mu) the hook handed over, or None."""
     rollout_log_prob = extras.rollout_log_probs if extras is not None else None
-    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
-                  rollout_log_probs=rollout_log_prob, entropy=extras.entropy if extras is not None else None)
+    _check_shapes(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_log_probs=rollout_log_prob,
+        entropy=extras.entropy if extras is not None else None,
+    )
     if rollout_is_weights is not None:
         warn_once(
             "is_weights",
@@ -171,10 +204,12 @@ def _measure(pi, mu, anchor, anchored_on_mu, ratio_cap, pi_dtype, mu_dtype) -> d
     mu_near_prob = torch.exp(mu_floored)
     drop = mu_near_prob - torch.exp(pi_floored)  # mu(a_t) - pi(a_t), at the nearest pair
     return dict(
-        ratio=ratio, weight=ratio.clamp(max=ratio_cap),
+        ratio=ratio,
+        weight=ratio.clamp(max=ratio_cap),
         log_ratio_to_anchor=log_ratio if anchored_on_mu else pi - anchor,
         mu_prob=torch.exp(floor_logprob(mu)),  # mu(a_t) as given
-        drop=drop, mismatch_tv=drop.abs(),  # Eq. (13) against mu
+        drop=drop,
+        mismatch_tv=drop.abs(),  # Eq. (13) against mu
         mismatch_kl=binary_kl_floored(mu_floored, pi_floored, mu_near_prob),  # Eq. (14) against mu
     )
 
@@ -218,8 +253,9 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, un
     return pi, mu, anchor, adv, unusable, valid
 
 
-def _diagnostics(tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor,
-                 extras: Any) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+def _diagnostics(
+    tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor, extras: Any
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Every diagnostic reduced on device to a few scalars, read back in one host transfer: `blocked` the masked
     valid tokens, `truncated` those whose ratio reached the cap, `extras` the entropy and the lags where the batch
     has them.
@@ -235,25 +271,53 @@ def _diagnostics(tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor,
     threshold = tokens.options.max_off_policy_threshold
     valid_f, blocked_f = valid.float().view(-1), blocked.float().view(-1)
     positive, negative = adv > 0, adv < 0
-    counts = torch.stack([
-        valid, blocked,
-        positive & valid, blocked & positive,
-        negative & valid, blocked & negative,
-        negative & valid & (drop > BAD_UPDATE_DROP), truncated & valid,
-    ]).view(8, -1).sum(dim=1).float()
-    sums = torch.stack([
-        tokens.response.sum().float(),
-        torch.dot(mismatch_tv.view(-1), valid_f),
-        torch.dot(tokens.mismatch_kl.view(-1), valid_f),
-        torch.dot(tokens.log_ratio_to_anchor.view(-1), valid_f),
-        torch.dot(tokens.mu_prob.view(-1), blocked_f),
-        torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
-        (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
-    ])
+    counts = (
+        torch.stack(
+            [
+                valid,
+                blocked,
+                positive & valid,
+                blocked & positive,
+                negative & valid,
+                blocked & negative,
+                negative & valid & (drop > BAD_UPDATE_DROP),
+                truncated & valid,
+            ]
+        )
+        .view(8, -1)
+        .sum(dim=1)
+        .float()
+    )
+    sums = torch.stack(
+        [
+            tokens.response.sum().float(),
+            torch.dot(mismatch_tv.view(-1), valid_f),
+            torch.dot(tokens.mismatch_kl.view(-1), valid_f),
+            torch.dot(tokens.log_ratio_to_anchor.view(-1), valid_f),
+            torch.dot(tokens.mu_prob.view(-1), blocked_f),
+            torch.dot(entropy.float().reshape(-1), blocked_f) if entropy is not None else valid_f.new_zeros(()),
+            (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
+        ]
+    )
     stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv, threshold)]  # one transfer
     values = torch.cat([counts, sums, *stale]).tolist()
-    (n_valid, n_blocked, n_pos, n_blocked_pos, n_neg, n_blocked_neg, n_bad, n_truncated, n_response, tv_sum,
-     kl_sum, log_ratio_sum, masked_mu_sum, masked_entropy_sum, tv_max) = values[:15]
+    (
+        n_valid,
+        n_blocked,
+        n_pos,
+        n_blocked_pos,
+        n_neg,
+        n_blocked_neg,
+        n_bad,
+        n_truncated,
+        n_response,
+        tv_sum,
+        kl_sum,
+        log_ratio_sum,
+        masked_mu_sum,
+        masked_entropy_sum,
+        tv_max,
+    ) = values[:15]
 
     parts = {
         "actor/pg_clipfrac": (n_blocked, n_valid),
@@ -272,9 +336,12 @@ def _diagnostics(tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor,
     if lags is not None:
         parts.update(staleness_parts(values[15:], threshold))
         if threshold is not None and parts[OVER_THRESHOLD][0] > 0:
-            warn_once("over_threshold", f"some samples are {threshold}+ policy versions older than the trainer "
-                       f"(policy_loss.max_off_policy_threshold={threshold}): older than verl's replay buffer keeps; "
-                       f"counted in {OVER_THRESHOLD}.")
+            warn_once(
+                "over_threshold",
+                f"some samples are {threshold}+ policy versions older than the trainer "
+                f"(policy_loss.max_off_policy_threshold={threshold}): older than verl's replay buffer keeps; "
+                f"counted in {OVER_THRESHOLD}.",
+            )
     metrics = ratios(parts)
     metrics["actor/dppo/mismatch_tv_max"] = tv_max
     return metrics, parts

@@ -32,8 +32,12 @@ def dump(folder: str, model_output: Any, data: Any, extras: Any) -> None:
     pi = no_padding_2_padding(model_output["log_probs"], data).detach()
     mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(torch.bool)
     # the dtypes the loss reads the rounding of (losses._measure: a bf16 log-prob does not resolve 1 - p below eps)
-    record = {"mu": extras.rollout_log_probs.float()[mask].cpu(), "pi": pi.float()[mask].cpu(),
-              "mu_dtype": str(extras.rollout_log_probs.dtype), "pi_dtype": str(pi.dtype)}
+    record = {
+        "mu": extras.rollout_log_probs.float()[mask].cpu(),
+        "pi": pi.float()[mask].cpu(),
+        "mu_dtype": str(extras.rollout_log_probs.dtype),
+        "pi_dtype": str(pi.dtype),
+    }
     for name in ("topk_tv", "topk_kl", "topk_mass"):
         value = getattr(extras, name, None)
         if value is not None:

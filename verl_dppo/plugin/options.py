@@ -17,8 +17,18 @@ from typing import Any, Callable, Optional
 
 from verl_dppo.math.trust_region import RELAX_SIDES
 
-__all__ = ["ANCHORS", "DEFAULTS", "FALLBACK_KEYS", "RULES", "ResolvedOptions", "checked", "checked_fields",
-           "policy_loss_get", "read_key", "resolve_options"]
+__all__ = [
+    "ANCHORS",
+    "DEFAULTS",
+    "FALLBACK_KEYS",
+    "RULES",
+    "ResolvedOptions",
+    "checked",
+    "checked_fields",
+    "policy_loss_get",
+    "read_key",
+    "resolve_options",
+]
 
 ANCHORS = ("rollout", "recompute")
 
@@ -57,8 +67,11 @@ RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "relax_below": ("float", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (alpha, Sec. 6)"),
     "relax_side": ("choice", lambda v: v in RELAX_SIDES, f"one of {RELAX_SIDES}"),
     "topk": ("integer", None, "an integer >= 1"),
-    "max_off_policy_threshold": ("integer", None, "null or an integer >= 1 (verl's "
-                                 "trainer.v1.sampler.max_off_policy_threshold)"),
+    "max_off_policy_threshold": (
+        "integer",
+        None,
+        "null or an integer >= 1 (verl's trainer.v1.sampler.max_off_policy_threshold)",
+    ),
     "troll_eps": ("float", lambda v: v > 0 and math.isfinite(v), "a finite number > 0 (TROLL: 0.05)"),
     "troll_alpha": ("float", _finite_at_least_0, "a finite number >= 0 (TROLL: 1.0)"),
     "troll_support_mass": ("float", lambda v: 0 < v <= 1, "in (0, 1] (TROLL: 1 - 1e-5)"),

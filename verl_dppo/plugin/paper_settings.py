@@ -16,8 +16,14 @@ from verl_dppo.plugin.modes import mode_named
 if TYPE_CHECKING:
     from verl_dppo.plugin.options import ResolvedOptions
 
-__all__ = ["CAP_RANGE", "PAPER_RANGE", "inherited_out_of_range_problem", "inherited_thresholds_warning",
-           "tv_threshold_warning", "unusual_thresholds_warning"]
+__all__ = [
+    "CAP_RANGE",
+    "PAPER_RANGE",
+    "inherited_out_of_range_problem",
+    "inherited_thresholds_warning",
+    "tv_threshold_warning",
+    "unusual_thresholds_warning",
+]
 
 
 PAPER_RANGE = {"tv": (0.15, 1.0), "kl": (0.05, 0.05)}
@@ -40,10 +46,12 @@ def _kind(loss_mode: str) -> str:
 
 
 def _paper_fix(delta: float) -> str:
-    return ("actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
-            f"+actor_rollout_ref.actor.policy_loss.delta_low={delta:g} "
-            f"+actor_rollout_ref.actor.policy_loss.delta_high={delta:g} "
-            "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000 (README: From GRPO)")
+    return (
+        "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig "
+        f"+actor_rollout_ref.actor.policy_loss.delta_low={delta:g} "
+        f"+actor_rollout_ref.actor.policy_loss.delta_high={delta:g} "
+        "+actor_rollout_ref.actor.policy_loss.ratio_cap=10000 (README: From GRPO)"
+    )
 
 
 def _outside(loss_mode: str, options: "ResolvedOptions") -> dict[str, str]:
@@ -88,8 +96,10 @@ def inherited_out_of_range_problem(loss_mode: str, options: "ResolvedOptions") -
         effects.append("a threshold that large lets through updates the paper's trust region blocks")
     if "ratio_cap" in off:
         effects.append(f"a cap below {CAP_RANGE[0]:g} truncates the weight pi/mu harder than any of the paper's runs")
-    return (f"{loss_mode}: {values} inherited from verl's ratio clip, outside the {_range_text(loss_mode)}: "
-            f"{'; '.join(effects)}. Set the paper's values: {_paper_fix(delta)}")
+    return (
+        f"{loss_mode}: {values} inherited from verl's ratio clip, outside the {_range_text(loss_mode)}: "
+        f"{'; '.join(effects)}. Set the paper's values: {_paper_fix(delta)}"
+    )
 
 
 def unusual_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> Optional[str]:
@@ -107,15 +117,18 @@ def unusual_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> Op
         values = " ".join(f"{name}={getattr(options, name):g}" for name in deltas)
         tv_low, tv_high = PAPER_RANGE["tv"]
         if kind == "kl" and any(tv_low <= getattr(options, name) <= tv_high for name in deltas):
-            said.append(f"{values}: a TV-sized threshold (DPPO-TV's {mode_named('dppo_binary_tv').paper_delta:g}, "
-                        f"the README's TV lines), outside the {_range_text(loss_mode)}: set delta_low and delta_high "
-                        f"to the paper's KL value {delta:g}")
+            said.append(
+                f"{values}: a TV-sized threshold (DPPO-TV's {mode_named('dppo_binary_tv').paper_delta:g}, "
+                f"the README's TV lines), outside the {_range_text(loss_mode)}: set delta_low and delta_high "
+                f"to the paper's KL value {delta:g}"
+            )
         else:
-            said.append(f"{values} outside the {_range_text(loss_mode)}: the paper's {kind.upper()} value is "
-                        f"{delta:g}")
+            said.append(f"{values} outside the {_range_text(loss_mode)}: the paper's {kind.upper()} value is {delta:g}")
     if "ratio_cap" in off:
-        said.append(f"ratio_cap={options.ratio_cap:g} below every cap the paper and the recipes use ({CAP_RANGE[0]:g} "
-                    "and up): the paper's runs use 10000, no truncation (Sec. 5.4: truncating hurts)")
+        said.append(
+            f"ratio_cap={options.ratio_cap:g} below every cap the paper and the recipes use ({CAP_RANGE[0]:g} "
+            "and up): the paper's runs use 10000, no truncation (Sec. 5.4: truncating hurts)"
+        )
     return f"{loss_mode}: " + "; ".join(said) if said else None
 
 
@@ -126,6 +139,7 @@ def inherited_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> 
     if not options.sources or _paper_mode(loss_mode) is None:
         return None
     delta = _paper_mode(loss_mode).paper_delta
+
     def is_paper(source: str) -> bool:
         key, value = source.split("=", 1)
         return float(value) >= 10000.0 if key == "clip_ratio_c" else math.isclose(float(value), delta)
@@ -133,9 +147,11 @@ def inherited_thresholds_warning(loss_mode: str, options: "ResolvedOptions") -> 
     off = [source for source in options.sources if not is_paper(source)]
     if not off:  # inherited, but the paper's values (the recipes put the cap in clip_ratio_c)
         return None
-    return (f"{loss_mode}: {' '.join(off)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
-            f"the paper's settings (delta {delta:g} both sides, no cap: ratio_cap 10000): set them with "
-            f"{_paper_fix(delta)}")
+    return (
+        f"{loss_mode}: {' '.join(off)} inherited from verl's ratio clip (actor.clip_ratio_*), not "
+        f"the paper's settings (delta {delta:g} both sides, no cap: ratio_cap 10000): set them with "
+        f"{_paper_fix(delta)}"
+    )
 
 
 def tv_threshold_warning(loss_mode: str, delta_low: float, delta_high: float) -> Optional[str]:
@@ -147,7 +163,8 @@ def tv_threshold_warning(loss_mode: str, delta_low: float, delta_high: float) ->
     above = [f"{name}={value:g}" for name, value in (("delta_low", delta_low), ("delta_high", delta_high)) if value > 1]
     if not above:
         return None
-    return (f"{loss_mode}: {' and '.join(above)} exceeds 1, the largest total variation: that side masks nothing "
-            "(no trust region; 1.0 says so on purpose). TV thresholds are fractions such as 0.15, not KL values or "
-            "percentages")
-
+    return (
+        f"{loss_mode}: {' and '.join(above)} exceeds 1, the largest total variation: that side masks nothing "
+        "(no trust region; 1.0 says so on purpose). TV thresholds are fractions such as 0.15, not KL values or "
+        "percentages"
+    )

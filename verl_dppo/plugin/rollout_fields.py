@@ -13,8 +13,17 @@ from typing import Any, Optional
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["CUSTOM_KEY", "EXTRA_IDS", "EXTRA_LOGPROBS", "HF_ROLLOUT", "SAMPLE_KWARG", "raw_logprobs_problem", "rollout_topk",
-           "truncated_sampling_problem", "warn_truncated_sampling"]
+__all__ = [
+    "CUSTOM_KEY",
+    "EXTRA_IDS",
+    "EXTRA_LOGPROBS",
+    "HF_ROLLOUT",
+    "SAMPLE_KWARG",
+    "raw_logprobs_problem",
+    "rollout_topk",
+    "truncated_sampling_problem",
+    "warn_truncated_sampling",
+]
 
 CUSTOM_KEY = "dppo_topk"
 """Key in actor_rollout_ref.rollout.custom that carries K to the servers (written by the driver-side patch)."""
@@ -35,7 +44,11 @@ both, so that the patch a cluster process loads never imports the CPU rehearsal.
 
 def rollout_topk(rollout_config: Any) -> Optional[int]:
     """K requested by the run (written by the driver from policy_loss.topk), or None when Top-K is off."""
-    custom = rollout_config.get("custom", None) if hasattr(rollout_config, "get") else getattr(rollout_config, "custom", None)
+    custom = (
+        rollout_config.get("custom", None)
+        if hasattr(rollout_config, "get")
+        else getattr(rollout_config, "custom", None)
+    )
     if not custom:
         return None
     value = custom.get(CUSTOM_KEY, None)
@@ -56,21 +69,29 @@ def truncated_sampling_problem(mode: str, rollout: Any) -> Optional[str]:
     logprobs_mode = rollout.get("logprobs_mode", "processed_logprobs") or "processed_logprobs"
     if not _truncated(top_p, top_k) or logprobs_mode != "processed_logprobs":
         return None
-    return (f"{mode} compares pi with mu's top-K rows, but the rollout samples with top_p={top_p}, top_k={top_k} and "
-            "rollout.logprobs_mode=processed_logprobs: the engine's log-probs (the rows and the sampled token's) are "
-            "then of the truncated, renormalised distribution, not of the policy the actor scores. Set "
-            "actor_rollout_ref.rollout.top_p=1.0 and actor_rollout_ref.rollout.top_k=-1")
+    return (
+        f"{mode} compares pi with mu's top-K rows, but the rollout samples with top_p={top_p}, top_k={top_k} and "
+        "rollout.logprobs_mode=processed_logprobs: the engine's log-probs (the rows and the sampled token's) are "
+        "then of the truncated, renormalised distribution, not of the policy the actor scores. Set "
+        "actor_rollout_ref.rollout.top_p=1.0 and actor_rollout_ref.rollout.top_k=-1"
+    )
 
 
 def raw_logprobs_problem(mode: str, rollout: Any) -> Optional[str]:
     """vLLM's `raw_logprobs` are of the logits before temperature: at a rollout temperature other than 1 they (and
     mu's top-K rows) are not of the distribution the rollout sampled from. None when the settings are fine."""
     temperature = rollout.get("temperature", 1.0)
-    if rollout.get("logprobs_mode", None) != "raw_logprobs" or temperature is None or abs(float(temperature) - 1.0) < 1e-6:
+    if (
+        rollout.get("logprobs_mode", None) != "raw_logprobs"
+        or temperature is None
+        or abs(float(temperature) - 1.0) < 1e-6
+    ):
         return None
-    return (f"{mode} compares pi with mu's top-K rows, but rollout.logprobs_mode=raw_logprobs reports log-probs before "
-            f"temperature and the rollout samples at temperature={temperature}: set "
-            "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs (verl's default)")
+    return (
+        f"{mode} compares pi with mu's top-K rows, but rollout.logprobs_mode=raw_logprobs reports log-probs before "
+        f"temperature and the rollout samples at temperature={temperature}: set "
+        "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs (verl's default)"
+    )
 
 
 def warn_truncated_sampling(sampling_params: dict, logprobs_mode: Optional[str]) -> None:

@@ -18,9 +18,15 @@ from typing import Any
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["ASYNC_TRAINER_MODES", "RunConfigError", "async_trainer_mode", "check_run_config", "is_plugin_mode",
-           "fsdp_router_replay_warning",
-           "recompute_pass_warning"]
+__all__ = [
+    "ASYNC_TRAINER_MODES",
+    "RunConfigError",
+    "async_trainer_mode",
+    "check_run_config",
+    "is_plugin_mode",
+    "fsdp_router_replay_warning",
+    "recompute_pass_warning",
+]
 
 
 ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
@@ -129,14 +135,16 @@ def fsdp_router_replay_warning(config: Any) -> str | None:
     mode = str(((actor.get("fsdp_config", None) or {}).get("router_replay", None) or {}).get("mode", "disabled"))
     if mode != "disabled" or not config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
         return None
-    return ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True returns the rollout's routes, but nothing "
-            "replays them: set +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 (rollout router replay on "
-            "the FSDP engine; measure: the mismatch counted, nothing replayed) or leave the setting out.")
+    return (
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True returns the rollout's routes, but nothing "
+        "replays them: set +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 (rollout router replay on "
+        "the FSDP engine; measure: the mismatch counted, nothing replayed) or leave the setting out."
+    )
 
 
 def fsdp_router_replay_problem(config: Any) -> str | None:
     """Router replay asked of verl's FSDP engine where it cannot act; None where it can, or where none is asked.
-    The plugin replays R3 there (verl_dppo.plugin.router_replay): the rollout must return its routes (vLLM's
+    The plugin replays R3 there (verl_dppo.plugin.moe.router_replay): the rollout must return its routes (vLLM's
     `enable_return_routed_experts`, which verl asks for with `enable_rollout_routing_replay`; the plugin's hf rollout
     records its own model's routers the same way) and the engine must pack
     the tokens (use_remove_padding). `measure` (the plugin's: the routes compared with the trainer's routers, not
@@ -152,15 +160,21 @@ def fsdp_router_replay_problem(config: Any) -> str | None:
     if mode == "disabled":
         return None
     if mode not in ("R3", "measure"):
-        return (f"{key}={mode}: the FSDP engine replays R3 only, or measures the routing mismatch without replaying "
-                "(measure; R2 records routes in a recompute pass, which verl 0.9.1 implements on its Megatron "
-                "engine): set R3 or measure, or model_engine=megatron for R2.")
+        return (
+            f"{key}={mode}: the FSDP engine replays R3 only, or measures the routing mismatch without replaying "
+            "(measure; R2 records routes in a recompute pass, which verl 0.9.1 implements on its Megatron "
+            "engine): set R3 or measure, or model_engine=megatron for R2."
+        )
     if not returned:
-        return (f"{key}={mode} reads the rollout's routes, which the rollout returns only with "
-                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True: set it.")
+        return (
+            f"{key}={mode} reads the rollout's routes, which the rollout returns only with "
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True: set it."
+        )
     if not config.actor_rollout_ref.model.get("use_remove_padding", True):
-        return (f"{key}={mode} lays the routes out as the FSDP engine packs tokens: set "
-                "actor_rollout_ref.model.use_remove_padding=True.")
+        return (
+            f"{key}={mode} lays the routes out as the FSDP engine packs tokens: set "
+            "actor_rollout_ref.model.use_remove_padding=True."
+        )
     return _r3_model_problem(config, key, mode)
 
 
@@ -171,7 +185,7 @@ R3_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "qwen2_moe": "Qwen2MoeTopKR
 def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
     """R3 on FSDP on a model whose config.json (readable here) shows no router R3 replays: said before the launch,
     not at the first micro-batch after the model load and the first rollout. Nothing where it is not readable here."""
-    from verl_dppo.plugin.router_replay import config_experts, model_config
+    from verl_dppo.plugin.moe.router_replay import config_experts, model_config
 
     path = str(config.actor_rollout_ref.model.get("path", ""))
     model = model_config(path)
@@ -179,12 +193,16 @@ def _r3_model_problem(config: Any, key: str, mode: str) -> str | None:
         return None
     kind = str(model.get("model_type", "?"))
     if not config_experts(model):
-        return (f"{key}={mode}, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
-                "(drop the R3 settings).")
+        return (
+            f"{key}={mode}, but {path}/config.json ({kind}) names no routed experts: a dense model routes nothing "
+            "(drop the R3 settings)."
+        )
     if kind not in R3_MODEL_TYPES:
-        return (f"{key}={mode}, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine "
-                f"does not replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers "
-                "it, or no R3.")
+        return (
+            f"{key}={mode}, but {path}/config.json is an MoE of type {kind}, whose router R3 on the FSDP engine "
+            f"does not replay (it replays {', '.join(R3_MODEL_TYPES)}): model_engine=megatron, whose R3 covers "
+            "it, or no R3."
+        )
     return None
 
 
@@ -192,8 +210,8 @@ def router_replay_model_problem(config: Any) -> str | None:
     """A router replay on verl's Megatron or VeOmni engine (verl's R2/R3) on a model whose config.json (readable
     here) names no routed experts: it would stop on the cluster, after the model load. On FSDP
     `fsdp_router_replay_problem` says it (with the router types the plugin's replay knows). None otherwise."""
-    from verl_dppo.plugin.moe_arm import replay_mode
-    from verl_dppo.plugin.router_replay import model_experts
+    from verl_dppo.plugin.moe.arm import replay_mode
+    from verl_dppo.plugin.moe.router_replay import model_experts
 
     mode, section = replay_mode(config)
     if mode == "disabled" or section in (None, "fsdp_config"):
@@ -201,8 +219,10 @@ def router_replay_model_problem(config: Any) -> str | None:
     path = str(config.actor_rollout_ref.model.get("path", ""))
     if model_experts(path) != 0:
         return None
-    return (f"actor_rollout_ref.actor.{section}.router_replay.mode={mode}, but the model's config.json ({path}) names "
-            "no routed experts: a dense model routes nothing (drop the router replay settings)")
+    return (
+        f"actor_rollout_ref.actor.{section}.router_replay.mode={mode}, but the model's config.json ({path}) names "
+        "no routed experts: a dense model routes nothing (drop the router replay settings)"
+    )
 
 
 def _check_ulysses_attention(config: Any) -> None:
@@ -217,7 +237,10 @@ def _check_ulysses_attention(config: Any) -> None:
         return
     for role in ("actor", "ref"):
         node = arr.get(role, None) or {}
-        if str(node.get("strategy", "fsdp")).startswith("fsdp") and int(node.get("ulysses_sequence_parallel_size", 1) or 1) > 1:
+        if (
+            str(node.get("strategy", "fsdp")).startswith("fsdp")
+            and int(node.get("ulysses_sequence_parallel_size", 1) or 1) > 1
+        ):
             raise RunConfigError(
                 f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={node.ulysses_sequence_parallel_size} with "
                 f"actor_rollout_ref.model.override_config.attn_implementation={attention}: verl 0.9.1's Ulysses "
@@ -239,12 +262,16 @@ def _check_lora_section(config: Any) -> None:
     arr = config.actor_rollout_ref
     model = arr.get("model", None) or {}
     section = model.get("lora", None) or {}
-    if str(arr.actor.get("strategy", "")) in ("fsdp", "fsdp2") and int(section.get("rank", 0) or 0) > 0 \
-            and int(model.get("lora_rank", 0) or 0) == 0:
+    if (
+        str(arr.actor.get("strategy", "")) in ("fsdp", "fsdp2")
+        and int(section.get("rank", 0) or 0) > 0
+        and int(model.get("lora_rank", 0) or 0) == 0
+    ):
         raise RunConfigError(
             f"actor_rollout_ref.model.lora.rank={section.get('rank')} is verl's Megatron LoRA section, which the FSDP "
             "engine does not read (it would train every weight): on FSDP set actor_rollout_ref.model.lora_rank, "
-            "lora_alpha and target_modules instead, or train on model_engine=megatron.")
+            "lora_alpha and target_modules instead, or train on model_engine=megatron."
+        )
 
 
 def check_run_config(config: Any) -> list[str]:
@@ -283,7 +310,11 @@ def check_run_config(config: Any) -> list[str]:
             "policy_loss.anchor=rollout)."
         )
     temperature = float(rollout.get("temperature", 1.0))
-    if rollout.get("name", None) == "vllm" and str(rollout.get("logprobs_mode", "")).startswith("raw_") and temperature != 1.0:
+    if (
+        rollout.get("name", None) == "vllm"
+        and str(rollout.get("logprobs_mode", "")).startswith("raw_")
+        and temperature != 1.0
+    ):
         raise RunConfigError(
             f"{mode}: rollout.logprobs_mode={rollout.logprobs_mode} makes vLLM report log-probs before temperature, "
             f"while the actor divides its logits by rollout.temperature={temperature:g}: pi and mu would differ by "
@@ -299,7 +330,7 @@ def check_run_config(config: Any) -> list[str]:
                 f"{mode} under {switch} needs the rollout's per-token log-probs (mu, the policy version that sampled "
                 "each token): set actor_rollout_ref.rollout.calculate_log_probs=True."
             )
-        sampler = ((config.trainer.get("v1", None) or {}).get("sampler", None) or {})
+        sampler = (config.trainer.get("v1", None) or {}).get("sampler", None) or {}
         kept = sampler.get("max_off_policy_threshold", 8)
         counted = arr.actor.policy_loss.get("max_off_policy_threshold", None)
         if kept != counted:
@@ -340,6 +371,8 @@ def recompute_pass_warning(config: Any) -> str | None:
     arr = config.actor_rollout_ref
     if arr.actor.policy_loss.get("anchor", "rollout") != "rollout" or not arr.rollout.get("calculate_log_probs", False):
         return None
-    return (f"{mode}: algorithm.rollout_correction.bypass_mode=False: verl recomputes the old log-probs every step, a "
-            f"forward pass over the whole batch (about a quarter of a step, docs/anchor.md) whose result {mode}, "
-            "anchored on the rollout's log-probs, does not use: set algorithm.rollout_correction.bypass_mode=True")
+    return (
+        f"{mode}: algorithm.rollout_correction.bypass_mode=False: verl recomputes the old log-probs every step, a "
+        f"forward pass over the whole batch (about a quarter of a step, docs/anchor.md) whose result {mode}, "
+        "anchored on the rollout's log-probs, does not use: set algorithm.rollout_correction.bypass_mode=True"
+    )

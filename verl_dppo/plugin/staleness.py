@@ -26,8 +26,17 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["TRAINER_VERSION", "SAMPLED_VERSION", "LAG_BUCKETS", "OVER_THRESHOLD", "record_trainer_version",
-           "trainer_version", "sample_lags", "staleness_sums", "staleness_parts"]
+__all__ = [
+    "TRAINER_VERSION",
+    "SAMPLED_VERSION",
+    "LAG_BUCKETS",
+    "OVER_THRESHOLD",
+    "record_trainer_version",
+    "trainer_version",
+    "sample_lags",
+    "staleness_sums",
+    "staleness_parts",
+]
 
 TRAINER_VERSION = "dppo_trainer_version"
 """Non-tensor field of a training mini-batch: the `global_steps` of the actor's last weight push."""
@@ -78,8 +87,13 @@ def sample_lags(data: Any) -> Optional[torch.Tensor]:
     return torch.tensor(lags, dtype=torch.float32)
 
 
-def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tensor, mismatch_tv: torch.Tensor,
-                   threshold: Optional[int] = None) -> torch.Tensor:
+def staleness_sums(
+    lags: torch.Tensor,
+    valid: torch.Tensor,
+    blocked: torch.Tensor,
+    mismatch_tv: torch.Tensor,
+    threshold: Optional[int] = None,
+) -> torch.Tensor:
     """The sums behind every lag metric, on device (read back with the loss's other sums): tokens with a known lag,
     their summed lag, per bucket its tokens, its masked tokens and its summed mismatch TV, and the samples with a
     known lag (and a token in the update) and those of them at or over the threshold (lag >= `threshold`; none
@@ -91,8 +105,7 @@ def staleness_sums(lags: torch.Tensor, valid: torch.Tensor, blocked: torch.Tenso
     sums = [known.sum().float(), (lag * known).sum()]
     for _, low, high in LAG_BUCKETS:
         in_bucket = known & (lag >= low) & ((lag <= high) if high is not None else True)
-        sums += [in_bucket.sum().float(), (blocked & in_bucket).sum().float(),
-                 (mismatch_tv.float() * in_bucket).sum()]
+        sums += [in_bucket.sum().float(), (blocked & in_bucket).sum().float(), (mismatch_tv.float() * in_bucket).sum()]
     known_samples = known.any(dim=-1)  # [batch]: a version and a token in the update
     over = known_samples & (sample_lags >= threshold) if threshold is not None else torch.zeros_like(known_samples)
     sums += [known_samples.sum().float(), over.sum().float()]
@@ -109,11 +122,11 @@ def staleness_parts(values: list[float], threshold: Optional[int] = None) -> dic
     n_known, lag_sum = values[0], values[1]
     parts = {"actor/dppo/lag_mean": (lag_sum, n_known)}
     for i, (name, _, _) in enumerate(LAG_BUCKETS):
-        n, n_blocked, tv = values[2 + 3 * i: 5 + 3 * i]
+        n, n_blocked, tv = values[2 + 3 * i : 5 + 3 * i]
         parts[f"actor/dppo/lag_{name}/token_frac"] = (n, n_known)
         parts[f"actor/dppo/lag_{name}/masked_frac"] = (n_blocked, n)
         parts[f"actor/dppo/lag_{name}/mismatch_tv_mean"] = (tv, n)
     if threshold is not None:
-        n_samples, n_over = values[2 + 3 * len(LAG_BUCKETS): 4 + 3 * len(LAG_BUCKETS)]
+        n_samples, n_over = values[2 + 3 * len(LAG_BUCKETS) : 4 + 3 * len(LAG_BUCKETS)]
         parts[OVER_THRESHOLD] = (n_over, n_samples)
     return parts

@@ -26,9 +26,20 @@ from verl_dppo.plugin.modes import is_topk_mode, mode_named
 from verl_dppo.plugin.options import checked, policy_loss_get
 
 __all__ = [
-    "TOPK_IDS", "TOPK_LOGPROBS", "OUTPUT_KEYS", "ROLLOUT_SETTINGS", "is_topk_mode",
-    "configured_topk", "check_anchor", "divergence_from_extras", "unsupported_settings", "fused_kernels_problem",
-    "configured_fused_kernels_problem", "untied_head_fsdp2_problem", "pad_to_length_problem", "dynamic_cp_problem",
+    "TOPK_IDS",
+    "TOPK_LOGPROBS",
+    "OUTPUT_KEYS",
+    "ROLLOUT_SETTINGS",
+    "is_topk_mode",
+    "configured_topk",
+    "check_anchor",
+    "divergence_from_extras",
+    "unsupported_settings",
+    "fused_kernels_problem",
+    "configured_fused_kernels_problem",
+    "untied_head_fsdp2_problem",
+    "pad_to_length_problem",
+    "dynamic_cp_problem",
     "FAMILY",
 ]
 
@@ -102,8 +113,10 @@ def fused_kernels_problem(mode: str, megatron: bool, backend: Optional[str], rem
             "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"
         )
     if not remove_padding:
-        return (f"{mode} with use_fused_kernels reads the packed token stream: set "
-                "actor_rollout_ref.model.use_remove_padding=True")
+        return (
+            f"{mode} with use_fused_kernels reads the packed token stream: set "
+            "actor_rollout_ref.model.use_remove_padding=True"
+        )
     return None
 
 
@@ -123,8 +136,9 @@ def configured_fused_kernels_problem(mode: str, arr: Any) -> Optional[str]:
     if not arr.model.get("use_fused_kernels", False):
         return None
     backend = (arr.model.get("fused_kernel_options", None) or {}).get("impl_backend", "torch")
-    return fused_kernels_problem(mode, arr.actor.get("strategy") == "megatron", backend,
-                                 arr.model.get("use_remove_padding", True))
+    return fused_kernels_problem(
+        mode, arr.actor.get("strategy") == "megatron", backend, arr.model.get("use_remove_padding", True)
+    )
 
 
 def pad_to_length_problem(mode: str, megatron: bool) -> str:
@@ -186,9 +200,25 @@ class TopKFamily(LossFamily):
 
 
 # K = 20 when policy_loss.topk is unset: the DPPO paper's Top-K ablation.
-FAMILY = TopKFamily((
-    LossMode("dppo_topk_tv", "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)", measure="tv", paper_delta=0.15,
-             default_topk=20, label="kTV", color="#2ca02c"),
-    LossMode("dppo_topk_kl", "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)", measure="kl", paper_delta=0.05,
-             default_topk=20, label="kKL", color="#98df8a"),
-))
+FAMILY = TopKFamily(
+    (
+        LossMode(
+            "dppo_topk_tv",
+            "DPPO-TopK-TV: Eq. (12) with D = Eq. (15)",
+            measure="tv",
+            paper_delta=0.15,
+            default_topk=20,
+            label="kTV",
+            color="#2ca02c",
+        ),
+        LossMode(
+            "dppo_topk_kl",
+            "DPPO-TopK-KL: Eq. (12) with D = Eq. (16)",
+            measure="kl",
+            paper_delta=0.05,
+            default_topk=20,
+            label="kKL",
+            color="#98df8a",
+        ),
+    )
+)

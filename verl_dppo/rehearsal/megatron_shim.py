@@ -63,8 +63,15 @@ from verl_dppo.rehearsal.megatron_device import (
 )
 from verl_dppo.rehearsal.megatron_r3 import piece_r3_bshd
 
-__all__ = ["KNOWN_VERSIONS", "MegatronShimError", "allow_float32", "applies", "install", "install_on_engine",
-           "installed_pieces"]
+__all__ = [
+    "KNOWN_VERSIONS",
+    "MegatronShimError",
+    "allow_float32",
+    "applies",
+    "install",
+    "install_on_engine",
+    "installed_pieces",
+]
 
 KNOWN_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
 _INSTALLED: list[str] = []
@@ -162,8 +169,10 @@ def cpu_grouped_mlp() -> type:
 
 # ----------------------------------------------------------------------------------------------- 4. norm_names
 
-_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
-          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}
+_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
 
 
 def _piece_norm_names() -> None:
@@ -255,10 +264,18 @@ def _piece_resume_optimizer() -> None:
     owner._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
-PIECES = (("cuda", piece_cuda), ("rng", piece_rng), ("local_spec", _piece_local_spec),
-          ("norm_names", _piece_norm_names), ("bshd_mask", _piece_bshd_mask), ("tensor_type", piece_tensor_type),
-          ("cuda_factories", piece_cuda_factories), ("moe", _piece_moe), ("resume_optimizer", _piece_resume_optimizer),
-          ("r3_bshd", piece_r3_bshd))
+PIECES = (
+    ("cuda", piece_cuda),
+    ("rng", piece_rng),
+    ("local_spec", _piece_local_spec),
+    ("norm_names", _piece_norm_names),
+    ("bshd_mask", _piece_bshd_mask),
+    ("tensor_type", piece_tensor_type),
+    ("cuda_factories", piece_cuda_factories),
+    ("moe", _piece_moe),
+    ("resume_optimizer", _piece_resume_optimizer),
+    ("r3_bshd", piece_r3_bshd),
+)
 
 
 def install(_module: Any = None, force: bool = False) -> list[str]:
@@ -277,8 +294,13 @@ def install(_module: Any = None, force: bool = False) -> list[str]:
     _quiet_rng_notice()
     from verl_dppo.plugin.log_once import warn_once
 
-    warn_once("megatron_shim", "verl-dppo: megatron-core %s and mbridge %s on the CPU platform (the plugin's shim: %s)",
-              KNOWN_VERSIONS["megatron-core"], KNOWN_VERSIONS["mbridge"], ", ".join(_INSTALLED))
+    warn_once(
+        "megatron_shim",
+        "verl-dppo: megatron-core %s and mbridge %s on the CPU platform (the plugin's shim: %s)",
+        KNOWN_VERSIONS["megatron-core"],
+        KNOWN_VERSIONS["mbridge"],
+        ", ".join(_INSTALLED),
+    )
     return installed_pieces()
 
 

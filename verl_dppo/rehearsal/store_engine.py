@@ -67,8 +67,7 @@ _STORE: dict[str, Any] = {}
 
 def _store():
     if "handle" not in _STORE:
-        _STORE["handle"] = ray.remote(_Store).options(name=STORE_NAME, get_if_exists=True,
-                                                      max_concurrency=64).remote()
+        _STORE["handle"] = ray.remote(_Store).options(name=STORE_NAME, get_if_exists=True, max_concurrency=64).remote()
     return _STORE["handle"]
 
 

@@ -81,5 +81,4 @@ def colors_for(labels: Sequence[str]) -> list[str]:
 def line_style(index: int) -> dict:
     """Matplotlib keywords for the index-th line of a panel: later lines thinner and dashed, drawn on top, so that
     lines with equal values (two methods that both log 0) stay visible."""
-    return {"linestyle": _STYLES[index % len(_STYLES)], "linewidth": max(0.9, 2.2 - 0.45 * index),
-            "zorder": 2 + index}
+    return {"linestyle": _STYLES[index % len(_STYLES)], "linewidth": max(0.9, 2.2 - 0.45 * index), "zorder": 2 + index}

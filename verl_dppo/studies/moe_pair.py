@@ -29,14 +29,19 @@ from verl_dppo.studies.study import _log_path, _mean, check_overrides, parse_see
 
 __all__ = ["ARMS", "COLUMNS", "arm_overrides", "pair_name", "run_pair", "pair_table", "add_command"]
 
-ROUTES = ("dppo.tiny_model.num_experts=4", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-          "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
-          "algorithm.rollout_correction.bypass_mode=false")
+ROUTES = (
+    "dppo.tiny_model.num_experts=4",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+    "algorithm.rollout_correction.bypass_mode=false",
+)
 """Both arms: cpu_tiny's MoE (warmed up: its own model folder), routes returned, the trainer in bf16, and verl's
 recompute pass on (bypass off), whose old log-probs at the rollout's own weights give the log-prob mismatch alone
 (`training/rollout_probs_diff_mean`); the anchor stays the rollout's log-probs."""
-ARMS = {"R3": ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",),
-        "no R3": ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=measure",)}
+ARMS = {
+    "R3": ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",),
+    "no R3": ("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=measure",),
+}
 COLUMNS = {  # column -> (metric, how it is read)
     "reward": ("critic/score/mean", None),
     "routing mismatch": ("actor/dppo/r3_router_differs_frac", None),
@@ -73,22 +78,37 @@ def _launch(arguments: list[str], log: Path) -> int:
         return launches.run_launch([sys.executable, "-m", "verl_dppo.cli", *arguments], handle)
 
 
-def run_pair(method: str, rollout: str, seeds: list[int], steps: int, out: Path, overrides: list,
-             launch: Callable[[list, Path], int] = _launch) -> tuple[int, dict]:
+def run_pair(
+    method: str,
+    rollout: str,
+    seeds: list[int],
+    steps: int,
+    out: Path,
+    overrides: list,
+    launch: Callable[[list, Path], int] = _launch,
+) -> tuple[int, dict]:
     """Launch both arms for every seed (a run whose log holds every step under the same arguments is not launched
     again), then write DIR/pair.json; (1 if a run is short of its steps, the per-step table)."""
-    table: dict = {"method": method, "rollout": rollout, "seeds": seeds, "steps": steps, "overrides": overrides,
-                   "arms": {}}
+    table: dict = {
+        "method": method,
+        "rollout": rollout,
+        "seeds": seeds,
+        "steps": steps,
+        "overrides": overrides,
+        "arms": {},
+    }
     failed = []
     for arm in ARMS:
         runs = []
         for seed in seeds:
             name = pair_name(rollout, arm, seed)
-            arguments = run_arguments("cpu_tiny", method, seed, steps, out, [*arm_overrides(rollout, arm), *overrides],
-                                      [], name=name)
+            arguments = run_arguments(
+                "cpu_tiny", method, seed, steps, out, [*arm_overrides(rollout, arm), *overrides], [], name=name
+            )
             record, logs = out / "runs" / f"{name}.args.json", _log_path(out, name)
-            reuse = record.is_file() and json.loads(record.read_text()) == arguments and \
-                len(read_log(logs, steps)) == steps
+            reuse = (
+                record.is_file() and json.loads(record.read_text()) == arguments and len(read_log(logs, steps)) == steps
+            )
             if not reuse:
                 logs.unlink(missing_ok=True)
                 record.parent.mkdir(parents=True, exist_ok=True)
@@ -96,14 +116,19 @@ def run_pair(method: str, rollout: str, seeds: list[int], steps: int, out: Path,
                 print(f"verl-dppo: moe-pair: {name} ({steps} steps)...", file=sys.stderr, flush=True)
                 start = time.monotonic()
                 code = launch(arguments, out / "runs" / f"{name}.log")
-                print(f"verl-dppo: moe-pair: {name} exited {code} after {time.monotonic() - start:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"verl-dppo: moe-pair: {name} exited {code} after {time.monotonic() - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             logged = read_log(logs, steps)
             if len(logged) < steps:
                 failed.append(f"{name} ({len(logged)} of {steps} steps; its console: {out / 'runs' / (name + '.log')})")
             runs.append({column: _column(logged, *spec) for column, spec in COLUMNS.items()})
-        table["arms"][arm] = {column: [_mean(run[column][step] for run in runs if step < len(run[column]))
-                                       for step in range(steps)] for column in COLUMNS}
+        table["arms"][arm] = {
+            column: [_mean(run[column][step] for run in runs if step < len(run[column])) for step in range(steps)]
+            for column in COLUMNS
+        }
     (out / "pair.json").write_text(json.dumps(table, indent=1))
     for line in failed:
         print(f"verl-dppo: moe-pair: incomplete: {line}", file=sys.stderr)
@@ -137,8 +162,10 @@ def _handler(args) -> int:
         compose_recipe("cpu_tiny", args.method, [*arm_overrides(args.rollout, arm), *args.overrides])
     code, table = run_pair(args.method, args.rollout, seeds, args.steps, out, args.overrides)
     print(pair_table(table))
-    print(f"verl-dppo: moe-pair: wrote {out / 'pair.json'}; draw the logs: verl-dppo plot {out}/logs/*/*.jsonl",
-          file=sys.stderr)
+    print(
+        f"verl-dppo: moe-pair: wrote {out / 'pair.json'}; draw the logs: verl-dppo plot {out}/logs/*/*.jsonl",
+        file=sys.stderr,
+    )
     return code
 
 
@@ -146,12 +173,15 @@ def add_command(commands) -> None:
     from verl_dppo.launch.commands import IntermixedParser
 
     parser = commands.add_parser(
-        "moe-pair", help="the same MoE trained with and without R3 (rollout router replay), side by side per step",
-        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+        "moe-pair",
+        help="the same MoE trained with and without R3 (rollout router replay), side by side per step",
+        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
+    )
     parser.__class__ = IntermixedParser
     parser.add_argument("--out", required=True, help="folder for the logs and pair.json")
-    parser.add_argument("--method", default="dppo_binary_tv", help="the method both arms train (default: "
-                        "dppo_binary_tv)")
+    parser.add_argument(
+        "--method", default="dppo_binary_tv", help="the method both arms train (default: dppo_binary_tv)"
+    )
     parser.add_argument("--rollout", choices=ROLLOUTS, default="vllm", help="vllm (vLLM-CPU, default) or hf")
     parser.add_argument("--seeds", default="0", help="comma-separated (default: 0)")
     parser.add_argument("--steps", type=int, default=4, help="RL steps per run (default: 4)")

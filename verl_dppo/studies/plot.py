@@ -20,21 +20,39 @@ from verl_dppo.launch.run_logs import PlotError, read_log
 COMMON_METRICS = ("critic/score/mean", "val-core/*", "response_length/mean", "actor/dppo/mismatch_tv_mean")
 FAMILY_METRICS = {
     "clip": ("actor/pg_clipfrac",),
-    "dppo": ("actor/pg_clipfrac", "actor/dppo/masked_frac_pos", "actor/dppo/masked_frac_neg", "actor/dppo/bad_update_frac",
-             "actor/dppo/masked_rollout_prob_mean", "actor/dppo/rollout_topk_mass_mean"),
-    "troll": ("actor/troll/projected_frac", "actor/troll/kl_before_mean", "actor/troll/kl_after_mean",
-              "actor/troll/eta_mean", "actor/troll/rollout_topk_mass_mean"),
+    "dppo": (
+        "actor/pg_clipfrac",
+        "actor/dppo/masked_frac_pos",
+        "actor/dppo/masked_frac_neg",
+        "actor/dppo/bad_update_frac",
+        "actor/dppo/masked_rollout_prob_mean",
+        "actor/dppo/rollout_topk_mass_mean",
+    ),
+    "troll": (
+        "actor/troll/projected_frac",
+        "actor/troll/kl_before_mean",
+        "actor/troll/kl_after_mean",
+        "actor/troll/eta_mean",
+        "actor/troll/rollout_topk_mass_mean",
+    ),
 }
 """Panels of a loss family, drawn for its runs only: the blocked fraction `actor/pg_clipfrac` (the ratio clip's, DPPO's
 mask) for the clipped and unclipped baselines and DPPO, the mask's own for DPPO, the projection's for TROLL (a TROLL
 run logs the mask's metrics too, at 0), each with the mass of the rollout's top-K rows where the run logs it."""
-R3_METRICS = ("actor/dppo/r3_router_differs_frac", "actor/dppo/r3_route_fit", "actor/dppo/r3_unrouted_frac",
-              "actor/dppo/r3_replayed_frac")
+R3_METRICS = (
+    "actor/dppo/r3_router_differs_frac",
+    "actor/dppo/r3_route_fit",
+    "actor/dppo/r3_unrouted_frac",
+    "actor/dppo/r3_replayed_frac",
+)
 """Rollout router replay's panels, for any run whose log has them (docs/megatron.md says what their values mean):
 drawn beside the common ones and not counted against MAX_DEFAULT_PANELS."""
-DEFAULT_METRICS = (*COMMON_METRICS, *R3_METRICS,
-                   *dict.fromkeys(m for family in FAMILY_METRICS.values() for m in family),
-                   "training/rollout_probs_diff_mean")
+DEFAULT_METRICS = (
+    *COMMON_METRICS,
+    *R3_METRICS,
+    *dict.fromkeys(m for family in FAMILY_METRICS.values() for m in family),
+    "training/rollout_probs_diff_mean",
+)
 """Drawn when --metrics is not given (those present in at least one run of their family; patterns use shell-style
 wildcards)."""
 OWNER: dict[str, set] = {}
@@ -61,8 +79,13 @@ class Run:
         read from what the run logged."""
         mode = self.loss_mode
         if mode is None:
-            return ("troll" if any(m.startswith("actor/troll/") for m in self.series)
-                    else "dppo" if "actor/dppo/masked_frac_pos" in self.series else "clip")
+            return (
+                "troll"
+                if any(m.startswith("actor/troll/") for m in self.series)
+                else "dppo"
+                if "actor/dppo/masked_frac_pos" in self.series
+                else "clip"
+            )
         from verl_dppo.plugin.modes import mode_named
 
         registered = mode_named(mode)
@@ -80,8 +103,13 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     """Read one verl file-logger JSONL (`verl_dppo.launch.run_logs.read_log`). Raises PlotError for a file that
     cannot be a verl log."""
     series, warnings = read_log(path)
-    return Run(path=path, label=label or os.path.splitext(os.path.basename(path))[0], series=series,
-               warnings=warnings, loss_mode=_loss_mode(path))
+    return Run(
+        path=path,
+        label=label or os.path.splitext(os.path.basename(path))[0],
+        series=series,
+        warnings=warnings,
+        loss_mode=_loss_mode(path),
+    )
 
 
 def _loss_mode(path: str) -> Optional[str]:
@@ -119,8 +147,13 @@ def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> t
     patterns = list(requested) if requested else list(DEFAULT_METRICS)
     chosen, warnings, missing = [], [], []
     for pattern in patterns:
-        matches = [m for m in available if fnmatch.fnmatchcase(m, pattern)] if any(c in pattern for c in "*?[") \
-            else [pattern] if pattern in available else []
+        matches = (
+            [m for m in available if fnmatch.fnmatchcase(m, pattern)]
+            if any(c in pattern for c in "*?[")
+            else [pattern]
+            if pattern in available
+            else []
+        )
         if not matches:
             missing.append(pattern)
         chosen.extend(m for m in matches if m not in chosen)
@@ -136,8 +169,9 @@ def select_metrics(runs: Sequence[Run], requested: Optional[Sequence[str]]) -> t
             raise PlotError(message + _available_hint(available))
         warnings.append(message + "; drawing the others")
     if not chosen:
-        raise PlotError("none of the default metrics is in these runs; choose some with --metrics"
-                        + _available_hint(available))
+        raise PlotError(
+            "none of the default metrics is in these runs; choose some with --metrics" + _available_hint(available)
+        )
     limit = MAX_DEFAULT_PANELS + sum(name in R3_METRICS for name in chosen)
     if not requested and len(chosen) > limit:
         warnings.append(f"showing the first {limit} of {len(chosen)} default metrics; use --metrics")
@@ -170,8 +204,15 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int = 1, title: Optional[str] = None,
-         dpi: int = 100, by_family: bool = False) -> None:
+def draw(
+    runs: Sequence[Run],
+    metrics: Sequence[str],
+    output: str,
+    smooth: int = 1,
+    title: Optional[str] = None,
+    dpi: int = 100,
+    by_family: bool = False,
+) -> None:
     """One panel per metric, one line per run (each method in its colour, `colors.METHOD_COLORS`; later lines
     dashed and thinner, so that equal ones stay visible); a metric logged at a few steps only is drawn with markers.
     by_family: a loss family's panel draws that family's runs only (the default panels)."""
@@ -230,8 +271,9 @@ def draw(runs: Sequence[Run], metrics: Sequence[str], output: str, smooth: int =
 _FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
-def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[str] = None,
-                 notes: Optional[list] = None) -> list[str]:
+def resolve_runs(
+    names: Sequence[str], latest: bool = False, log_root: Optional[str] = None, notes: Optional[list] = None
+) -> list[str]:
     """Each argument is a log file, a folder of logs (a demo's --out: every method), or the experiment name of a
     `verl-dppo run` (its log is <log root>/<project>/<experiment>.jsonl, verl_dppo.launch.run_logs); --latest adds
     the newest run there, or the demo just run in ./out/demo when that is newer. What was chosen for the user
@@ -244,8 +286,10 @@ def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[
         if os.path.isdir(name):
             found = run_logs.logs_in(name)
             if not found:
-                raise PlotError(f"{name}: a folder without a verl log (*.jsonl) in it or one level down; give "
-                                "log files, a run's folder (e.g. a demo's --out) or experiment names")
+                raise PlotError(
+                    f"{name}: a folder without a verl log (*.jsonl) in it or one level down; give "
+                    "log files, a run's folder (e.g. a demo's --out) or experiment names"
+                )
             paths.extend(found)
             continue
         if os.path.exists(name):
@@ -269,14 +313,25 @@ def resolve_runs(names: Sequence[str], latest: bool = False, log_root: Optional[
             notes.append(f"verl-dppo plot: --latest draws {', '.join(str(path) for path in found)}")
         paths.extend(found)
     if not paths:
-        raise PlotError("give the runs to draw: log files, a folder of logs (out/demo), experiment names of "
-                        "`verl-dppo run`, or --latest")
+        raise PlotError(
+            "give the runs to draw: log files, a folder of logs (out/demo), experiment names of "
+            "`verl-dppo run`, or --latest"
+        )
     return paths
 
 
-def run(paths: Sequence[str], output: str, metrics: Optional[str] = None, smooth: int = 1,
-        labels: Optional[str] = None, title: Optional[str] = None, err=None, out=None, latest: bool = False,
-        log_root: Optional[str] = None) -> int:
+def run(
+    paths: Sequence[str],
+    output: str,
+    metrics: Optional[str] = None,
+    smooth: int = 1,
+    labels: Optional[str] = None,
+    title: Optional[str] = None,
+    err=None,
+    out=None,
+    latest: bool = False,
+    log_root: Optional[str] = None,
+) -> int:
     err, out = err or sys.stderr, out or sys.stdout
     try:
         notes: list[str] = []
@@ -313,24 +368,50 @@ def add_command(commands) -> None:
         "plot",
         help="draw verl run logs (trainer.logger=['file'] JSONL) side by side",
         description="Overlay verl file-logger runs, one panel per metric. Default metrics: "
-        + ", ".join(DEFAULT_METRICS) + " (those present).",
+        + ", ".join(DEFAULT_METRICS)
+        + " (those present).",
     )
-    parser.add_argument("runs", nargs="*", metavar="RUN",
-                        help="verl file-logger logs ({\"step\", \"data\"} rows), a folder of them (a demo's: "
-                        "`plot out/demo` draws every method), or the trainer.experiment_name of a `verl-dppo run` "
-                        "(e.g. dense_8b-dppo_binary_tv), found under $DPPO_ROOT/logs")
-    parser.add_argument("--latest", action="store_true",
-                        help="also draw the newest run logged under $DPPO_ROOT/logs, or the demo in ./out/demo (every "
-                        "method) when it wrote more recently; with --log-root, the newest log there")
-    parser.add_argument("--log-root", default=None, metavar="DIR",
-                        help="where to look for experiment names and --latest: a log root (PROJECT/EXPERIMENT.jsonl) "
-                        "or a folder of logs such as out/demo (default: $VERL_FILE_LOGGER_ROOT, else "
-                        "$DPPO_ROOT/logs, else ~/dppo/logs)")
+    parser.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help='verl file-logger logs ({"step", "data"} rows), a folder of them (a demo\'s: '
+        "`plot out/demo` draws every method), or the trainer.experiment_name of a `verl-dppo run` "
+        "(e.g. dense_8b-dppo_binary_tv), found under $DPPO_ROOT/logs",
+    )
+    parser.add_argument(
+        "--latest",
+        action="store_true",
+        help="also draw the newest run logged under $DPPO_ROOT/logs, or the demo in ./out/demo (every "
+        "method) when it wrote more recently; with --log-root, the newest log there",
+    )
+    parser.add_argument(
+        "--log-root",
+        default=None,
+        metavar="DIR",
+        help="where to look for experiment names and --latest: a log root (PROJECT/EXPERIMENT.jsonl) "
+        "or a folder of logs such as out/demo (default: $VERL_FILE_LOGGER_ROOT, else "
+        "$DPPO_ROOT/logs, else ~/dppo/logs)",
+    )
     parser.add_argument("-o", "--output", required=True, metavar="FIG.png", help="figure to write (.png/.pdf/.svg)")
-    parser.add_argument("--metrics", default=None, metavar="M1,M2",
-                        help="comma-separated metric names or wildcards (e.g. 'actor/dppo/*')")
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        metavar="M1,M2",
+        help="comma-separated metric names or wildcards (e.g. 'actor/dppo/*')",
+    )
     parser.add_argument("--smooth", type=int, default=1, metavar="N", help="trailing moving average over N steps")
     parser.add_argument("--labels", default=None, metavar="A,B", help="legend names, one per run (default: file names)")
     parser.add_argument("--title", default=None, help="figure title")
-    parser.set_defaults(handler=lambda args: run(args.runs, args.output, args.metrics, args.smooth, args.labels,
-                                                 args.title, latest=args.latest, log_root=args.log_root))
+    parser.set_defaults(
+        handler=lambda args: run(
+            args.runs,
+            args.output,
+            args.metrics,
+            args.smooth,
+            args.labels,
+            args.title,
+            latest=args.latest,
+            log_root=args.log_root,
+        )
+    )

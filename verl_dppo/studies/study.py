@@ -31,8 +31,19 @@ from typing import Callable, Optional
 
 from verl_dppo.errors import UsageError, writable_folder
 
-__all__ = ["METHODS", "METRICS", "STUDY_KEYS", "check_overrides", "parse_seeds", "run_name", "run_arguments",
-           "read_log", "summarize", "run_study", "add_command"]
+__all__ = [
+    "METHODS",
+    "METRICS",
+    "STUDY_KEYS",
+    "check_overrides",
+    "parse_seeds",
+    "run_name",
+    "run_arguments",
+    "read_log",
+    "summarize",
+    "run_study",
+    "add_command",
+]
 
 METHODS = ("grpo_clip_higher", "dppo_binary_tv", "dppo_topk_tv", "troll")
 CPU_SETTINGS = (
@@ -96,8 +107,11 @@ def read_log(path: Path, last: Optional[int] = None) -> list[dict]:
 
 
 def _series(steps: list[dict]) -> dict[str, list[Optional[float]]]:
-    return {name: [step.get(metric) for step in steps] for name, metric in METRICS.items()
-            if any(metric in step for step in steps)}
+    return {
+        name: [step.get(metric) for step in steps]
+        for name, metric in METRICS.items()
+        if any(metric in step for step in steps)
+    }
 
 
 def _numbers(values) -> list[float]:
@@ -122,10 +136,14 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
         if not mine:
             continue
         finals = _numbers(_mean(run["series"]["reward"][-FINAL_STEPS:]) for run in mine)
-        row = {"seeds": [run["seed"] for run in mine], "incomplete_seeds": short,
-               "steps": min(len(run["series"]["reward"]) for run in mine),
-               "first_reward": _mean(run["series"]["reward"][0] for run in mine),
-               "final_reward": _mean(finals), "final_reward_sd": statistics.stdev(finals) if len(finals) > 1 else None}
+        row = {
+            "seeds": [run["seed"] for run in mine],
+            "incomplete_seeds": short,
+            "steps": min(len(run["series"]["reward"]) for run in mine),
+            "first_reward": _mean(run["series"]["reward"][0] for run in mine),
+            "final_reward": _mean(finals),
+            "final_reward_sd": statistics.stdev(finals) if len(finals) > 1 else None,
+        }
         for name in ("acted", "troll_projected", "mismatch_tv", "topk_mass", "step_s"):
             row[name] = _mean(v for run in mine for v in run["series"].get(name, []))
         if row["troll_projected"] is not None:  # TROLL masks nothing: what it acts on is what it projects
@@ -138,26 +156,34 @@ def table(summary: dict[str, dict]) -> str:
     def cell(value, spec):
         return format(value, spec) if value is not None else "-"
 
-    lines = [f"{'method':<18}{'seeds':>6}{'steps':>6}  {'reward: step 1':>14}  {f'last {FINAL_STEPS} (sd)':>15}  "
-             f"{'acted on':>9}  {'mismatch TV':>11}  {'top-K mass':>10}  {'s/step':>7}"]
+    lines = [
+        f"{'method':<18}{'seeds':>6}{'steps':>6}  {'reward: step 1':>14}  {f'last {FINAL_STEPS} (sd)':>15}  "
+        f"{'acted on':>9}  {'mismatch TV':>11}  {'top-K mass':>10}  {'s/step':>7}"
+    ]
     for method, row in summary.items():
         acted = row["acted"]
-        lines.append(f"{method:<18}{len(row['seeds']):>6}{row['steps']:>6}  {cell(row['first_reward'], '>14.3f')}  "
-                     f"{cell(row['final_reward'], '>7.3f')} ({cell(row['final_reward_sd'], '.3f'):>5})  "
-                     f"{cell(acted if acted is None else 100 * acted, '>8.2f'):>8}%  "
-                     f"{cell(row['mismatch_tv'], '>11.2e'):>11}  {cell(row['topk_mass'], '>10.3f'):>10}  "
-                     f"{cell(row['step_s'], '>7.1f'):>7}")
+        lines.append(
+            f"{method:<18}{len(row['seeds']):>6}{row['steps']:>6}  {cell(row['first_reward'], '>14.3f')}  "
+            f"{cell(row['final_reward'], '>7.3f')} ({cell(row['final_reward_sd'], '.3f'):>5})  "
+            f"{cell(acted if acted is None else 100 * acted, '>8.2f'):>8}%  "
+            f"{cell(row['mismatch_tv'], '>11.2e'):>11}  {cell(row['topk_mass'], '>10.3f'):>10}  "
+            f"{cell(row['step_s'], '>7.1f'):>7}"
+        )
         if row["incomplete_seeds"]:
             lines.append(f"{'':<18}  left out, stopped short: seed {', '.join(map(str, row['incomplete_seeds']))}")
-    lines.append("acted on: the tokens whose update the method clipped or masked (actor/pg_clipfrac); for TROLL, the "
-                 "tokens it projected (actor/troll/projected_frac)")
+    lines.append(
+        "acted on: the tokens whose update the method clipped or masked (actor/pg_clipfrac); for TROLL, the "
+        "tokens it projected (actor/troll/projected_frac)"
+    )
     return "\n".join(lines)
 
 
 _NAMED = "the study names each run and gives it a folder under --out"
 STUDY_KEYS = {  # what the study sets for each run itself -> how the user chooses it
-    "trainer.total_training_steps": "give --steps", "data.seed": "give --seeds",
-    "actor_rollout_ref.rollout.seed": "give --seeds", "trainer.experiment_name": _NAMED,
+    "trainer.total_training_steps": "give --steps",
+    "data.seed": "give --seeds",
+    "actor_rollout_ref.rollout.seed": "give --seeds",
+    "trainer.experiment_name": _NAMED,
     "trainer.default_local_dir": _NAMED,
     "trainer.resume_mode": "the study resumes by its logs: a run whose log holds every step is not launched again",
 }
@@ -172,17 +198,37 @@ def check_overrides(overrides: list) -> None:
             raise UsageError(f"{override}: the study sets {key} for each run itself ({STUDY_KEYS[key]})")
 
 
-def run_arguments(setup: str, method: str, seed: int, steps: int, out: Path, overrides: list,
-                  config_dir: list, name: Optional[str] = None) -> list[str]:
+def run_arguments(
+    setup: str,
+    method: str,
+    seed: int,
+    steps: int,
+    out: Path,
+    overrides: list,
+    config_dir: list,
+    name: Optional[str] = None,
+) -> list[str]:
     """The `verl-dppo run` arguments of one run (named `name`, by default `run_name`); kept beside its log, a log is
     reused only under the same ones."""
     name = name or run_name(setup, method, seed)
-    return ["run", setup, "--method", method, *(f"--config-dir={folder}" for folder in config_dir),
-            f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "trainer.resume_mode=disable", f"data.seed={seed}",
-            f"actor_rollout_ref.rollout.seed={seed}", f"trainer.experiment_name={name}",
-            f"trainer.default_local_dir={out / 'runs' / name}",
-            f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={out / 'logs'}", *overrides]
+    return [
+        "run",
+        setup,
+        "--method",
+        method,
+        *(f"--config-dir={folder}" for folder in config_dir),
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.resume_mode=disable",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.experiment_name={name}",
+        f"trainer.default_local_dir={out / 'runs' / name}",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT={out / 'logs'}",
+        *overrides,
+    ]
 
 
 def _launch(setup: str, method: str, seed: int, steps: int, out: Path, overrides: list, config_dir: list) -> int:
@@ -220,8 +266,17 @@ def _done(out: Path, name: str, arguments: list, steps: int) -> bool:
     return same and len(read_log(_log_path(out, name), steps)) == steps
 
 
-def run_study(setup: str, methods: list[str], seeds: list[int], steps: int, out: Path, overrides: list,
-              config_dir: list = (), launch: Callable[..., int] = _launch, report: bool = False) -> int:
+def run_study(
+    setup: str,
+    methods: list[str],
+    seeds: list[int],
+    steps: int,
+    out: Path,
+    overrides: list,
+    config_dir: list = (),
+    launch: Callable[..., int] = _launch,
+    report: bool = False,
+) -> int:
     """Launch every run not done yet (with `report`, none: the logs DIR holds are tabulated and drawn as they are),
     then write study.json and study.png; 1 if a run is short of its steps."""
     runs, failed = [], []
@@ -232,8 +287,11 @@ def run_study(setup: str, methods: list[str], seeds: list[int], steps: int, out:
             if report:  # nothing launched: the log is read as it is
                 pass
             elif _done(out, name, arguments, steps):
-                print(f"verl-dppo: study: {name}: its log holds {steps} steps already, not launched again",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"verl-dppo: study: {name}: its log holds {steps} steps already, not launched again",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 for stale in _log_paths(out, name):  # another study's, or a run cut short: never read as this one's
                     stale.unlink()
@@ -242,17 +300,39 @@ def run_study(setup: str, methods: list[str], seeds: list[int], steps: int, out:
                 print(f"verl-dppo: study: {name} ({steps} steps)...", file=sys.stderr, flush=True)
                 start = time.monotonic()
                 code = launch(setup, method, seed, steps, out, overrides, list(config_dir))
-                print(f"verl-dppo: study: {name} exited {code} after {time.monotonic() - start:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"verl-dppo: study: {name} exited {code} after {time.monotonic() - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             logged = read_log(_log_path(out, name), steps)
             if len(logged) < steps:
                 failed.append(f"{name} ({len(logged)} of {steps} steps; its console: {out / 'runs' / (name + '.log')})")
-            runs.append({"name": name, "method": method, "seed": seed, "complete": len(logged) == steps,
-                         "series": _series(logged)})
+            runs.append(
+                {
+                    "name": name,
+                    "method": method,
+                    "seed": seed,
+                    "complete": len(logged) == steps,
+                    "series": _series(logged),
+                }
+            )
     summary = summarize(runs)
-    (out / "study.json").write_text(json.dumps(
-        {"setup": setup, "methods": methods, "seeds": seeds, "steps": steps, "overrides": overrides,
-         "final_steps": FINAL_STEPS, "summary": summary, "runs": runs}, indent=1))
+    (out / "study.json").write_text(
+        json.dumps(
+            {
+                "setup": setup,
+                "methods": methods,
+                "seeds": seeds,
+                "steps": steps,
+                "overrides": overrides,
+                "final_steps": FINAL_STEPS,
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     if summary:
         print(table(summary))
         from verl_dppo.studies.study_figure import draw
@@ -279,26 +359,37 @@ def _handler(args) -> int:
     # composed once per method before any launch: a bad override or method is refused now, not an hour in
     cpu = [is_cpu_run(compose_recipe(args.setup, method, args.overrides, args.config_dir)) for method in methods]
     settings = list(CPU_SETTINGS) if all(cpu) else []
-    return run_study(args.setup, methods, seeds, args.steps, out, [*settings, *args.overrides], args.config_dir,
-                     report=args.report)
+    return run_study(
+        args.setup, methods, seeds, args.steps, out, [*settings, *args.overrides], args.config_dir, report=args.report
+    )
 
 
 def add_command(commands) -> None:
     from verl_dppo.launch.commands import IntermixedParser
 
     parser = commands.add_parser(
-        "study", help="the paper's sanity test in miniature: methods x seeds through verl's trainer, on a real LLM",
-        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+        "study",
+        help="the paper's sanity test in miniature: methods x seeds through verl's trainer, on a real LLM",
+        description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
+    )
     parser.__class__ = IntermixedParser  # options and overrides in any order, as `verl-dppo run` takes them
     parser.add_argument("setup", nargs="?", default="smollm2", help="the setup to train (default: smollm2)")
     parser.add_argument("--out", required=True, help="folder for the logs, study.json and study.png")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated (default: {','.join(METHODS)})")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated (default: 0,1,2)")
     parser.add_argument("--steps", type=int, default=15, help="RL steps per run (default: 15)")
-    parser.add_argument("--config-dir", action="append", default=[], metavar="DIR",
-                        help="your own setups and methods, as for `verl-dppo run`")
-    parser.add_argument("--report", action="store_true",
-                        help="launch nothing: tabulate and draw the logs the folder holds (a study under way, or one "
-                             "written by an earlier version)")
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="your own setups and methods, as for `verl-dppo run`",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="launch nothing: tabulate and draw the logs the folder holds (a study under way, or one "
+        "written by an earlier version)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run; they come after the study's")
     parser.set_defaults(handler=_handler)

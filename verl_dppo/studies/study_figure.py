@@ -42,8 +42,15 @@ def draw(runs: list[dict], path: Path, setup: str, dpi: int = 100) -> None:
                 for i in range(longest):
                     here = [values[i] for values in series if i < len(values) and values[i] is not None]
                     mean.append(sum(here) / len(here) if here else None)
-                axis.plot(range(1, longest + 1), mean, "o-", color=colors[method], markersize=3, linewidth=1.6,
-                          label=f"{method} ({len(series)} seed{'s' if len(series) > 1 else ''})")
+                axis.plot(
+                    range(1, longest + 1),
+                    mean,
+                    "o-",
+                    color=colors[method],
+                    markersize=3,
+                    linewidth=1.6,
+                    label=f"{method} ({len(series)} seed{'s' if len(series) > 1 else ''})",
+                )
         if key == "acted":
             axis.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         axis.set_xlabel("RL step", fontsize=8)

@@ -18,12 +18,17 @@ if os.environ.get("DPPO_TEST_PARTS"):
         original = module.exact_ratio_metrics
 
         def exact_ratio_metrics(metrics):
-            ratio = {name: value if isinstance(value, list) else [value] for name, value in metrics.items()
-                     if all(isinstance(m, module.RatioMetric) for m in (value if isinstance(value, list) else [value]))}
+            ratio = {
+                name: value if isinstance(value, list) else [value]
+                for name, value in metrics.items()
+                if all(isinstance(m, module.RatioMetric) for m in (value if isinstance(value, list) else [value]))
+            }
             parts = {name: [list(m.parts) for m in group] for name, group in ratio.items()}
             result = original(metrics)
-            record = {name: {"parts": parts[name], "written": group[0].values[0] if group[0].values else None}
-                      for name, group in ratio.items()}
+            record = {
+                name: {"parts": parts[name], "written": group[0].values[0] if group[0].values else None}
+                for name, group in ratio.items()
+            }
             path = os.path.join(os.environ["DPPO_TEST_PARTS"], f"{os.getpid()}.jsonl")
             with open(path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")

@@ -7,7 +7,7 @@ settings that cancel or quietly change the plugin's update, and the models its c
 - Bypass mode with `rollout_rs`: verl's v1 trainer skips its whole rollout correction in bypass mode, the rejection
   sampling included (the plugin means to drop `rollout_is`: its loss weights by pi/mu itself). A warning.
 - The plugin's thresholds set (`delta_*`, `ratio_cap`) under one of verl's own loss modes, which do not read them.
-- The MoE arm (`verl_dppo.plugin.moe_arm`): which arm of the paper's with/without-R3 comparison the command
+- The MoE arm (`verl_dppo.plugin.moe.arm`): which arm of the paper's with/without-R3 comparison the command
   launches, named in the summary where the model routes or a router replay is set; R2/R3 on a model whose readable
   config.json names no experts is a problem (on the FSDP engine the plugin's run checks say it).
 - The critic's model: verl's `validate_config` builds the critic's `HFModelConfig`, which reads the model's
@@ -84,8 +84,7 @@ def machine_line(config: Any) -> str | None:
         lacks.append(f"the model {model} is not in this machine's Hugging Face cache (the launch downloads it)")
     if not lacks:
         return None
-    return (f"launched from this machine: {'; '.join(lacks)}; launch it on the cluster, or rehearse it here "
-            "(--rehearse)")
+    return f"launched from this machine: {'; '.join(lacks)}; launch it on the cluster, or rehearse it here (--rehearse)"
 
 
 def unreadable_models(config: Any) -> tuple[list[str], bool]:
@@ -103,8 +102,10 @@ def unreadable_models(config: Any) -> tuple[list[str], bool]:
     path = str(config.critic.model.path)
     if _readable_here(path):
         return [], False
-    return [f"critic.model.path: {path} is neither a local folder with a config.json nor in this machine's Hugging "
-            "Face cache (check downloads nothing); verl's critic checks read it, so they were not run here"], True
+    return [
+        f"critic.model.path: {path} is neither a local folder with a config.json nor in this machine's Hugging "
+        "Face cache (check downloads nothing); verl's critic checks read it, so they were not run here"
+    ], True
 
 
 def _registered(mode: str) -> bool:
@@ -149,8 +150,10 @@ def complaint_hint(text: str, error: BaseException, config: Any, empty: Sequence
 
     hint = field_hint(text, config) + verl_hint(text, config)
     if empty and isinstance(error, TypeError) and not hint:
-        hint = (f". The command leaves {', '.join(f'{key}=' for key in empty)} empty (a shell variable left unset?), "
-                "where verl may compute with a number: give each a value")
+        hint = (
+            f". The command leaves {', '.join(f'{key}=' for key in empty)} empty (a shell variable left unset?), "
+            "where verl may compute with a number: give each a value"
+        )
     return hint
 
 
@@ -158,18 +161,20 @@ def verl_hint(text: str, config: Any = None) -> str:
     """The plugin's fix beside one of verl's complaints that a DPPO switch brings out; R3's key is the one the
     command's engine reads (`actor.strategy`: Megatron's and VeOmni's are verl's, FSDP's the plugin's)."""
     if "router_replay.mode='R2' requires algorithm.rollout_correction.bypass_mode=False" in text:
-        from verl_dppo.plugin.moe_arm import ENGINE_REPLAY
+        from verl_dppo.plugin.moe.arm import ENGINE_REPLAY
 
-        strategy = str(config.actor_rollout_ref.actor.get("strategy", "megatron")) if config is not None \
-            else "megatron"
+        strategy = str(config.actor_rollout_ref.actor.get("strategy", "megatron")) if config is not None else "megatron"
         section = ENGINE_REPLAY.get(strategy, "megatron")
         engine = {"megatron": "verl's Megatron engine", "veomni": "verl's VeOmni engine"}.get(
-            section, "the plugin's replay on the FSDP engine")
+            section, "the plugin's replay on the FSDP engine"
+        )
         key = f"{'+' if section == 'fsdp_config' else ''}actor_rollout_ref.actor.{section}.router_replay.mode=R3"
-        return (". With DPPO: keep R2 and leave out bypass_mode=True (the anchor stays the rollout's log-probs; "
-                "verl's recompute pass records the routes, at about a quarter of a step), or replay the rollout's "
-                f"own routes with R3 ({key} and actor_rollout_ref.rollout.enable_rollout_routing_replay=True, "
-                f"{engine}), as the paper's moe_base_r3")
+        return (
+            ". With DPPO: keep R2 and leave out bypass_mode=True (the anchor stays the rollout's log-probs; "
+            "verl's recompute pass records the routes, at about a quarter of a step), or replay the rollout's "
+            f"own routes with R3 ({key} and actor_rollout_ref.rollout.enable_rollout_routing_replay=True, "
+            f"{engine}), as the paper's moe_base_r3"
+        )
     return ""
 
 
@@ -190,13 +195,15 @@ def command_findings(config: Any) -> tuple[list[str], list[str]]:
             f"distillation.enabled=True with distillation.distillation_loss.use_task_rewards=False: verl's actor then "
             f"trains distillation_ppo_loss, which multiplies the policy loss ({mode}) by zero, so the update is the "
             "distillation loss alone; set distillation.distillation_loss.use_task_rewards=True to train "
-            f"{mode} beside it (weighted by distillation_loss_coef), or leave the loss_mode line out")
+            f"{mode} beside it (weighted by distillation_loss_coef), or leave the loss_mode line out"
+        )
     correction = get("algorithm.rollout_correction") or {}
     if correction.get("bypass_mode", False) and correction.get("rollout_rs", None):
         warnings.append(
             f"algorithm.rollout_correction.rollout_rs={correction.get('rollout_rs')}: bypass_mode=True makes verl's "
             "trainer skip its rollout correction, this rejection sampling included; to keep it, leave bypass_mode "
-            "out (verl then recomputes the old log-probs every step)")
+            "out (verl then recomputes the old log-probs every step)"
+        )
     from verl_dppo.plugin.run_config import fsdp_router_replay_warning
 
     warnings += [warning for warning in [fsdp_router_replay_warning(config)] if warning]
@@ -205,5 +212,6 @@ def command_findings(config: Any) -> tuple[list[str], list[str]]:
     if unused and not plugin and _registered(mode):  # an unregistered mode: the registry's problem says so
         warnings.append(
             f"{', '.join(f'policy_loss.{key}' for key in unused)} set, but loss_mode={mode} is verl's own and does not "
-            "read them: add actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv (README, From GRPO)")
+            "read them: add actor_rollout_ref.actor.policy_loss.loss_mode=dppo_binary_tv (README, From GRPO)"
+        )
     return problems, warnings

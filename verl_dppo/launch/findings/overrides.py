@@ -5,10 +5,20 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Sequence
 
+from verl_dppo.launch.findings.value_types import declared_type, expected_type, type_problem
 from verl_dppo.launch.recipe_files import GROUP_KEYS, RecipeError
 
-__all__ = ["check_override_types", "empty_values", "group_choices", "is_group_choice", "override_problems",
-           "type_problem", "unknown_key_problem", "key_hint", "field_hint"]
+__all__ = [
+    "check_override_types",
+    "empty_values",
+    "group_choices",
+    "is_group_choice",
+    "override_problems",
+    "type_problem",
+    "unknown_key_problem",
+    "key_hint",
+    "field_hint",
+]
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -55,16 +65,23 @@ def field_hint(message: str, config: Any = None) -> str:
     cls, key = match.groups()
     ours = sorted({f.name for f in dataclasses.fields(DPPOLossConfig)})
     if cls == "PolicyLossConfig" and key in ours:
-        return (f". {key} is an option of the plugin's config class: add "
-                "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig")
+        return (
+            f". {key} is an option of the plugin's config class: add "
+            "actor_rollout_ref.actor.policy_loss._target_=verl_dppo.DPPOLossConfig"
+        )
     close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
     if close:
         return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?"
-    elsewhere = [path for path in (_leaf_paths(config) if config is not None else ())
-                 if path.endswith("." + key) and ".policy_loss." not in path][:2]
+    elsewhere = [
+        path
+        for path in (_leaf_paths(config) if config is not None else ())
+        if path.endswith("." + key) and ".policy_loss." not in path
+    ][:2]
     if elsewhere:
-        return (f". verl reads {key} at {' and '.join(elsewhere)}, not in the policy loss's config: set it there "
-                f"(without +) and drop the policy_loss.{key} override")
+        return (
+            f". verl reads {key} at {' and '.join(elsewhere)}, not in the policy loss's config: set it there "
+            f"(without +) and drop the policy_loss.{key} override"
+        )
     return f". {cls} has no field {key}: drop the override, or check the key in verl's config"
 
 
@@ -77,12 +94,16 @@ def is_group_choice(key: str) -> bool:
 
 def group_choices(overrides: Sequence[str]) -> list[str]:
     """The overrides that pick config groups, in their order (see `is_group_choice`)."""
-    return [item for item in overrides
-            if "=" in item and not item.startswith(("~", "+")) and is_group_choice(item.split("=", 1)[0])]
+    return [
+        item
+        for item in overrides
+        if "=" in item and not item.startswith(("~", "+")) and is_group_choice(item.split("=", 1)[0])
+    ]
 
 
-def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool = False,
-                      source: str = "the recipe's") -> tuple[list[str], list[str]]:
+def override_problems(
+    baseline: Any, overrides: Sequence[str], keys_only: bool = False, source: str = "the recipe's"
+) -> tuple[list[str], list[str]]:
     """(problems, the overrides that have none): each override parsed as Hydra parses it, its key looked up in verl's
     config (a change of a key the config lacks, answered with the nearest existing keys, not Hydra's "To append to
     your config use +key") and its value's type against the value it replaces. `keys_only`: the keys alone, and an
@@ -105,11 +126,15 @@ def override_problems(baseline: Any, overrides: Sequence[str], keys_only: bool =
             continue
         problem = None if parsed.is_add() or parsed.is_force_add() else unknown_key_problem(baseline, key, given)
         if parsed.is_add() and not parsed.is_force_add() and _hydra_refuses_add(baseline, key, parsed):
-            problem = (f"+{key}={given}: verl's config already has {key}, and Hydra refuses to add it again; write "
-                       f"{key}={given} (or ++{key}={given})")
+            problem = (
+                f"+{key}={given}: verl's config already has {key}, and Hydra refuses to add it again; write "
+                f"{key}={given} (or ++{key}={given})"
+            )
         if not keys_only and parsed.is_sweep_override():
-            problem = problem or (f"{key}={given}: several values are a sweep, which Hydra runs only with --multirun "
-                                  "(one job per value); main_ppo trains one run: give one value")
+            problem = problem or (
+                f"{key}={given}: several values are a sweep, which Hydra runs only with --multirun "
+                "(one job per value); main_ppo trains one run: give one value"
+            )
         elif not keys_only:
             try:
                 value = parsed.value()
@@ -175,23 +200,6 @@ def check_override_types(baseline: Any, config: Any, overrides: Sequence[str]) -
             raise RecipeError(problem)
 
 
-def type_problem(baseline: Any, key: str, new: Any, given: str, source: str = "the recipe's") -> Optional[str]:
-    """The override `key=given` (parsed to `new`) against the type verl's config dataclass declares for the key, or
-    where none does, the type of the value it replaces: None where it fits, else the one-line problem. `source`:
-    whose value it replaces ("the recipe's", "verl's")."""
-    from omegaconf import OmegaConf
-
-    try:
-        old = OmegaConf.select(baseline, key, throw_on_missing=False)
-    except Exception:  # an interpolation that does not resolve: validate_recipe names it
-        return None
-    declared, expected = _declared_type(baseline, key)
-    expected = expected if declared else _expected_type(old)
-    if expected is None or new is None or _fits(new, expected):
-        return None
-    return f"{key}={given}: expected {expected} like {source} value {old!r}, got {type(new).__name__} {new!r}"
-
-
 def empty_values(baseline: Any, overrides: Sequence[str]) -> list[str]:
     """The keys the overrides leave empty (`key=`: a shell variable left unset) where `baseline` holds a number or a
     boolean (its config class's declared type, else its value's). verl takes '' where it never reads the key
@@ -209,8 +217,8 @@ def empty_values(baseline: Any, overrides: Sequence[str]) -> list[str]:
             old = OmegaConf.select(baseline, key, throw_on_missing=False)
         except Exception:  # noqa: BLE001  (an interpolation that does not resolve)
             continue
-        declared, expected = _declared_type(baseline, key)
-        if (expected if declared else _expected_type(old)) is not None:
+        declared, expected = declared_type(baseline, key)
+        if (expected if declared else expected_type(old)) is not None:
             empty.append(key)
     return empty
 
@@ -233,16 +241,21 @@ def plugin_key_problem(key: str, given: str) -> Optional[str]:
 
     parent, _, name = key.rpartition(".")
     if parent and name in TOP_GROUPS:
-        return (f"{key}={given}: {name} is a config group at verl's top level (it picks the actor's, reference's and "
-                f"critic's configs together), not a key of {parent}: write {name}={given}")
+        return (
+            f"{key}={given}: {name} is a config group at verl's top level (it picks the actor's, reference's and "
+            f"critic's configs together), not a key of {parent}: write {name}={given}"
+        )
     if any(key.startswith(section + ".") for section in PLUGIN_SECTIONS):
-        return (f"{key}={given}: the plugin's key, which verl's config does not have, so Hydra adds it only with "
-                f"+: write +{key}={given}")
-    if parent == "actor_rollout_ref.actor.policy_loss" and name in {f.name for f in dataclasses.fields(
-            DPPOLossConfig)}:
-        return (f"{key}={given}: {name} is an option of the plugin's DPPOLossConfig, which verl's config does not "
-                f"have: write +{key}={given} with actor_rollout_ref.actor.policy_loss._target_="
-                "verl_dppo.DPPOLossConfig (README, From GRPO)")
+        return (
+            f"{key}={given}: the plugin's key, which verl's config does not have, so Hydra adds it only with "
+            f"+: write +{key}={given}"
+        )
+    if parent == "actor_rollout_ref.actor.policy_loss" and name in {f.name for f in dataclasses.fields(DPPOLossConfig)}:
+        return (
+            f"{key}={given}: {name} is an option of the plugin's DPPOLossConfig, which verl's config does not "
+            f"have: write +{key}={given} with actor_rollout_ref.actor.policy_loss._target_="
+            "verl_dppo.DPPOLossConfig (README, From GRPO)"
+        )
     return None
 
 
@@ -264,26 +277,35 @@ def unknown_key_problem(baseline: Any, key: str, given: str) -> Optional[str]:
     except Exception:  # noqa: BLE001  (an interpolation on the way: not this check's to judge)
         return None
     if not isinstance(node, DictConfig) and parent:  # the parent itself is missing
-        ending = [path for path in _leaf_paths(baseline) if path.endswith("." + key)][:2]  # `optim.lr`: a full key's end
+        ending = [path for path in _leaf_paths(baseline) if path.endswith("." + key)][
+            :2
+        ]  # `optim.lr`: a full key's end
         if ending:
             return f"{key}={given}: verl's config has no key {key}; did you mean {' or '.join(ending)}?"
         moved = _moved(baseline, key)
         if moved:
             return f"{key}={given}: verl's config has no key {key}; did you mean {moved}?"
         return unknown_key_problem(baseline, parent, "...") and _no_key(key, given, baseline, parent)
-    if isinstance(node, DictConfig) and (name in node.keys() or not node._get_flag("struct") and
-                                         node._get_flag("struct") is not None):
+    if isinstance(node, DictConfig) and (
+        name in node.keys() or not node._get_flag("struct") and node._get_flag("struct") is not None
+    ):
         return None  # there (a value of ??? included), or a node that takes any key
     close = []
     if isinstance(node, DictConfig):
-        close = [f"{parent}.{near}" if parent else near
-                 for near in difflib.get_close_matches(name, [str(k) for k in node.keys()], n=2, cutoff=0.75)]
+        close = [
+            f"{parent}.{near}" if parent else near
+            for near in difflib.get_close_matches(name, [str(k) for k in node.keys()], n=2, cutoff=0.75)
+        ]
     if not close:
         paths = list(_leaf_paths(baseline))
         close = [path for path in paths if path.endswith("." + key)][:2] or difflib.get_close_matches(
-            key, paths, n=2, cutoff=0.85)
-    hint = f"; did you mean {' or '.join(close)}?" if close else (
-        f"; to add a key verl's config does not have, write +{key}={given}")
+            key, paths, n=2, cutoff=0.85
+        )
+    hint = (
+        f"; did you mean {' or '.join(close)}?"
+        if close
+        else (f"; to add a key verl's config does not have, write +{key}={given}")
+    )
     return f"{key}={given}: verl's config has no key {key}{hint}"
 
 
@@ -304,11 +326,10 @@ def _moved(baseline: Any, key: str) -> Optional[str]:
             break
     else:
         return None
-    tail = ".".join(parts[depth - 1:])
+    tail = ".".join(parts[depth - 1 :])
     paths = list(_leaf_paths(baseline))
     # the same tail in the key's own section, or a section of its own (`distillation.*`): not another section's
-    found = [path for path in paths
-             if path == tail or (path.endswith("." + tail) and path.split(".")[0] == parts[0])]
+    found = [path for path in paths if path == tail or (path.endswith("." + tail) and path.split(".")[0] == parts[0])]
     if not found:  # the same setting under another name in the key's section (`critic.model.fsdp_config.x` ->
         # `critic.fsdp.x`), where there is one
         found = [path for path in paths if path.split(".")[0] == parts[0] and path.split(".")[-1] == parts[-1]]
@@ -324,80 +345,9 @@ def _moved(baseline: Any, key: str) -> Optional[str]:
 def _no_key(key: str, given: str, baseline: Any, parent: str) -> str:
     """A key under a parent verl's config lacks: the problem names the parent's nearest existing path."""
     inner = unknown_key_problem(baseline, parent, "...") or ""
-    hint = inner.split("; ", 1)[1] if "; did you mean" in inner else (
-        f"remove it (a key of another verl version?), or write +{key}={given} to add it")
+    hint = (
+        inner.split("; ", 1)[1]
+        if "; did you mean" in inner
+        else (f"remove it (a key of another verl version?), or write +{key}={given} to add it")
+    )
     return f"{key}={given}: verl's config has no {parent}; {hint}"
-
-
-def _declared_type(baseline: Any, key: str) -> tuple[bool, Optional[str]]:
-    """(whether one of verl's config dataclasses declares `key`, the kind of value it declares: "a number", "an
-    integer", "a boolean (true/false)", or None for anything else, a string among them). The dataclass is the
-    `_target_` of the nearest node above the key, its fields followed down to the key (`algorithm.rollout_correction.
-    rollout_is_threshold`: `AlgoConfig.rollout_correction` -> `RolloutCorrectionConfig`, declared `str | float`, so
-    verl's `0.5_4.0` form is a value the user may give). A recipe's `entropy_coeff: 0` is an int in YAML, but verl's
-    `ActorConfig.entropy_coeff` is a float, so 0.01 is fine. (False, None) where no dataclass declares the key."""
-    import importlib
-
-    from omegaconf import OmegaConf
-
-    parts = key.split(".")
-    for depth in range(len(parts) - 1, -1, -1):
-        try:
-            node = OmegaConf.select(baseline, ".".join(parts[:depth]), throw_on_missing=False) if depth else baseline
-            target = node.get("_target_") if node is not None and hasattr(node, "get") else None
-        except Exception:  # noqa: BLE001  (an interpolation on the way)
-            return False, None
-        if not target:
-            continue
-        module, _, cls_name = str(target).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except Exception:  # noqa: BLE001  (a _target_ that does not import: verl's own instantiation names it)
-            return False, None
-        return _field_type(cls, parts[depth:])
-    return False, None
-
-
-def _field_type(cls: Any, names: Sequence[str]) -> tuple[bool, Optional[str]]:
-    """`_declared_type` below one dataclass: its field `names[0]`, and down through nested dataclasses."""
-    import dataclasses
-    import types
-    import typing
-
-    try:
-        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
-    except Exception:  # noqa: BLE001  (a hint that does not resolve)
-        return False, None
-    if names[0] not in hints:
-        return False, None
-    declared = hints[names[0]]
-    if typing.get_origin(declared) in (typing.Union, types.UnionType):  # Optional[float], str | float
-        args = [a for a in typing.get_args(declared) if a is not type(None)]
-        if len(args) != 1:
-            numbers = set(args) <= {int, float}
-            return True, "a number" if numbers else None
-        declared = args[0]
-    if len(names) > 1:
-        return _field_type(declared, names[1:]) if dataclasses.is_dataclass(declared) else (False, None)
-    kinds = {bool: "a boolean (true/false)", int: "an integer", float: "a number"}
-    return True, kinds.get(declared)
-
-
-def _expected_type(value: Any) -> Optional[str]:
-    if isinstance(value, bool):
-        return "a boolean (true/false)"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    return None  # strings, lists, null: any value may be meant
-
-
-def _fits(value: Any, expected: str) -> bool:
-    if expected.startswith("a boolean"):
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if expected == "an integer":
-        return isinstance(value, int)
-    return isinstance(value, (int, float))

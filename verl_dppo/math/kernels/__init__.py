@@ -52,9 +52,21 @@ import torch
 from verl_dppo.math.kernels.jit import build_kernels as _kernels
 
 __all__ = [
-    "backend_for", "max_and_sum_exp_outside", "scaled_exp_into", "KERNELS_ENV", "triton_importable",
-    "CPU_CHUNK_BYTES", "chunk_bytes_for", "logits_at", "top_threshold", "sum_exp_below", "LANES", "row_entropy",
-    "max_sum_outside_and_entropy", "max_sum_outside_and_entropy_sums", "sorted_excluded",
+    "backend_for",
+    "max_and_sum_exp_outside",
+    "scaled_exp_into",
+    "KERNELS_ENV",
+    "triton_importable",
+    "CPU_CHUNK_BYTES",
+    "chunk_bytes_for",
+    "logits_at",
+    "top_threshold",
+    "sum_exp_below",
+    "LANES",
+    "row_entropy",
+    "max_sum_outside_and_entropy",
+    "max_sum_outside_and_entropy_sums",
+    "sorted_excluded",
 ]
 
 KERNELS_ENV = "VERL_DPPO_KERNELS"
@@ -164,8 +176,9 @@ def row_entropy(logits: torch.Tensor, block: int = _BLOCK, num_warps: int = _WAR
     the error is relative on every row: at most 1.2e-7 of H against float64 from flat rows (H = 11.9, V = 151,936)
     to 1 - p = 1e-12, float32 and bf16 logits (Triton's interpreter; tests/probes/kernel_agreement.py). A row that
     is -inf everywhere gives NaN, as there."""
-    return _max_and_sums(logits, logits.new_empty(logits.shape[0], 0, dtype=torch.long), None, None, True, block,
-                         num_warps)[2]
+    return _max_and_sums(
+        logits, logits.new_empty(logits.shape[0], 0, dtype=torch.long), None, None, True, block, num_warps
+    )[2]
 
 
 def max_sum_outside_and_entropy(
@@ -192,8 +205,11 @@ def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[1]
     sorted_ids = sorted_excluded(excluded, vocab)
-    out_max = (torch.empty(n, dtype=torch.float32, device=logits.device) if row_max is None
-               else row_max.to(torch.float32).contiguous())
+    out_max = (
+        torch.empty(n, dtype=torch.float32, device=logits.device)
+        if row_max is None
+        else row_max.to(torch.float32).contiguous()
+    )
     out_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
     sums = entropy == "sums"
     out_entropy = torch.empty((n, 2) if sums else n if entropy else 1, dtype=torch.float32, device=logits.device)
@@ -201,9 +217,21 @@ def _max_and_sums(logits, excluded, rows, row_max, entropy, block, num_warps):
         return out_max, out_sum, out_entropy[:n]
     kernel = _kernels()[0]
     kernel[(n,)](
-        logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab, out_max, out_sum,
-        out_entropy, HAS_ROWS=rows is not None, HAS_MAX=row_max is not None, ENTROPY=bool(entropy), SUMS=sums,
-        BLOCK=block, num_warps=num_warps,
+        logits,
+        logits.stride(0),
+        _rows_arg(rows, logits),
+        sorted_ids,
+        sorted_ids.shape[1],
+        vocab,
+        out_max,
+        out_sum,
+        out_entropy,
+        HAS_ROWS=rows is not None,
+        HAS_MAX=row_max is not None,
+        ENTROPY=bool(entropy),
+        SUMS=sums,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     return out_max, out_sum, out_entropy
 
@@ -222,8 +250,16 @@ def top_threshold(
     out_threshold = torch.empty_like(out_max)
     if n:
         _kernels()[2][(n,)](
-            logits, logits.stride(0), _rows_arg(rows, logits), logits.shape[1], kth, out_max, out_threshold,
-            HAS_ROWS=rows is not None, BLOCK=block, num_warps=num_warps,
+            logits,
+            logits.stride(0),
+            _rows_arg(rows, logits),
+            logits.shape[1],
+            kth,
+            out_max,
+            out_threshold,
+            HAS_ROWS=rows is not None,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return out_max, out_threshold
 
@@ -254,9 +290,21 @@ def sum_exp_below(
     candidates = torch.full((n, capacity), -1, dtype=torch.int32, device=logits.device)
     if n:
         _kernels()[3][(n,)](
-            logits, logits.stride(0), _rows_arg(rows, logits), sorted_ids, sorted_ids.shape[1], vocab,
-            row_max.to(torch.float32).contiguous(), threshold.to(torch.float32).contiguous(), out_sum, count,
-            candidates, capacity, HAS_ROWS=rows is not None, BLOCK=block, num_warps=num_warps,
+            logits,
+            logits.stride(0),
+            _rows_arg(rows, logits),
+            sorted_ids,
+            sorted_ids.shape[1],
+            vocab,
+            row_max.to(torch.float32).contiguous(),
+            threshold.to(torch.float32).contiguous(),
+            out_sum,
+            count,
+            candidates,
+            capacity,
+            HAS_ROWS=rows is not None,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return out_sum, count.long(), candidates
 
@@ -287,8 +335,17 @@ def scaled_exp_into(
             per_row += [per_row[0]] * 3  # not read
         kernel = _kernels()[1]
         kernel[(n,)](
-            logits, logits.stride(0), out, out.stride(0), _rows_arg(rows, logits), *per_row[:2], logits.shape[1],
-            *per_row[2:5], HAS_ROWS=rows is not None, ENTROPY=entropy_term is not None, BLOCK=block,
+            logits,
+            logits.stride(0),
+            out,
+            out.stride(0),
+            _rows_arg(rows, logits),
+            *per_row[:2],
+            logits.shape[1],
+            *per_row[2:5],
+            HAS_ROWS=rows is not None,
+            ENTROPY=entropy_term is not None,
+            BLOCK=block,
             num_warps=num_warps,
         )
     return out

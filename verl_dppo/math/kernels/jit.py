@@ -48,9 +48,20 @@ def build_kernels():
 
     @triton.jit
     def scaled_exp_kernel(
-        logits_ptr, stride_row, out_ptr, stride_out, rows_ptr, base_ptr, coef_ptr, vocab,
-        log_z_ptr, entropy_ptr, entropy_coef_ptr,
-        HAS_ROWS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr,
+        stride_row,
+        out_ptr,
+        stride_out,
+        rows_ptr,
+        base_ptr,
+        coef_ptr,
+        vocab,
+        log_z_ptr,
+        entropy_ptr,
+        entropy_coef_ptr,
+        HAS_ROWS: tl.constexpr,
+        ENTROPY: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid, row = _program_row(rows_ptr, HAS_ROWS)
         src = logits_ptr + row * stride_row
@@ -73,8 +84,20 @@ def build_kernels():
 
     @triton.jit
     def max_and_sum_outside_kernel(
-        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, sum_ptr, entropy_ptr,
-        HAS_ROWS: tl.constexpr, HAS_MAX: tl.constexpr, ENTROPY: tl.constexpr, SUMS: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr,
+        stride_row,
+        rows_ptr,
+        excluded_ptr,
+        n_excluded,
+        vocab,
+        max_ptr,
+        sum_ptr,
+        entropy_ptr,
+        HAS_ROWS: tl.constexpr,
+        HAS_MAX: tl.constexpr,
+        ENTROPY: tl.constexpr,
+        SUMS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # No reduction inside the loop: each lane keeps its own running max and its sum relative to it, and the
         # excluded ids are walked with a scalar pointer; lanes are combined once, at the end.
@@ -139,8 +162,15 @@ def build_kernels():
 
     @triton.jit
     def lane_threshold_kernel(
-        logits_ptr, stride_row, rows_ptr, vocab, kth, max_ptr, threshold_ptr,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr,
+        stride_row,
+        rows_ptr,
+        vocab,
+        kth,
+        max_ptr,
+        threshold_ptr,
+        HAS_ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # Each lane keeps the max of its columns (no reduction inside the loop); the lanes' maxima are distinct
         # columns, so their (kth + 1)-th largest is a lower bound of the row's own (kth + 1)-th largest logit.
@@ -169,9 +199,20 @@ def build_kernels():
 
     @triton.jit
     def below_threshold_kernel(
-        logits_ptr, stride_row, rows_ptr, excluded_ptr, n_excluded, vocab, max_ptr, threshold_ptr, sum_ptr,
-        count_ptr, candidates_ptr, capacity,
-        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr,
+        stride_row,
+        rows_ptr,
+        excluded_ptr,
+        n_excluded,
+        vocab,
+        max_ptr,
+        threshold_ptr,
+        sum_ptr,
+        count_ptr,
+        candidates_ptr,
+        capacity,
+        HAS_ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # Columns at or above the row's threshold are written out as candidates (their slot from an atomic counter:
         # a handful per row, so no scan of the block); the rest, less the excluded ids, is summed as exp(x - max).

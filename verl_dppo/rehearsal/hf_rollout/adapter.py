@@ -27,8 +27,11 @@ class HFServerAdapter(BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ.get("RANK", 0))
-        world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
-                 * self.config.pipeline_model_parallel_size)
+        world = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         self.replica_rank = rank // world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % world
         self._has_server = self.rollout_rank == 0
@@ -52,9 +55,15 @@ class HFServerAdapter(BaseRollout):
             await self._server.sleep.remote()
 
     @torch.no_grad()
-    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int = None,
-                             wire_format: str = "named_tensors", peft_config: Any = None,
-                             base_sync_done: bool = True, **kwargs):
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        global_steps: int = None,
+        wire_format: str = "named_tensors",
+        peft_config: Any = None,
+        base_sync_done: bool = True,
+        **kwargs,
+    ):
         """One weight push, as verl makes it to vLLM: full weights, or with LoRA (model.lora_rank > 0) the frozen
         base once (`base_sync_done=False`, LoRA-targeted weights named `...base_layer.weight`) and then the
         adapter's tensors at every push (`peft_config` given), which the server merges (hf_rollout/weights.py)."""
@@ -65,8 +74,10 @@ class HFServerAdapter(BaseRollout):
         lora = lora_settings(peft_config) if base_sync_done else None
 
         if wire_format != "named_tensors":
-            raise ValueError(f"the hf rollout takes full tensors (wire_format='named_tensors'), got {wire_format!r}: "
-                             "set actor_rollout_ref.rollout.checkpoint_engine.backend=ray_store (or naive)")
+            raise ValueError(
+                f"the hf rollout takes full tensors (wire_format='named_tensors'), got {wire_format!r}: "
+                "set actor_rollout_ref.rollout.checkpoint_engine.backend=ray_store (or naive)"
+            )
         start = time.time()
         server = self._server_handle()
         limit = max(1, int(self.config.checkpoint_engine.update_weights_bucket_megabytes)) << 20

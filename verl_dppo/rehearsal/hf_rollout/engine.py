@@ -5,12 +5,7 @@ request queued by then (up to `max_num_seqs`) into one batch: one left-padded pr
 token for the whole batch, each step in a worker thread so that the event loop keeps answering (new requests
 queue for the next batch; aborts stop a request at the next step and return its tokens so far).
 
-Sampling follows vLLM with `logprobs_mode=processed_logprobs`: logits / temperature, then top-k, then top-p; the
-token is drawn from that truncated distribution and its log-prob is taken from it (the distribution it was actually
-sampled from). The draw is vLLM's exponential race (argmax of p_i / E_i, one E_i ~ Exp(1) per vocabulary entry): a
-change of the logits in their last bits changes the token only where two scores tie, where the inverse CDF over
-sorted probabilities moved a boundary whenever two near-equal logits swapped ranks. temperature 0 is greedy, with the log-prob of the untruncated log-softmax (as vLLM reports it).
-The top-K row of a token (Top-K DPPO, TROLL) is the top-K of the temperature-scaled log-softmax before truncation.
+Sampling follows vLLM (`verl_dppo.rehearsal.hf_rollout.sampling`: the settings it accepts and the draw).
 
 Reproducible: each request draws its noise from its own generator, seeded from the rollout seed, the weight
 version, the sample's identity in the run (its prompt's dataset index, which of the prompt's n samples it is, and
@@ -27,98 +22,24 @@ import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from verl_dppo.rehearsal.hf_rollout.sampling import HFRolloutError, SamplingSettings, parse_sampling_params, sample_next
 from verl_dppo.rehearsal.hf_rollout.weights import WeightTargets
 
-__all__ = ["SamplingSettings", "GenerationResult", "HFGenerationEngine", "parse_sampling_params",
-           "sample_next", "HFRolloutError"]
+__all__ = [
+    "SamplingSettings",
+    "GenerationResult",
+    "HFGenerationEngine",
+    "parse_sampling_params",
+    "sample_next",
+    "HFRolloutError",
+]
 
 logger = logging.getLogger("verl_dppo")
-
-
-class HFRolloutError(ValueError):
-    """A request the hf rollout cannot serve (the message names the setting to change)."""
-
-
-_ACCEPTED = {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "logprobs", "repetition_penalty",
-             "ignore_eos", "stop_token_ids", "seed"}
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    logprobs: bool = False
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    seed: Optional[int] = None
-
-
-def parse_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingSettings:
-    """verl's sampling-params dict -> SamplingSettings; a setting the engine cannot honour raises HFRolloutError."""
-    unknown = sorted(set(params) - _ACCEPTED)
-    if unknown:
-        raise HFRolloutError(
-            f"the hf rollout does not support the sampling setting(s) {', '.join(f'{k}={params[k]!r}' for k in unknown)}"
-            f": remove them or use actor_rollout_ref.rollout.name=vllm (it supports {', '.join(sorted(_ACCEPTED))})"
-        )
-    repetition_penalty = params.get("repetition_penalty", 1.0)
-    if repetition_penalty not in (None, 1.0):
-        raise HFRolloutError(f"the hf rollout does not support repetition_penalty={repetition_penalty}: set "
-                             "actor_rollout_ref.rollout.repetition_penalty=1.0 or use rollout.name=vllm")
-    temperature = float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0)
-    top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
-    top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
-    if temperature < 0:
-        raise HFRolloutError(f"temperature={temperature} < 0: set actor_rollout_ref.rollout.temperature >= 0")
-    if not 0.0 < top_p <= 1.0:
-        raise HFRolloutError(f"top_p={top_p} outside (0, 1]: set actor_rollout_ref.rollout.top_p in (0, 1]")
-    if top_k == 0 or top_k < -1:
-        raise HFRolloutError(f"top_k={top_k}: set actor_rollout_ref.rollout.top_k to -1 (off) or a positive count")
-    max_tokens = params.get("max_tokens", params.get("max_new_tokens", default_max_tokens))
-    max_tokens = default_max_tokens if max_tokens is None else int(max_tokens)
-    stop = params.get("stop_token_ids") or ()
-    seed = params.get("seed")
-    return SamplingSettings(temperature, top_p, top_k, max_tokens, bool(params.get("logprobs", False)),
-                            bool(params.get("ignore_eos", False)), tuple(int(t) for t in stop),
-                            None if seed is None else int(seed))
-
-
-def sample_next(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                noise: torch.Tensor, k: Optional[int]):
-    """One token per row of `logits` [B, V] (fp32), drawn with `noise` [B, V] (Exp(1) draws, one per vocabulary id:
-    the token is the kept one with the largest p / noise, vLLM's sampler). Returns (tokens [B], log-probs [B] under
-    the distribution sampled from, top-K ids [B, k] and log-probs [B, k] of the temperature-scaled log-softmax, or
-    None).
-
-    Truncation in sorted space, as vLLM does it: logits below the top_k-th largest dropped (vLLM's threshold rule:
-    a tie with the top_k-th is kept), then the tail whose preceding cumulative probability already reaches top_p
-    (the token that crosses top_p is kept; the top token always is).
-    """
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    full_sorted = torch.log_softmax(sorted_logits, dim=-1)
-    kth = sorted_logits.gather(1, (top_k.clamp(1, logits.shape[-1]) - 1)[:, None])
-    drop = (top_k[:, None] > 0) & (sorted_logits < kth)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
-    drop[:, 0] = False
-    truncated = torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Dropped ranks score -inf whatever their noise (a zero draw, clamped, cannot revive one).
-    race = truncated - noise.gather(1, order).clamp_min(torch.finfo(noise.dtype).tiny).log()
-    position = race.argmax(dim=-1, keepdim=True)
-    position = torch.where(greedy[:, None], torch.zeros_like(position), position)
-    sampled_logprob = torch.where(greedy[:, None], full_sorted.gather(1, position), truncated.gather(1, position))
-    tokens = order.gather(1, position)[:, 0]
-    topk = None if not k else (order[:, :k], full_sorted[:, :k])
-    return tokens, sampled_logprob[:, 0], topk
 
 
 @dataclass
@@ -151,8 +72,16 @@ class _Request:
 class HFGenerationEngine:
     """Batches of requests through one transformers model; one instance per rollout server."""
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], max_model_len: int, max_num_seqs: int,
-                 seed: int, pad_token_id: int = 0, record_routes: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        pad_token_id: int = 0,
+        record_routes: bool = False,
+    ):
         self.model = model
         self._routers = _routers_to_record(model) if record_routes else None
         self.eos_token_ids = tuple(eos_token_ids)
@@ -182,13 +111,23 @@ class HFGenerationEngine:
         key = (self.version, sample, tuple(prompt_ids))
         occurrence = self._seen.get(key, 0)
         self._seen[key] = occurrence + 1
-        digest = hashlib.blake2b(np.asarray([self.seed, -1 if self.version is None else self.version, sample,
-                                             occurrence, *prompt_ids], dtype=np.int64).tobytes(),
-                                 digest_size=8).digest()
+        digest = hashlib.blake2b(
+            np.asarray(
+                [self.seed, -1 if self.version is None else self.version, sample, occurrence, *prompt_ids],
+                dtype=np.int64,
+            ).tobytes(),
+            digest_size=8,
+        ).digest()
         return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
-    async def generate(self, prompt_ids: list[int], settings: SamplingSettings, request_id: str,
-                       topk: Optional[int] = None, sample: Optional[int] = None) -> GenerationResult:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        settings: SamplingSettings,
+        request_id: str,
+        topk: Optional[int] = None,
+        sample: Optional[int] = None,
+    ) -> GenerationResult:
         """Queue one request; `sample` is its identity in the run (patches/agent_loop.sample_identity): with it, its
         draws depend neither on the order in which the samples of one prompt arrive nor on the replica serving it."""
         room = self.max_model_len - len(prompt_ids)
@@ -202,7 +141,9 @@ class HFGenerationEngine:
             raise HFRolloutError(f"max_tokens={settings.max_tokens}: a request must allow at least one token")
         settings = SamplingSettings(**{**settings.__dict__, "max_tokens": min(settings.max_tokens, room)})
         rng = torch.Generator().manual_seed(self._request_seed(prompt_ids, settings, sample))
-        request = _Request(request_id, list(prompt_ids), settings, topk, rng, asyncio.get_running_loop().create_future())
+        request = _Request(
+            request_id, list(prompt_ids), settings, topk, rng, asyncio.get_running_loop().create_future()
+        )
         self._queue.append(request)
         self._ensure_scheduler()
         self._wakeup.set()
@@ -269,7 +210,7 @@ class HFGenerationEngine:
             self._wakeup.clear()
             await asyncio.sleep(0.002)  # requests sent together arrive a few event-loop turns apart: take them all
             while self._queue:
-                batch, self._queue = self._queue[: self.max_num_seqs], self._queue[self.max_num_seqs:]
+                batch, self._queue = self._queue[: self.max_num_seqs], self._queue[self.max_num_seqs :]
                 self._running = batch
                 try:
                     async with self._model_lock:
@@ -288,14 +229,16 @@ class HFGenerationEngine:
             return
         has_topk = request.topk and request.tokens
         routes = np.concatenate(request.routes) if self._routers is not None and request.routes else None
-        request.future.set_result(GenerationResult(
-            routed_experts=routes,
-            token_ids=list(request.tokens),
-            log_probs=list(request.logprobs) if request.settings.logprobs else None,
-            stop_reason="aborted" if request.aborted else "completed",
-            topk_ids=np.stack(request.topk_ids).astype(np.int64) if has_topk else None,
-            topk_logprobs=np.stack(request.topk_lps).astype(np.float32) if has_topk else None,
-        ))
+        request.future.set_result(
+            GenerationResult(
+                routed_experts=routes,
+                token_ids=list(request.tokens),
+                log_probs=list(request.logprobs) if request.settings.logprobs else None,
+                stop_reason="aborted" if request.aborted else "completed",
+                topk_ids=np.stack(request.topk_ids).astype(np.int64) if has_topk else None,
+                topk_logprobs=np.stack(request.topk_lps).astype(np.float32) if has_topk else None,
+            )
+        )
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         live = [r for r in batch if not r.aborted]
@@ -310,8 +253,8 @@ class HFGenerationEngine:
         input_ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(live), width), dtype=torch.long)
         for i, request in enumerate(live):  # left padding: every row's next token is at the last column
-            input_ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            mask[i, width - len(request.prompt_ids):] = 1
+            input_ids[i, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[i, width - len(request.prompt_ids) :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         temperature = torch.tensor([r.settings.temperature for r in live], dtype=torch.float32, device=device)
         top_k = torch.tensor([r.settings.top_k for r in live], dtype=torch.long, device=device)
@@ -320,8 +263,9 @@ class HFGenerationEngine:
         state = {"cache": None, "mask": mask, "positions": (mask.cumsum(-1) - 1).clamp_min(0), "ids": input_ids}
         steps = max(r.settings.max_tokens for r in live)
         for step in range(steps):
-            tokens, logprobs, topk, routes = await asyncio.to_thread(self._step, state, temperature, top_k, top_p,
-                                                                     [r.rng for r in live], k)
+            tokens, logprobs, topk, routes = await asyncio.to_thread(
+                self._step, state, temperature, top_k, top_p, [r.rng for r in live], k
+            )
             tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
             if topk is not None:
                 topk_ids, topk_lps = topk[0].cpu().numpy(), topk[1].float().cpu().numpy()
@@ -332,7 +276,7 @@ class HFGenerationEngine:
                     self._finish(request)  # the token it fed (vLLM's rows: prompt + T - 1; verl's resume re-feeds it)
                     continue
                 if routes is not None:  # the routes of the tokens this step fed: the prompt, then the last token
-                    request.routes.append(routes[i, width - len(request.prompt_ids):] if step == 0 else routes[i])
+                    request.routes.append(routes[i, width - len(request.prompt_ids) :] if step == 0 else routes[i])
                 token = tokens_l[i]
                 request.tokens.append(token)
                 request.logprobs.append(logprobs_l[i])
@@ -357,11 +301,19 @@ class HFGenerationEngine:
         if state["cache"] is None:
             state["cache"] = DynamicCache()
         captured: dict[int, torch.Tensor] = {}
-        hooks = [router.register_forward_hook(lambda _m, _i, out, index=index: captured.__setitem__(index, out[2]))
-                 for index, router in (self._routers or [])]
+        hooks = [
+            router.register_forward_hook(lambda _m, _i, out, index=index: captured.__setitem__(index, out[2]))
+            for index, router in (self._routers or [])
+        ]
         try:
-            out = self.model(input_ids=state["ids"], attention_mask=state["mask"], position_ids=state["positions"],
-                             past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=state["ids"],
+                attention_mask=state["mask"],
+                position_ids=state["positions"],
+                past_key_values=state["cache"],
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             for hook in hooks:
                 hook.remove()
@@ -382,10 +334,12 @@ class HFGenerationEngine:
 def _routers_to_record(model: torch.nn.Module) -> list:
     """The model's MoE routers, whose choices the rollout returns as vLLM's `enable_return_routed_experts` does
     (actor_rollout_ref.rollout.enable_rollout_routing_replay: what R3 on the FSDP engine replays)."""
-    from verl_dppo.plugin.router_replay import ROUTER_CLASSES, routers_of
+    from verl_dppo.plugin.moe.router_replay import ROUTER_CLASSES, routers_of
 
     routers = routers_of(model)
     if not routers:
-        raise HFRolloutError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True, but the model has no MoE "
-                             f"router to record ({', '.join(ROUTER_CLASSES)}): a dense model routes nothing")
+        raise HFRolloutError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True, but the model has no MoE "
+            f"router to record ({', '.join(ROUTER_CLASSES)}): a dense model routes nothing"
+        )
     return routers

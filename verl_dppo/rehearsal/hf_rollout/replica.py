@@ -44,26 +44,40 @@ class HFReplica(RolloutReplica):
         for node_rank in range(self.nnodes):
             node_id, ids = infos[node_rank * self.gpus_per_replica_node]
             role = "reward_" if self.is_reward_model else "teacher_" if self.is_teacher_model else ""
-            name = server_name(self.replica_rank, node_rank, self.name_suffix) if not role else \
-                f"hf_server_{role}{self.replica_rank}_{node_rank}{self.name_suffix}"
+            name = (
+                server_name(self.replica_rank, node_rank, self.name_suffix)
+                if not role
+                else f"hf_server_{role}{self.replica_rank}_{node_rank}{self.name_suffix}"
+            )
             server = server_cls.options(
-                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id,
-                                                                                                  soft=False),
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=node_id, soft=False
+                ),
                 name=name,
                 max_concurrency=self.max_concurrency,
-            ).remote(config=self.config, model_config=self.model_config, rollout_mode=self.rollout_mode,
-                     replica_rank=self.replica_rank, node_rank=node_rank, visible_devices=",".join(ids),
-                     device=get_device_name())
+            ).remote(
+                config=self.config,
+                model_config=self.model_config,
+                rollout_mode=self.rollout_mode,
+                replica_rank=self.replica_rank,
+                node_rank=node_rank,
+                visible_devices=",".join(ids),
+                device=get_device_name(),
+            )
             self.servers.append(server)
         await asyncio.gather(*[server.init_engine.remote() for server in self.servers])
         self._server_handle = self.servers[0]
         self._server_address = f"hf://{server_name(self.replica_rank, 0, self.name_suffix)}"
 
     async def abort_all_requests(self, reject_request: bool = False) -> dict:
-        results = await asyncio.gather(*[s.abort_all_requests.remote(reject_request=reject_request)
-                                         for s in self.servers])
-        return {"aborted_count": sum(r["aborted_count"] for r in results),
-                "request_ids": [i for r in results for i in r["request_ids"]], "server_results": results}
+        results = await asyncio.gather(
+            *[s.abort_all_requests.remote(reject_request=reject_request) for s in self.servers]
+        )
+        return {
+            "aborted_count": sum(r["aborted_count"] for r in results),
+            "request_ids": [i for r in results for i in r["request_ids"]],
+            "server_results": results,
+        }
 
     async def abort_request(self, request_id: str) -> dict:
         results = await asyncio.gather(*[s.abort_request.remote(request_id) for s in self.servers])

@@ -37,15 +37,25 @@ def _dtype(name: str) -> torch.dtype:
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     dtype = getattr(torch, aliases.get(name, name), None)
     if not isinstance(dtype, torch.dtype):
-        raise HFRolloutError(f"actor_rollout_ref.rollout.dtype={name} is not a torch dtype (bfloat16, float16, float32)")
+        raise HFRolloutError(
+            f"actor_rollout_ref.rollout.dtype={name} is not a torch dtype (bfloat16, float16, float32)"
+        )
     return dtype
 
 
 class HFRolloutServer:
     """One transformers model answering verl's server calls; same code on CPU and CUDA (the platform's device)."""
 
-    def __init__(self, config: Any, model_config: Any, rollout_mode: Any = None, replica_rank: int = 0,
-                 node_rank: int = 0, visible_devices: Optional[str] = None, device: Optional[str] = None):
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        rollout_mode: Any = None,
+        replica_rank: int = 0,
+        node_rank: int = 0,
+        visible_devices: Optional[str] = None,
+        device: Optional[str] = None,
+    ):
         from verl.utils.config import omega_conf_to_dataclass
 
         if visible_devices:  # the GPU(s) of this replica's workers, before CUDA is initialised in this process
@@ -77,21 +87,35 @@ class HFRolloutServer:
         device = torch.device("cuda", 0) if self._device == "cuda" else torch.device(self._device)
         path = getattr(self.model_config, "local_path", None) or self.model_config.path
         override = dict(getattr(self.model_config, "override_config", None) or {})
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_dtype(self.config.dtype), trust_remote_code=bool(self.model_config.trust_remote_code),
-            attn_implementation=override.get("attn_implementation", "sdpa"),
-        ).to(device).eval()
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=_dtype(self.config.dtype),
+                trust_remote_code=bool(self.model_config.trust_remote_code),
+                attn_implementation=override.get("attn_implementation", "sdpa"),
+            )
+            .to(device)
+            .eval()
+        )
         hf_config = model.config
         context = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
-        max_model_len = self.config.max_model_len or context or (self.config.prompt_length + self.config.response_length)
+        max_model_len = (
+            self.config.max_model_len or context or (self.config.prompt_length + self.config.response_length)
+        )
         eos = getattr(getattr(self.model_config, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         pad = getattr(hf_config, "pad_token_id", None)
-        return HFGenerationEngine(model, eos_ids, int(max_model_len), int(self.config.max_num_seqs),
-                                  int(self.config.seed), 0 if pad is None else int(pad),
-                                  record_routes=bool(self.config.get("enable_rollout_routing_replay", False)))
+        return HFGenerationEngine(
+            model,
+            eos_ids,
+            int(max_model_len),
+            int(self.config.max_num_seqs),
+            int(self.config.seed),
+            0 if pad is None else int(pad),
+            record_routes=bool(self.config.get("enable_rollout_routing_replay", False)),
+        )
 
     async def init_engine(self) -> None:
         if self.engine is None:
@@ -140,18 +164,28 @@ class HFRolloutServer:
         settings, `weights.lora_settings`) marks PEFT adapter tensors."""
         return await self.engine.load_weights(named_tensors, lora=lora)
 
-    async def finish_weight_update(self, global_steps: Optional[int] = None, loaded: int = 0,
-                                   lora: Optional[dict] = None):
+    async def finish_weight_update(
+        self, global_steps: Optional[int] = None, loaded: int = 0, lora: Optional[dict] = None
+    ):
         merged = await self.engine.finish_weights(lora)
         if merged:
             from verl_dppo.plugin.log_once import warn_once
 
-            warn_once("hf lora", "verl-dppo hf rollout: LoRA adapter merged into %d weights (base + %g x B @ A) at "
-                      "every weight push", merged, lora["scaling"])
+            warn_once(
+                "hf lora",
+                "verl-dppo hf rollout: LoRA adapter merged into %d weights (base + %g x B @ A) at every weight push",
+                merged,
+                lora["scaling"],
+            )
         if global_steps is not None:
             await self.set_global_steps(global_steps)
-        logger.info("hf rollout %s: %d weight tensors loaded%s (version %s)", self.replica_rank, loaded,
-                    f", LoRA merged into {merged} weights" if merged else "", global_steps)
+        logger.info(
+            "hf rollout %s: %d weight tensors loaded%s (version %s)",
+            self.replica_rank,
+            loaded,
+            f", LoRA merged into {merged} weights" if merged else "",
+            global_steps,
+        )
 
     async def get_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights as the server generates with them (for checks of the weight push)."""
@@ -159,25 +193,38 @@ class HFRolloutServer:
 
     # ---------------------------------------------------------------------------------------------- generation
 
-    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                       image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
-                       **kwargs: Any):
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Optional[list[Any]] = None,
+        video_data: Optional[list[Any]] = None,
+        **kwargs: Any,
+    ):
         from verl.workers.rollout.replica import TokenOutput
 
         from verl_dppo.plugin.rollout_fields import SAMPLE_KWARG
         from verl_dppo.plugin.rollout_fields import EXTRA_IDS, EXTRA_LOGPROBS, rollout_topk, warn_truncated_sampling
 
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
-            raise HFRolloutError("the hf rollout generates from text only: image/video/audio inputs need "
-                                 "actor_rollout_ref.rollout.name=vllm or sglang")
+            raise HFRolloutError(
+                "the hf rollout generates from text only: image/video/audio inputs need "
+                "actor_rollout_ref.rollout.name=vllm or sglang"
+            )
         while self._paused:  # a weight push is under way: wait for resume_generation (or fail over)
             if self._rejecting:
-                return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
-                                   extra_fields={"global_steps": self.global_steps})
+                return TokenOutput(
+                    token_ids=[],
+                    log_probs=None,
+                    stop_reason="aborted",
+                    extra_fields={"global_steps": self.global_steps},
+                )
             await self._resume.wait()
         prompt_ids = [int(t) for t in prompt_ids]
-        default = min(self.config.response_length,
-                      self.config.prompt_length + self.config.response_length - len(prompt_ids))
+        default = min(
+            self.config.response_length, self.config.prompt_length + self.config.response_length - len(prompt_ids)
+        )
         params = dict(sampling_params)
         params.setdefault("ignore_eos", bool(self.config.get("ignore_eos", False)))  # as verl's vLLM server does
         settings = parse_sampling_params(params, max(1, default))
@@ -188,8 +235,13 @@ class HFRolloutServer:
         extra: dict[str, Any] = {"global_steps": self.global_steps}
         if k is not None and result.topk_ids is not None:
             extra[EXTRA_IDS], extra[EXTRA_LOGPROBS] = result.topk_ids, result.topk_logprobs
-        return TokenOutput(token_ids=result.token_ids, log_probs=result.log_probs, stop_reason=result.stop_reason,
-                           routed_experts=result.routed_experts, extra_fields=extra)
+        return TokenOutput(
+            token_ids=result.token_ids,
+            log_probs=result.log_probs,
+            stop_reason=result.stop_reason,
+            routed_experts=result.routed_experts,
+            extra_fields=extra,
+        )
 
     async def wait_for_requests_to_drain(self):
         await self.engine.wait_idle()

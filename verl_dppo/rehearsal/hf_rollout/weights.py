@@ -42,8 +42,10 @@ def lora_settings(peft_config: Any) -> Optional[dict]:
     refused = [key for key in ("use_dora", "fan_in_fan_out") if config.get(key)]
     refused += [key for key in ("rank_pattern", "alpha_pattern") if config.get(key)]
     if refused:
-        raise ValueError(f"the hf rollout merges a plain LoRA adapter (base + alpha/r x B @ A); this one sets "
-                         f"{', '.join(refused)}: use actor_rollout_ref.rollout.name=vllm, or leave them unset")
+        raise ValueError(
+            f"the hf rollout merges a plain LoRA adapter (base + alpha/r x B @ A); this one sets "
+            f"{', '.join(refused)}: use actor_rollout_ref.rollout.name=vllm, or leave them unset"
+        )
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     return {"scaling": alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)}
 
@@ -71,8 +73,10 @@ class WeightTargets:
                 plain = name.replace(".base_layer.", ".")
                 target = self._target(plain, name, state)
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name}: pushed shape {tuple(tensor.shape)}, the hf rollout's model "
-                                     f"has {tuple(target.shape)} there")
+                    raise ValueError(
+                        f"weight {name}: pushed shape {tuple(tensor.shape)}, the hf rollout's model "
+                        f"has {tuple(target.shape)} there"
+                    )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 if plain != name:  # a LoRA-targeted base weight: the adapter is merged onto it
                     self.lora_base[plain] = target.detach().clone()
@@ -91,11 +95,15 @@ class WeightTargets:
             for module, parts in sorted(self._adapter.items()):
                 name = f"{module}.weight"
                 if set(parts) != {"A", "B"}:
-                    raise ValueError(f"the LoRA adapter push carried lora_{'A' if 'A' not in parts else 'B'} of "
-                                     f"{module} without the other")
+                    raise ValueError(
+                        f"the LoRA adapter push carried lora_{'A' if 'A' not in parts else 'B'} of "
+                        f"{module} without the other"
+                    )
                 if name not in self.lora_base or name not in state:
-                    raise KeyError(f"the LoRA adapter targets {module!r}, whose base weight the hf rollout never "
-                                   "received (verl pushes the base first, with base_sync_done=False)")
+                    raise KeyError(
+                        f"the LoRA adapter targets {module!r}, whose base weight the hf rollout never "
+                        "received (verl pushes the base first, with base_sync_done=False)"
+                    )
                 base = self.lora_base[name]
                 delta = (parts["B"].float() @ parts["A"].float()) * lora["scaling"]
                 if tuple(delta.shape) != tuple(base.shape):
@@ -110,8 +118,9 @@ class WeightTargets:
             return state[name]
         expert = _EXPERT.match(name)
         if expert is not None:
-            fused = state.get(f"{expert['base']}.gate_up_proj" if expert["proj"] != "down_proj"
-                              else f"{expert['base']}.down_proj")
+            fused = state.get(
+                f"{expert['base']}.gate_up_proj" if expert["proj"] != "down_proj" else f"{expert['base']}.down_proj"
+            )
             if fused is not None and fused.dim() == 3:
                 index = int(expert["expert"])
                 if index >= fused.shape[0]:

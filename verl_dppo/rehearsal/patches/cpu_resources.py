@@ -39,6 +39,7 @@ _START_SPREAD = 8192
 
 def patch_resource_check(module: Any) -> None:
     """Both CPU-platform patches of `verl.single_controller.ray.base` (the module docstring)."""
+
     def make(original):
         def _check_resource_available(self):
             from verl_dppo.rehearsal.platform import is_selected
@@ -78,4 +79,3 @@ def _make_master_addr_port(original):
         return original(self, pg, bundle_index=bundle_index, master_port_range=master_port_range)
 
     return _get_master_addr_port
-

@@ -105,8 +105,7 @@ def _say_which_kernel(method: Any) -> None:
 
     kernel = getattr(getattr(method, "cpu_fused_moe", None), "isa", None)
     if kernel is not None:
-        warn_once("vllm_cpu_moe_kernel", "verl-dppo: vLLM-CPU's MoE layers run kernel %r here. %s", kernel,
-                  describe())
+        warn_once("vllm_cpu_moe_kernel", "verl-dppo: vLLM-CPU's MoE layers run kernel %r here. %s", kernel, describe())
 
 
 def patch_check_grouped_gemm(cpu_fused_moe: Any) -> None:
@@ -198,6 +197,7 @@ def patch_bind_capturer(runner_module: Any) -> None:
 
             ours = [m for m in self.model.modules() if isinstance(m, MoERunner) and _cpu_kernel(m._quant_method)]
             for module in ours:
+
                 def capture(topk_ids, _layer_id=module.layer_id, _capturer=capturer):
                     _capturer.capture(_layer_id, topk_ids)
 

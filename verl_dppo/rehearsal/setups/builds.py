@@ -23,8 +23,9 @@ def built(target: Path, manifest: dict, manifest_file: str) -> bool:
         return False
 
 
-def build_once(target: Path, manifest: dict, write: Callable[[Path], Any], manifest_file: str, what: str,
-               error: type = UsageError) -> Optional[Any]:
+def build_once(
+    target: Path, manifest: dict, write: Callable[[Path], Any], manifest_file: str, what: str, error: type = UsageError
+) -> Optional[Any]:
     """Write the folder `target` with `write(tmp)` unless a build with the same manifest (in `target/manifest_file`)
     is there; returns what `write` returned, None if nothing was built. A finished build is renamed into place, so a
     concurrent run sees none or a whole one; an older build (other settings) is replaced; a folder that is not a

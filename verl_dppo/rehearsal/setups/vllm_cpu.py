@@ -27,8 +27,15 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["CPU_DISTRIBUTION", "VLLM_CPU_HEAD_SIZES", "alias", "cpu_build_version", "needs_alias", "vllm_cpu_problems",
-           "vllm_cpu_settings"]
+__all__ = [
+    "CPU_DISTRIBUTION",
+    "VLLM_CPU_HEAD_SIZES",
+    "alias",
+    "cpu_build_version",
+    "needs_alias",
+    "vllm_cpu_problems",
+    "vllm_cpu_settings",
+]
 
 CPU_DISTRIBUTION = "vllm-cpu"
 
@@ -61,9 +68,11 @@ def alias() -> Optional[Path]:
     folder = site / f"vllm-{version}.dist-info"
     folder.mkdir(exist_ok=True)
     files = {
-        "METADATA": (f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
-                     f"Summary: metadata only: the vllm package of {CPU_DISTRIBUTION} {cpu_version}, under the name "
-                     "verl looks up (written by verl-dppo)\n"),
+        "METADATA": (
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+            f"Summary: metadata only: the vllm package of {CPU_DISTRIBUTION} {cpu_version}, under the name "
+            "verl looks up (written by verl-dppo)\n"
+        ),
         "INSTALLER": "verl-dppo\n",
     }
     for name, text in files.items():
@@ -103,7 +112,8 @@ def vllm_cpu_settings(config: Any) -> None:
             cap = int(config.get("dppo", {}).get("vllm_cpu_bucket_mb") or VLLM_CPU_BUCKET_MB)
             with open_dict(engine):
                 engine.update_weights_bucket_megabytes = min(
-                    int(engine.get("update_weights_bucket_megabytes") or cap), cap)
+                    int(engine.get("update_weights_bucket_megabytes") or cap), cap
+                )
 
 
 def vllm_cpu_problems(config: Any) -> list[str]:
@@ -113,17 +123,23 @@ def vllm_cpu_problems(config: Any) -> list[str]:
 
     if cpu_build_version() is None:
         found = "a GPU build of vLLM" if importlib.util.find_spec("vllm") else "no vLLM"
-        return [f"actor_rollout_ref.rollout.name=vllm on CPU (trainer.device=cpu) needs vLLM's CPU build, vllm-cpu "
-                f"0.27.1, and this environment has {found}: run `make venv` in the verl-dppo checkout (it installs "
-                f"vllm-cpu), or use actor_rollout_ref.rollout.name=hf"]
+        return [
+            f"actor_rollout_ref.rollout.name=vllm on CPU (trainer.device=cpu) needs vLLM's CPU build, vllm-cpu "
+            f"0.27.1, and this environment has {found}: run `make venv` in the verl-dppo checkout (it installs "
+            f"vllm-cpu), or use actor_rollout_ref.rollout.name=hf"
+        ]
     if needs_alias():
-        return ["vllm-cpu is installed but verl cannot see it (verl looks up the distribution `vllm`): run "
-                "`python -m verl_dppo.rehearsal.setups.vllm_cpu` once in this environment (`make venv` does)"]
+        return [
+            "vllm-cpu is installed but verl cannot see it (verl looks up the distribution `vllm`): run "
+            "`python -m verl_dppo.rehearsal.setups.vllm_cpu` once in this environment (`make venv` does)"
+        ]
     head_dim = _head_dim(config)
     if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
-        return [f"the model's head_dim is {head_dim}, which vLLM's CPU attention does not support (it takes "
-                f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): for cpu_tiny set dppo.tiny_model.head_dim=32, or use "
-                f"actor_rollout_ref.rollout.name=hf"]
+        return [
+            f"the model's head_dim is {head_dim}, which vLLM's CPU attention does not support (it takes "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): for cpu_tiny set dppo.tiny_model.head_dim=32, or use "
+            f"actor_rollout_ref.rollout.name=hf"
+        ]
     return []
 
 
@@ -145,7 +161,6 @@ def _head_dim(config: Any) -> Optional[int]:
 
 def _path(value: Any) -> Path:
     return Path(os.path.expanduser(str(value))).resolve()
-
 
 
 def main() -> int:

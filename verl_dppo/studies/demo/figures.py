@@ -42,12 +42,17 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
     by_method: dict[str, list[dict]] = {}
     for r in results:
         by_method.setdefault(r["method"], []).append(r)
-    runs = {name: [load_run(os.path.join(out_dir, f"{r.get('run', name)}.jsonl")) for r in group]
-            for name, group in by_method.items()}
+    runs = {
+        name: [load_run(os.path.join(out_dir, f"{r.get('run', name)}.jsonl")) for r in group]
+        for name, group in by_method.items()
+    }
     seeds = sorted({r.get("seed", 0) for r in results})
     several = len(seeds) > 1
-    over_seeds = (f"mean of seeds {','.join(map(str, seeds))} (band: lowest to highest)" if several
-                  else f"seed {seeds[0]}, one run (--seeds 0,1,2: mean and spread)")
+    over_seeds = (
+        f"mean of seeds {','.join(map(str, seeds))} (band: lowest to highest)"
+        if several
+        else f"seed {seeds[0]}, one run (--seeds 0,1,2: mean and spread)"
+    )
     colors = dict(zip(runs, colors_for(list(runs))))  # each method in its colour in every figure (and in `plot`)
     paths = []
 
@@ -83,9 +88,14 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
     # The demo's collapse verdict (rl.summarize): a COLLAPSE_WINDOW-step mean below this line (each seed has its
     # own warm start; the line is drawn at their mean).
     threshold = COLLAPSE_FRACTION * float(np.mean([r["initial_reward"] for r in by_method[next(iter(runs))]]))
-    left.axhline(threshold, color="black", linestyle="--", linewidth=0.9,
-                 label=f"collapse: {results[0].get('collapse_window', 20)}-step mean below "
-                       f"{COLLAPSE_FRACTION:g} x warm start ({threshold:.2f})")
+    left.axhline(
+        threshold,
+        color="black",
+        linestyle="--",
+        linewidth=0.9,
+        label=f"collapse: {results[0].get('collapse_window', 20)}-step mean below "
+        f"{COLLAPSE_FRACTION:g} x warm start ({threshold:.2f})",
+    )
     left.set_title(f"training reward (critic/score/mean; 10-step mean)\n{over_seeds}", fontsize=8.5)
     for name, group in by_method.items():
         series = [tuple(np.array(column) for column in zip(*r["held_out_accuracy"])) for r in group]
@@ -97,8 +107,9 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
         right.plot(steps, mean, "o-", color=colors[name], label=name, markersize=3, linewidth=1.2)
     n_held_out = sorted({r.get("n_held_out", 0) for r in results})
     size = f"{n_held_out[0]:,}" if len(n_held_out) == 1 else f"{n_held_out[0]:,}-{n_held_out[-1]:,}"
-    right.set_title(f"held-out greedy accuracy (val-core/digit_sum/acc/mean@1)\n{size} problems, {over_seeds}",
-                    fontsize=8.5)
+    right.set_title(
+        f"held-out greedy accuracy (val-core/digit_sum/acc/mean@1)\n{size} problems, {over_seeds}", fontsize=8.5
+    )
     right.set_xlabel("RL step", fontsize=8)
     right.grid(alpha=0.3)
     right.tick_params(labelsize=7)
@@ -109,11 +120,15 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     lines(left, "training/rollout_probs_diff_mean", log=True)
-    left.set_title("bf16 rollout vs fp32 learner, same weights: mean |pi - mu|\n"
-                   "(training/rollout_probs_diff_mean, before the updates)", fontsize=8.5)
+    left.set_title(
+        "bf16 rollout vs fp32 learner, same weights: mean |pi - mu|\n"
+        "(training/rollout_probs_diff_mean, before the updates)",
+        fontsize=8.5,
+    )
     lines(right, "actor/dppo/mismatch_tv_mean", log=True)
-    right.set_title("|pi - mu| during the mini-batch updates\n(actor/dppo/mismatch_tv_mean: mismatch + drift)",
-                    fontsize=8.5)
+    right.set_title(
+        "|pi - mu| during the mini-batch updates\n(actor/dppo/mismatch_tv_mean: mismatch + drift)", fontsize=8.5
+    )
     right.legend(fontsize=7)
     save(figure, "mismatch.png")
 
@@ -128,19 +143,32 @@ def draw_all(out_dir: str, results: list[dict], dpi: int = 90) -> list[str]:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     edges = np.array(results[0]["prob_bins"])
     centers, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
-    pooled = {name: (np.sum([r["blocked_by_prob"] for r in group], axis=0).astype(float),
-                     np.sum([r["updates_by_prob"] for r in group], axis=0).astype(float))
-              for name, group in by_method.items()}
+    pooled = {
+        name: (
+            np.sum([r["blocked_by_prob"] for r in group], axis=0).astype(float),
+            np.sum([r["updates_by_prob"] for r in group], axis=0).astype(float),
+        )
+        for name, group in by_method.items()
+    }
     masking = [name for name, (blocked, _) in pooled.items() if blocked.sum() > 0]
     bar_width = width / max(1, len(masking))
     for k, name in enumerate(masking):
         blocked, updates = pooled[name]
-        left.bar(edges[:-1] + k * bar_width, blocked / blocked.sum(), width=bar_width, align="edge",
-                 color=colors[name], label=f"{name} ({int(blocked.sum())} tokens)")
+        left.bar(
+            edges[:-1] + k * bar_width,
+            blocked / blocked.sum(),
+            width=bar_width,
+            align="edge",
+            color=colors[name],
+            label=f"{name} ({int(blocked.sum())} tokens)",
+        )
         rate = np.divide(blocked, updates, out=np.full_like(blocked, np.nan), where=updates > 0)
         right.plot(centers, rate, "o-", color=colors[name], label=name, markersize=3)
-    left.set_title("rollout probability mu(a_t) of the tokens each method blocked\n(share of its blocked tokens"
-                   + (", all seeds)" if several else ")"), fontsize=8.5)
+    left.set_title(
+        "rollout probability mu(a_t) of the tokens each method blocked\n(share of its blocked tokens"
+        + (", all seeds)" if several else ")"),
+        fontsize=8.5,
+    )
     left.set_xlabel("mu(a_t)", fontsize=8)
     right.set_title("blocked share of the updates (A != 0), by mu(a_t)", fontsize=8.5)
     right.set_xlabel("mu(a_t)", fontsize=8)

@@ -46,21 +46,41 @@ METHODS = (
     Method("dppo_binary_tv", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15", {"delta_low": 0.15, "delta_high": 0.15}),
     Method("dppo_binary_kl", "dppo_binary_kl", "DPPO-Binary-KL, delta 0.05", {"delta_low": 0.05, "delta_high": 0.05}),
     # K = 4 of a 64-token vocabulary (the paper: K = 20 of 151,936): Top-K stays a coarse view of mu, as it is there.
-    Method("dppo_topk_tv", "dppo_topk_tv", "DPPO-TopK-TV, K 4, delta 0.15",
-           {"delta_low": 0.15, "delta_high": 0.15, "topk": TOPK}, needs_rollout_topk=True),
-    Method("dppo_topk_kl", "dppo_topk_kl", "DPPO-TopK-KL, K 4, delta 0.05",
-           {"delta_low": 0.05, "delta_high": 0.05, "topk": TOPK}, needs_rollout_topk=True),
+    Method(
+        "dppo_topk_tv",
+        "dppo_topk_tv",
+        "DPPO-TopK-TV, K 4, delta 0.15",
+        {"delta_low": 0.15, "delta_high": 0.15, "topk": TOPK},
+        needs_rollout_topk=True,
+    ),
+    Method(
+        "dppo_topk_kl",
+        "dppo_topk_kl",
+        "DPPO-TopK-KL, K 4, delta 0.05",
+        {"delta_low": 0.05, "delta_high": 0.05, "topk": TOPK},
+        needs_rollout_topk=True,
+    ),
     # TROLL's reported values (eps 0.05, alpha 1, support mass 1 - 1e-5); no mask: pg_clipfrac stays 0.
-    Method("troll", "troll", "TROLL, eps 0.05, alpha 1, K 16",
-           {"troll_eps": 0.05, "troll_alpha": 1.0, "topk": TROLL_TOPK}, needs_rollout_topk=True),
+    Method(
+        "troll",
+        "troll",
+        "TROLL, eps 0.05, alpha 1, K 16",
+        {"troll_eps": 0.05, "troll_alpha": 1.0, "topk": TROLL_TOPK},
+        needs_rollout_topk=True,
+    ),
 )
 
 STUDY_METHODS = (
     # The decoupled variant (Sec. 5.2): the trust region anchored on the learner's recompute, the ratio still pi/mu.
-    Method("dppo_binary_tv_recompute", "dppo_binary_tv", "DPPO-Binary-TV, delta 0.15, anchored on the recompute",
-           {"delta_low": 0.15, "delta_high": 0.15, "anchor": "recompute"}),
+    Method(
+        "dppo_binary_tv_recompute",
+        "dppo_binary_tv",
+        "DPPO-Binary-TV, delta 0.15, anchored on the recompute",
+        {"delta_low": 0.15, "delta_high": 0.15, "anchor": "recompute"},
+    ),
 )
 """Rows of `verl-dppo staleness` only (not in the demo's list): the anchoring question needs them."""
+
 
 def mode_rows() -> tuple[Method, ...]:
     """A row for each registered loss mode that has no row above but demo settings on its registry entry
@@ -68,8 +88,11 @@ def mode_rows() -> tuple[Method, ...]:
     from verl_dppo.plugin.modes import loss_modes
 
     named = {m.loss_mode for m in (*METHODS, *STUDY_METHODS)}
-    return tuple(Method(mode.name, mode.name, mode.demo[0], dict(mode.demo[1]), needs_rollout_topk=mode.reads_topk)
-                 for mode in loss_modes() if mode.demo is not None and mode.name not in named)
+    return tuple(
+        Method(mode.name, mode.name, mode.demo[0], dict(mode.demo[1]), needs_rollout_topk=mode.reads_topk)
+        for mode in loss_modes()
+        if mode.demo is not None and mode.name not in named
+    )
 
 
 ALIASES = {"grpo_clip": "grpo_clip_higher"}
@@ -83,8 +106,9 @@ def accepted_names(rows: tuple[Method, ...]) -> str:
     return ", ".join(m.name + (f" (or {aliases[m.name]})" if m.name in aliases else "") for m in rows)
 
 
-def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...] = METHODS,
-                     accepted: tuple[Method, ...] | None = None) -> list[Method]:
+def runnable_methods(
+    names: list[str] | None = None, default: tuple[Method, ...] = METHODS, accepted: tuple[Method, ...] | None = None
+) -> list[Method]:
     """The methods to run: `names` in order, each a row of `accepted` (every row, the registry's `mode_rows`
     included, when None) or an alias of one, a row named twice run once (every registered row of `default` when
     empty). Unknown names raise ValueError."""
@@ -108,8 +132,15 @@ def runnable_methods(names: list[str] | None = None, default: tuple[Method, ...]
     return [m for m in chosen if m.loss_mode in POLICY_LOSS_REGISTRY]
 
 
-def actor_config(method: Method, prompts_per_step: int, samples_per_prompt: int, mini_batches: int,
-                 micro_batch_size: int, lr: float, grad_clip: float):
+def actor_config(
+    method: Method,
+    prompts_per_step: int,
+    samples_per_prompt: int,
+    mini_batches: int,
+    micro_batch_size: int,
+    lr: float,
+    grad_clip: float,
+):
     """The verl `FSDPActorConfig` a Hydra run would build for this method (via verl's omega_conf_to_dataclass)."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass

@@ -133,8 +133,12 @@ class RolloutEngine:
             sequences = torch.cat([sequences, token[:, None]], dim=1)
         if k == 0:
             return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), None, None
-        return (torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), torch.stack(topk_ids, dim=1),
-                torch.stack(topk_log_probs, dim=1))
+        return (
+            torch.stack(tokens, dim=1),
+            torch.stack(log_probs, dim=1),
+            torch.stack(topk_ids, dim=1),
+            torch.stack(topk_log_probs, dim=1),
+        )
 
 
 def sequence_log_probs(

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import verl_dppo.studies.demo.task as task
+from verl_dppo.studies.demo.hook_terms import to_no_padding, topk_statistics, troll_terms
 from verl_dppo.studies.demo.methods import Method, actor_config
 from verl_dppo.studies.demo.policy import RolloutEngine, build_policy, log_probs_from_logits, sequence_log_probs
 from verl_dppo.studies.demo.settings import DemoSettings
@@ -47,8 +48,17 @@ class BlockedTokens:
         self.blocked += np.histogram(mu_prob[blocked].numpy(), PROB_BINS)[0]
 
 
-def micro_batch(prompts, responses, response_mask, old_log_probs, rollout_log_probs, advantages,
-                mini_batch_tokens: int, mini_batch_size: int, versions: Optional[tuple[int, int]] = None):
+def micro_batch(
+    prompts,
+    responses,
+    response_mask,
+    old_log_probs,
+    rollout_log_probs,
+    advantages,
+    mini_batch_tokens: int,
+    mini_batch_size: int,
+    versions: Optional[tuple[int, int]] = None,
+):
     """A TensorDict micro-batch as verl's engine hands it to ppo_loss (padded layout, global batch info set).
 
     versions = (trainer version, rollout version): attached as verl's async trainer does (the plugin's
@@ -74,62 +84,14 @@ def micro_batch(prompts, responses, response_mask, old_log_probs, rollout_log_pr
         from verl_dppo.plugin.staleness import TRAINER_VERSION
 
         trainer, rollout = versions
-        data.set("extra_fields", NonTensorStack(*[{"min_global_steps": rollout, "max_global_steps": rollout}
-                                                  for _ in range(prompts.shape[0])]))
+        data.set(
+            "extra_fields",
+            NonTensorStack(
+                *[{"min_global_steps": rollout, "max_global_steps": rollout} for _ in range(prompts.shape[0])]
+            ),
+        )
         tu.assign_non_tensor(data, **{TRAINER_VERSION: trainer})
     return data
-
-
-def to_no_padding(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[n, seq_len] -> [total_nnz]: the engine's remove-padding layout that ppo_loss reads back per response."""
-    return values[attention_mask.bool()]
-
-
-def topk_statistics(logits, responses, response_mask, rollout_log_probs, topk_ids, topk_log_probs, attention_mask):
-    """What the plugin's logits hook hands the loss inside verl's engine (adapter.topk_actor) for dppo_topk_*:
-    per-token Top-K D_TV / D_KL (Eq. 15/16) of mu's top-k against the learner's logits, in the engine's
-    no-padding layout, under the model-output keys the anchoring hook reads."""
-    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
-    from verl_dppo.math.topk import topk_divergence
-
-    n, length = responses.shape
-    cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)
-    tv, kl = topk_divergence(
-        logits[:, cols].reshape(n * length, -1),
-        topk_ids.reshape(n * length, -1),
-        topk_log_probs.reshape(n * length, -1),
-        responses.reshape(-1),
-        rollout_log_probs.reshape(-1),
-        mask=response_mask.reshape(-1).bool(),
-    )
-    statistics = {}
-    for name, value in (("tv", tv), ("kl", kl)):
-        full = torch.zeros(n, attention_mask.shape[1])
-        full[:, cols] = value.view(n, length)
-        statistics[OUTPUT_KEYS[name]] = to_no_padding(full, attention_mask)
-    return statistics
-
-
-def troll_terms(config, logits, responses, response_mask, rollout_log_probs, topk_ids, topk_log_probs,
-                attention_mask):
-    """What the plugin's logits hook hands the loss inside verl's engine for troll: TROLL's per-token terms from the
-    learner's logits (the hook's own `troll_outputs`), log p(a_t) and the regression KL WITH gradient, in the
-    engine's no-padding layout under the model-output keys the `ppo_loss` wrapper reads."""
-    from verl_dppo.plugin.troll_mode import troll_outputs
-
-    n, length = responses.shape
-    cols = slice(task.PROMPT_LEN - 1, task.PROMPT_LEN - 1 + length)
-    outputs = troll_outputs(
-        config, logits[:, cols].reshape(n * length, -1), topk_ids.reshape(n * length, -1),
-        topk_log_probs.reshape(n * length, -1), responses.reshape(-1), rollout_log_probs.reshape(-1),
-        response_mask.reshape(-1).bool(),
-    )
-    terms = {}
-    for key, value in outputs.items():
-        full = torch.zeros(n, attention_mask.shape[1], dtype=value.dtype)
-        full[:, cols] = value.view(n, length)
-        terms[key] = to_no_padding(full, attention_mask)
-    return terms
 
 
 def _scalar(value) -> float:
@@ -166,8 +128,15 @@ def train_method(
         raise RuntimeError("verl's ppo_loss is not the verl-dppo wrapper after `import verl`: run `verl-dppo doctor`")
     start = time.perf_counter()
     n_seq = settings.prompts_per_step * settings.samples_per_prompt
-    config = actor_config(method, settings.prompts_per_step, settings.samples_per_prompt, settings.mini_batches,
-                          settings.micro_batch_size, settings.lr, settings.grad_clip)
+    config = actor_config(
+        method,
+        settings.prompts_per_step,
+        settings.samples_per_prompt,
+        settings.mini_batches,
+        settings.micro_batch_size,
+        settings.lr,
+        settings.grad_clip,
+    )
     mini_size = n_seq // settings.mini_batches
 
     policy = build_policy(settings.seed, settings.hidden_size, settings.num_layers)
@@ -236,10 +205,16 @@ def train_method(
             recomputed = full_log_probs[:, response_cols] * response_mask
             old_log_probs = rollout_log_probs if bypass else recomputed
             old_entropy = full_entropy[:, response_cols]
-            mismatch = calculate_debug_metrics(DataProto.from_dict(tensors={
-                "rollout_log_probs": rollout_log_probs, "old_log_probs": recomputed,
-                "response_mask": response_mask, "responses": responses,
-            }))
+            mismatch = calculate_debug_metrics(
+                DataProto.from_dict(
+                    tensors={
+                        "rollout_log_probs": rollout_log_probs,
+                        "old_log_probs": recomputed,
+                        "response_mask": response_mask,
+                        "responses": responses,
+                    }
+                )
+            )
 
             update_start = time.perf_counter()
             actor_metrics: dict[str, list] = {}
@@ -250,23 +225,49 @@ def train_method(
                 mini_metrics: dict[str, Metric] = {}
                 for micro_first in range(first, first + mini_size, settings.micro_batch_size):
                     rows = slice(micro_first, micro_first + settings.micro_batch_size)
-                    data = micro_batch(prompts[rows], responses[rows], response_mask[rows], old_log_probs[rows],
-                                       rollout_log_probs[rows], advantages[rows], mini_tokens, mini_size,
-                                       (trainer_version, rollout_version) if settings.version_fields else None)
-                    logits = policy(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                                    use_cache=False).logits.float()
+                    data = micro_batch(
+                        prompts[rows],
+                        responses[rows],
+                        response_mask[rows],
+                        old_log_probs[rows],
+                        rollout_log_probs[rows],
+                        advantages[rows],
+                        mini_tokens,
+                        mini_size,
+                        (trainer_version, rollout_version) if settings.version_fields else None,
+                    )
+                    logits = policy(
+                        input_ids=input_ids[rows], attention_mask=attention_mask[rows], use_cache=False
+                    ).logits.float()
                     log_probs, entropy = log_probs_from_logits(logits, input_ids[rows], with_entropy=True)
                     log_probs.retain_grad()
                     log_probs_nnz = to_no_padding(log_probs, attention_mask[rows])
                     model_output = {"log_probs": log_probs_nnz, "entropy": to_no_padding(entropy, attention_mask[rows])}
                     if logits_hook(method.loss_mode) == "troll":  # TROLL's terms from the logits
-                        model_output.update(troll_terms(config, logits, responses[rows], response_mask[rows],
-                                                        rollout_log_probs[rows], topk_ids[rows],
-                                                        topk_log_probs[rows], attention_mask[rows]))
+                        model_output.update(
+                            troll_terms(
+                                config,
+                                logits,
+                                responses[rows],
+                                response_mask[rows],
+                                rollout_log_probs[rows],
+                                topk_ids[rows],
+                                topk_log_probs[rows],
+                                attention_mask[rows],
+                            )
+                        )
                     elif topk_ids is not None:
-                        model_output.update(topk_statistics(logits.detach(), responses[rows], response_mask[rows],
-                                                            rollout_log_probs[rows], topk_ids[rows],
-                                                            topk_log_probs[rows], attention_mask[rows]))
+                        model_output.update(
+                            topk_statistics(
+                                logits.detach(),
+                                responses[rows],
+                                response_mask[rows],
+                                rollout_log_probs[rows],
+                                topk_ids[rows],
+                                topk_log_probs[rows],
+                                attention_mask[rows],
+                            )
+                        )
                     loss, metrics = verl_losses.ppo_loss(config, model_output, data)
                     loss.backward()
                     for name, metric in metrics.items():
@@ -275,8 +276,11 @@ def train_method(
                     # A token the loss masked (M_t = 0) gets exactly zero gradient even though A_t != 0.
                     # TROLL's gradient reaches the logits through its projection, not through log pi: it masks nothing.
                     has_update = response_mask[rows].bool() & (advantages[rows] != 0)
-                    blocked = has_update & (log_probs.grad[:, response_cols] == 0) if log_probs.grad is not None \
+                    blocked = (
+                        has_update & (log_probs.grad[:, response_cols] == 0)
+                        if log_probs.grad is not None
                         else torch.zeros_like(has_update)
+                    )
                     blocked_tokens.add(rollout_log_probs[rows].exp(), has_update, blocked)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), settings.grad_clip)
                 if not torch.isfinite(grad_norm):
@@ -328,12 +332,19 @@ def train_method(
                 on_step(step, row["critic/score/mean"])
     finally:
         tracker.finish()
-    return summarize(method, settings, warm, scores, clipfracs, blocked_tokens, time.perf_counter() - start,
-                     held_out)
+    return summarize(method, settings, warm, scores, clipfracs, blocked_tokens, time.perf_counter() - start, held_out)
 
 
-def summarize(method, settings, warm, scores, clipfracs, blocked_tokens: BlockedTokens, seconds: float,
-              held_out: Optional[list] = None) -> dict:
+def summarize(
+    method,
+    settings,
+    warm,
+    scores,
+    clipfracs,
+    blocked_tokens: BlockedTokens,
+    seconds: float,
+    held_out: Optional[list] = None,
+) -> dict:
     """The final-table row: reward over the last tenth of the run, collapse verdict, masked fraction, held-out
     accuracy ([step, greedy accuracy] at each validation), time."""
     tail = max(10, len(scores) // 10)

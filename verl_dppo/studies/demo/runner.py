@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Optional, TextIO
 
 from verl_dppo.rehearsal.isa import PINNED
-from verl_dppo.studies.demo.settings import DemoSettings
+from verl_dppo.studies.demo.settings import DemoSettings, check_settings, parse_seeds
 
 _progress_queue = None
 
@@ -47,8 +47,12 @@ def _train_one(job: tuple) -> dict:
 
         return {**train_method(method, settings, warm, out_dir, on_step, run_name=run_name), **named}
     except Exception as error:  # reported by the parent with the run's name
-        return {"method": method_name, **named, "error": f"{type(error).__name__}: {error}",
-                "traceback": traceback.format_exc()}
+        return {
+            "method": method_name,
+            **named,
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(),
+        }
 
 
 CPU_CODE_PATHS = PINNED
@@ -61,8 +65,13 @@ def pin_cpu_code_paths() -> None:
         os.environ.setdefault(name, value)
 
 
-def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream: Optional[TextIO] = None,
-             seeds: Optional[list[int]] = None) -> int:
+def run_demo(
+    settings: DemoSettings,
+    out_dir: str,
+    progress: bool = True,
+    stream: Optional[TextIO] = None,
+    seeds: Optional[list[int]] = None,
+) -> int:
     """Warm up once per seed, train every method from each; with several seeds the runs are <method>_seed<S> and
     the figures and the table give the mean and the spread over the seeds."""
     stream = stream if stream is not None else sys.stdout  # read at call time: tests swap sys.stdout
@@ -77,21 +86,37 @@ def run_demo(settings: DemoSettings, out_dir: str, progress: bool = True, stream
     for seed in seeds:
         seeded = replace(settings, seed=seed)
         several = len(seeds) > 1
-        warms[seed], warm_path = warm_up(seeded, methods, out_dir, progress, stream,
-                                         f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps",
-                                         f"warmup_seed{seed}.pt" if several else "warmup.pt")
-        jobs += [(f"{m.name}_seed{seed}" if several else m.name, m.name, seeded.to_dict(), warm_path, out_dir)
-                 for m in methods]
+        warms[seed], warm_path = warm_up(
+            seeded,
+            methods,
+            out_dir,
+            progress,
+            stream,
+            f"verl-dppo demo: {len(methods)} methods x {settings.steps} steps",
+            f"warmup_seed{seed}.pt" if several else "warmup.pt",
+        )
+        jobs += [
+            (f"{m.name}_seed{seed}" if several else m.name, m.name, seeded.to_dict(), warm_path, out_dir)
+            for m in methods
+        ]
     results = run_jobs(jobs, settings.steps, settings.workers, progress, stream)
 
     def outputs(good: list[dict]) -> list[str]:
         figures = draw_all(out_dir, good)
-        write_summary(out_dir, settings, warms if len(seeds) > 1 else warms[seeds[0]], results,
-                      time.perf_counter() - start, seeds=seeds)
-        return [table(good, settings) if len(seeds) == 1 else seeds_table(good, seeds),
-                "figures: " + ", ".join(os.path.basename(f) for f in figures),
-                f"logs (verl file-logger format): {', '.join(r.get('run', r['method']) + '.jsonl' for r in good)} "
-                f"(`verl-dppo plot {out_dir} -o FIG.png` draws them all)"]
+        write_summary(
+            out_dir,
+            settings,
+            warms if len(seeds) > 1 else warms[seeds[0]],
+            results,
+            time.perf_counter() - start,
+            seeds=seeds,
+        )
+        return [
+            table(good, settings) if len(seeds) == 1 else seeds_table(good, seeds),
+            "figures: " + ", ".join(os.path.basename(f) for f in figures),
+            f"logs (verl file-logger format): {', '.join(r.get('run', r['method']) + '.jsonl' for r in good)} "
+            f"(`verl-dppo plot {out_dir} -o FIG.png` draws them all)",
+        ]
 
     return finish(results, outputs, start, stream)
 
@@ -105,14 +130,22 @@ def finish(results: list[dict], outputs, start: float, stream: TextIO) -> int:
         for line in outputs(good):
             print(line, file=stream)
     for result in failed:
-        print(f"{result.get('run', result['method'])} FAILED: {result['error']}\n{result['traceback']}",
-              file=sys.stderr)
+        print(
+            f"{result.get('run', result['method'])} FAILED: {result['error']}\n{result['traceback']}", file=sys.stderr
+        )
     print(f"total time {time.perf_counter() - start:.0f} s", file=stream)
     return 1 if failed else 0
 
 
-def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, stream: TextIO, header: str,
-            file_name: str = "warmup.pt"):
+def warm_up(
+    settings: DemoSettings,
+    methods,
+    out_dir: str,
+    progress: bool,
+    stream: TextIO,
+    header: str,
+    file_name: str = "warmup.pt",
+):
     """Check every method's batch sizes, print the run's header, warm-start once and save it for the workers.
     Returns (warm, path of the saved warm start)."""
     import torch
@@ -122,28 +155,50 @@ def warm_up(settings: DemoSettings, methods, out_dir: str, progress: bool, strea
     from verl_dppo.studies.demo.warmup import warm_start
 
     for method in methods:  # batch-size problems surface here, before the warm-up, as one-line errors
-        actor_config(method, settings.prompts_per_step, settings.samples_per_prompt, settings.mini_batches,
-                     settings.micro_batch_size, settings.lr, settings.grad_clip)
+        actor_config(
+            method,
+            settings.prompts_per_step,
+            settings.samples_per_prompt,
+            settings.mini_batches,
+            settings.micro_batch_size,
+            settings.lr,
+            settings.grad_clip,
+        )
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"{header}, {settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples, "
-          f"{settings.mini_batches} mini-batch updates per step, lr {settings.lr:g}, "
-          f"rollout {settings.rollout_precision}, seed {settings.seed} -> {out_dir}", file=stream)
+    print(
+        f"{header}, {settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples, "
+        f"{settings.mini_batches} mini-batch updates per step, lr {settings.lr:g}, "
+        f"rollout {settings.rollout_precision}, seed {settings.seed} -> {out_dir}",
+        file=stream,
+    )
 
-    warm_bar = tqdm(total=settings.warmup_max_steps, desc="warm-up (supervised)", disable=not progress,
-                    leave=False, file=stream)
+    warm_bar = tqdm(
+        total=settings.warmup_max_steps, desc="warm-up (supervised)", disable=not progress, leave=False, file=stream
+    )
 
     def warm_progress(step: int, accuracy: float) -> None:
         warm_bar.n = step
         warm_bar.set_postfix(sampled_acc=f"{accuracy:.2f}")
 
-    warm = warm_start(settings.seed, settings.hidden_size, settings.num_layers, settings.rollout_precision,
-                      target_accuracy=settings.warmup_target, max_supervised_steps=settings.warmup_max_steps,
-                      n_train=settings.n_train, n_val=settings.n_val, progress=warm_progress)
+    warm = warm_start(
+        settings.seed,
+        settings.hidden_size,
+        settings.num_layers,
+        settings.rollout_precision,
+        target_accuracy=settings.warmup_target,
+        max_supervised_steps=settings.warmup_max_steps,
+        n_train=settings.n_train,
+        n_val=settings.n_val,
+        progress=warm_progress,
+    )
     warm_bar.close()
-    print(f"warm-up: {warm.supervised_steps} supervised steps, sampled accuracy {warm.probe_accuracy:.2f}; "
-          f"sanity set of {len(warm.train_problems)} problems solved {warm.train_success_rate:.0%} of the time "
-          f"on average; {len(warm.val_problems)} held-out problems ({warm.seconds:.0f} s)", file=stream)
+    print(
+        f"warm-up: {warm.supervised_steps} supervised steps, sampled accuracy {warm.probe_accuracy:.2f}; "
+        f"sanity set of {len(warm.train_problems)} problems solved {warm.train_success_rate:.0%} of the time "
+        f"on average; {len(warm.val_problems)} held-out problems ({warm.seconds:.0f} s)",
+        file=stream,
+    )
     warm_path = os.path.join(out_dir, file_name)
     torch.save(warm, warm_path)
     return warm, warm_path
@@ -157,8 +212,12 @@ def run_jobs(jobs: list[tuple], steps: int, workers: int, progress: bool, stream
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     width = max(15, *(len(job[0]) for job in jobs))
-    bars = {job[0]: tqdm(total=steps, desc=f"{job[0]:<{width}}", position=i, disable=not progress,
-                         file=stream, mininterval=0.5) for i, job in enumerate(jobs)}
+    bars = {
+        job[0]: tqdm(
+            total=steps, desc=f"{job[0]:<{width}}", position=i, disable=not progress, file=stream, mininterval=0.5
+        )
+        for i, job in enumerate(jobs)
+    }
     workers = max(1, min(workers, len(jobs)))
     with context.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
         pending = [pool.apply_async(_train_one, (job,)) for job in jobs]
@@ -186,9 +245,11 @@ def _finished_line(result: dict) -> str:
     name = result.get("run", result["method"])
     if "error" in result:
         return f"{name}: FAILED ({result['error']})"
-    return (f"{name}: done, {result['steps']} steps in {result['seconds']:.0f} s, final reward "
-            f"{result['final_reward']:.2f} (start {result['initial_reward']:.2f})"
-            + (", collapsed" if result["collapsed"] else ""))
+    return (
+        f"{name}: done, {result['steps']} steps in {result['seconds']:.0f} s, final reward "
+        f"{result['final_reward']:.2f} (start {result['initial_reward']:.2f})"
+        + (", collapsed" if result["collapsed"] else "")
+    )
 
 
 def _drain(queue, bars) -> None:
@@ -269,15 +330,20 @@ def write_summary(out_dir, settings, warm, results, seconds, **extra) -> None:
     import json
 
     def described(w) -> dict:
-        return {"supervised_steps": w.supervised_steps, "probe_accuracy": w.probe_accuracy,
-                "train_success_rate": w.train_success_rate, "n_train": len(w.train_problems),
-                "n_held_out": len(w.val_problems)}
+        return {
+            "supervised_steps": w.supervised_steps,
+            "probe_accuracy": w.probe_accuracy,
+            "train_success_rate": w.train_success_rate,
+            "n_train": len(w.train_problems),
+            "n_held_out": len(w.val_problems),
+        }
 
     summary = {
         "settings": settings.to_dict(),
         **extra,
-        "warmup": ({str(seed): described(w) for seed, w in warm.items()} if isinstance(warm, dict)
-                   else described(warm)),
+        "warmup": (
+            {str(seed): described(w) for seed, w in warm.items()} if isinstance(warm, dict) else described(warm)
+        ),
         "methods": results,
         "seconds": seconds,
     }
@@ -285,59 +351,21 @@ def write_summary(out_dir, settings, warm, results, seconds, **extra) -> None:
         json.dump(summary, handle, indent=1)
 
 
-def check_settings(settings: DemoSettings) -> None:
-    """Every flag checked before the warm-up: a bad value is one line naming the flag, not a traceback later."""
-    from verl_dppo.errors import UsageError
-
-    if settings.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {settings.steps}")
-    if settings.seed < 0:
-        raise UsageError(f"--seed must be >= 0 (torch and numpy take unsigned seeds), got {settings.seed}")
-    if not (math.isfinite(settings.lr) and settings.lr > 0):
-        raise UsageError(f"--lr must be a positive number, got {settings.lr:g}")
-    if settings.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {settings.workers}")
-    prompts, samples, micro = settings.prompts_per_step, settings.samples_per_prompt, settings.micro_batch_size
-
-    def fits(updates: int) -> bool:  # equal mini-batches of prompts, each a whole number of micro-batches
-        return updates >= 1 and prompts % updates == 0 and (prompts // updates * samples) % micro == 0
-
-    if not fits(settings.mini_batches):
-        choices = [str(d) for d in range(1, prompts + 1) if fits(d)]
-        raise UsageError(
-            f"--mini-batches {settings.mini_batches}: each rollout batch ({prompts} prompts x {samples} samples) "
-            f"is split into that many equal updates of whole {micro}-sequence micro-batches; choose one of "
-            f"{', '.join(choices)}"
-        )
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`--seeds 0,1,2`: distinct whole numbers in the order given; UsageError otherwise."""
-    from verl_dppo.errors import UsageError
-
-    seeds = []
-    for item in (item.strip() for item in text.split(",")):
-        if not item:
-            continue
-        try:
-            seed = int(item)
-        except ValueError:
-            raise UsageError(f"--seeds: {item!r} is not a whole number") from None
-        if seed in seeds:
-            raise UsageError(f"--seeds: {seed} is named twice")
-        seeds.append(seed)
-    if not seeds:
-        raise UsageError(f"--seeds {text!r}: name at least one seed, e.g. --seeds 0,1,2")
-    return seeds
-
-
 def main_from_args(args) -> int:
     from verl_dppo.errors import UsageError, writable_folder
 
     methods = [name.strip() for name in args.methods.split(",") if name.strip()]
     seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
-    settings = replace(DemoSettings(), steps=args.steps, seed=seeds[0], lr=args.lr, mini_batches=args.mini_batches,
-                       methods=methods, rollout_precision=args.rollout_precision, workers=args.workers)
+    settings = replace(
+        DemoSettings(),
+        steps=args.steps,
+        seed=seeds[0],
+        lr=args.lr,
+        mini_batches=args.mini_batches,
+        methods=methods,
+        rollout_precision=args.rollout_precision,
+        workers=args.workers,
+    )
     for seed in seeds:
         check_settings(replace(settings, seed=seed))
     out_dir = writable_folder(args.out, "--out")

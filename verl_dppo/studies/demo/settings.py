@@ -1,7 +1,9 @@
-"""Every knob of the demo: one typed field each, the default being what `verl-dppo demo` runs."""
+"""Every knob of the demo: one typed field each, the default being what `verl-dppo demo` runs; and the checks of the
+flags that set them (`check_settings`, `parse_seeds`), before anything slow starts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -74,3 +76,49 @@ class DemoSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_settings(settings: DemoSettings) -> None:
+    """Every flag checked before the warm-up: a bad value is one line naming the flag, not a traceback later."""
+    from verl_dppo.errors import UsageError
+
+    if settings.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {settings.steps}")
+    if settings.seed < 0:
+        raise UsageError(f"--seed must be >= 0 (torch and numpy take unsigned seeds), got {settings.seed}")
+    if not (math.isfinite(settings.lr) and settings.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {settings.lr:g}")
+    if settings.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {settings.workers}")
+    prompts, samples, micro = settings.prompts_per_step, settings.samples_per_prompt, settings.micro_batch_size
+
+    def fits(updates: int) -> bool:  # equal mini-batches of prompts, each a whole number of micro-batches
+        return updates >= 1 and prompts % updates == 0 and (prompts // updates * samples) % micro == 0
+
+    if not fits(settings.mini_batches):
+        choices = [str(d) for d in range(1, prompts + 1) if fits(d)]
+        raise UsageError(
+            f"--mini-batches {settings.mini_batches}: each rollout batch ({prompts} prompts x {samples} samples) "
+            f"is split into that many equal updates of whole {micro}-sequence micro-batches; choose one of "
+            f"{', '.join(choices)}"
+        )
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0,1,2`: distinct whole numbers in the order given; UsageError otherwise."""
+    from verl_dppo.errors import UsageError
+
+    seeds = []
+    for item in (item.strip() for item in text.split(",")):
+        if not item:
+            continue
+        try:
+            seed = int(item)
+        except ValueError:
+            raise UsageError(f"--seeds: {item!r} is not a whole number") from None
+        if seed in seeds:
+            raise UsageError(f"--seeds: {seed} is named twice")
+        seeds.append(seed)
+    if not seeds:
+        raise UsageError(f"--seeds {text!r}: name at least one seed, e.g. --seeds 0,1,2")
+    return seeds

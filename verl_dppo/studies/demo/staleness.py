@@ -24,17 +24,25 @@ def add_command(commands) -> None:
     from verl_dppo.studies.demo.methods import METHODS, STUDY_METHODS
 
     parser, defaults = add_parser(
-        commands, "staleness",
+        commands,
+        "staleness",
         "CPU staleness study: each demo method with rollouts 0-8 versions stale; reward, masking, collapse vs lag",
         "Train each demo method (and DPPO anchored on the recompute) with a rollout engine that lags the learner "
         "by each of --lags versions, in verl's bypass mode; write verl-format logs, a table and figures against "
         "the lag to --out. Seeded; about 12-16 minutes on 2 cores with the defaults (40 runs).",
     )
-    parser.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), metavar="L,L",
-                        help="rollout lags in versions (RL steps), comma-separated (default: %(default)s)")
+    parser.add_argument(
+        "--lags",
+        default=",".join(map(str, DEFAULT_LAGS)),
+        metavar="L,L",
+        help="rollout lags in versions (RL steps), comma-separated (default: %(default)s)",
+    )
     add_training_options(parser, defaults, DEFAULT_STEPS, (*METHODS, *STUDY_METHODS), "run")
-    parser.add_argument("--no-bypass", action="store_true",
-                        help="old_log_probs = the learner's recompute instead of the rollout's (verl's bypass_mode=False)")
+    parser.add_argument(
+        "--no-bypass",
+        action="store_true",
+        help="old_log_probs = the learner's recompute instead of the rollout's (verl's bypass_mode=False)",
+    )
     add_process_options(parser, defaults, "run")
     parser.set_defaults(handler=_handler)
 
@@ -71,13 +79,22 @@ def _handler(args) -> int:
     import sys
     from dataclasses import replace
 
-    from verl_dppo.studies.demo.runner import check_settings
+    from verl_dppo.studies.demo.settings import check_settings
     from verl_dppo.errors import UsageError, writable_folder
 
     lags = parse_lags(args.lags)
     methods = [name.strip() for name in args.methods.split(",") if name.strip()]
-    settings = replace(base_settings(), steps=args.steps, seed=args.seed, lr=args.lr, mini_batches=args.mini_batches,
-                       methods=methods, workers=args.workers, bypass=not args.no_bypass, version_fields=True)
+    settings = replace(
+        base_settings(),
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        mini_batches=args.mini_batches,
+        methods=methods,
+        workers=args.workers,
+        bypass=not args.no_bypass,
+        version_fields=True,
+    )
     check_settings(settings)
     out_dir = writable_folder(args.out, "--out")
     progress = not args.no_progress and sys.stdout.isatty()
@@ -107,11 +124,19 @@ def run_study(settings, lags: list[int], out_dir: str, progress: bool = True, st
     start = time.perf_counter()
     methods = runnable_methods(settings.methods or None, default=(*METHODS, *STUDY_METHODS))
     warm, warm_path = warm_up(
-        settings, methods, out_dir, progress, stream,
+        settings,
+        methods,
+        out_dir,
+        progress,
+        stream,
         f"verl-dppo staleness: {len(methods)} methods x lags {','.join(map(str, lags))} x {settings.steps} steps, "
-        f"bypass mode {'on' if settings.bypass else 'off'}")
-    jobs = [(run_name(m.name, lag), m.name, replace(settings, rollout_lag=lag).to_dict(), warm_path, out_dir)
-            for m in methods for lag in lags]
+        f"bypass mode {'on' if settings.bypass else 'off'}",
+    )
+    jobs = [
+        (run_name(m.name, lag), m.name, replace(settings, rollout_lag=lag).to_dict(), warm_path, out_dir)
+        for m in methods
+        for lag in lags
+    ]
     results = run_jobs(jobs, settings.steps, settings.workers, progress, stream)
     for job, result in zip(jobs, results):
         result["lag"] = job[2]["rollout_lag"]
@@ -121,8 +146,11 @@ def run_study(settings, lags: list[int], out_dir: str, progress: bool = True, st
     def outputs(good: list[dict]) -> list[str]:
         figures = draw_study(out_dir, good, lags)
         write_summary(out_dir, settings, warm, results, time.perf_counter() - start, lags=lags)
-        return [study_table(good, lags), "figures: " + ", ".join(os.path.basename(f) for f in figures),
-                f"logs (verl file-logger format): {len(good)} files <method>_lag<L>.jsonl"]
+        return [
+            study_table(good, lags),
+            "figures: " + ", ".join(os.path.basename(f) for f in figures),
+            f"logs (verl file-logger format): {len(good)} files <method>_lag<L>.jsonl",
+        ]
 
     return finish(results, outputs, start, stream)
 
@@ -151,7 +179,10 @@ def study_table(results: list[dict], lags: list[int]) -> str:
         cells = []
         for lag in lags:
             r = by_run.get((method, lag))
-            cells.append("failed" if r is None else f"{r['final_reward']:.2f} / {r['masked_frac']:.1%} / "
-                         + ("**YES**" if r["collapsed"] else "no"))
+            cells.append(
+                "failed"
+                if r is None
+                else f"{r['final_reward']:.2f} / {r['masked_frac']:.1%} / " + ("**YES**" if r["collapsed"] else "no")
+            )
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -10,8 +10,11 @@ from verl_dppo.studies.demo.rl import COLLAPSE_FRACTION
 PANELS = (
     ("reward_vs_lag.png", "final_reward", "final training reward (mean of the last {final_window} steps)"),
     ("masked_vs_lag.png", "masked_frac", "masked fraction of response tokens\n(actor/pg_clipfrac, mean over the run)"),
-    ("collapse_vs_lag.png", "lowest_window_reward",
-     "lowest {collapse_window}-step mean training reward\n(below the dashed line: collapsed)"),
+    (
+        "collapse_vs_lag.png",
+        "lowest_window_reward",
+        "lowest {collapse_window}-step mean training reward\n(below the dashed line: collapsed)",
+    ),
 )
 
 
@@ -31,12 +34,24 @@ def draw_study(out_dir: str, results: list[dict], lags: list[int], dpi: int = 90
         for method in methods:
             points = [(i, by_run[method, lag][key]) for i, lag in enumerate(lags) if (method, lag) in by_run]
             style = "s--" if method.endswith("_recompute") else "o-"
-            axis.plot([p[0] for p in points], [p[1] for p in points], style, color=colors[method], label=method,
-                      markersize=4, linewidth=1.3)
+            axis.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                style,
+                color=colors[method],
+                label=method,
+                markersize=4,
+                linewidth=1.3,
+            )
         if key == "lowest_window_reward":
             threshold = COLLAPSE_FRACTION * first["initial_reward"]
-            axis.axhline(threshold, color="black", linestyle="--", linewidth=0.9,
-                         label=f"collapse threshold ({COLLAPSE_FRACTION:g} x warm start = {threshold:.2f})")
+            axis.axhline(
+                threshold,
+                color="black",
+                linestyle="--",
+                linewidth=0.9,
+                label=f"collapse threshold ({COLLAPSE_FRACTION:g} x warm start = {threshold:.2f})",
+            )
         if key == "masked_frac":
             axis.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         axis.set_xticks(range(len(lags)), [str(lag) for lag in lags])

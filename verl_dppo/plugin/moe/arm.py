@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_dppo.plugin.router_replay import model_experts
+from verl_dppo.plugin.moe.router_replay import model_experts
 
 __all__ = ["ENGINE_REPLAY", "replay_mode", "moe_arm"]
 
@@ -36,10 +36,14 @@ def moe_arm(config: Any) -> str | None:
     if mode == "disabled":
         if not experts:
             return None
-        return (f"MoE arm: without R3 (the paper's without-R3 arm: the {engine} trainer's {experts}-expert routers "
-                "choose their own experts, unlike the rollout's on some tokens)")
-    kind = {"R3": "R3: the rollout's routes replayed", "R2": "R2: the routes recorded in verl's recompute pass "
-            "replayed", "measure": "without R3, its routing mismatch measured (routes compared, not replayed)"
-            }.get(mode, f"router_replay.mode={mode}")
+        return (
+            f"MoE arm: without R3 (the paper's without-R3 arm: the {engine} trainer's {experts}-expert routers "
+            "choose their own experts, unlike the rollout's on some tokens)"
+        )
+    kind = {
+        "R3": "R3: the rollout's routes replayed",
+        "R2": "R2: the routes recorded in verl's recompute pass replayed",
+        "measure": "without R3, its routing mismatch measured (routes compared, not replayed)",
+    }.get(mode, f"router_replay.mode={mode}")
     who = "the plugin's replay" if section == "fsdp_config" else "verl's replay"
     return f"MoE arm: {kind} on the {engine} engine ({who})"

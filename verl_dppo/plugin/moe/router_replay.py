@@ -42,8 +42,20 @@ import torch
 
 from verl_dppo.plugin.log_once import warn_once
 
-__all__ = ["ARMED", "ROUTER_CLASSES", "FIT_FLOOR", "RouterReplayError", "arm", "begin_counting", "count_rows",
-           "routers_of", "replaying_forward", "route_fit", "take_counts", "ratio_parts"]
+__all__ = [
+    "ARMED",
+    "ROUTER_CLASSES",
+    "FIT_FLOOR",
+    "RouterReplayError",
+    "arm",
+    "begin_counting",
+    "count_rows",
+    "routers_of",
+    "replaying_forward",
+    "route_fit",
+    "take_counts",
+    "ratio_parts",
+]
 
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
 """transformers' MoE router classes R3 replays on (one `forward(hidden) -> (logits, weights, experts)` each)."""
@@ -78,8 +90,9 @@ def routers_of(module: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
         if type(child).__name__ not in ROUTER_CLASSES:
             continue
         parts = name.split(".")
-        index = next((int(parts[i + 1]) for i in range(len(parts) - 1)
-                      if parts[i] == "layers" and parts[i + 1].isdigit()), None)
+        index = next(
+            (int(parts[i + 1]) for i in range(len(parts) - 1) if parts[i] == "layers" and parts[i + 1].isdigit()), None
+        )
         if index is None:
             raise RouterReplayError(f"router replay: cannot tell the decoder layer of the MoE router {name!r}")
         found.append((index, child))
@@ -92,8 +105,11 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 
 def config_experts(config: Any) -> int:
     """The number of routed experts a model config (a transformers config, a dict, a DictConfig) names, 0 if none."""
-    get = config.get if hasattr(config, "get") and not hasattr(config, "to_dict") else (
-        lambda key, default=None: getattr(config, key, default))
+    get = (
+        config.get
+        if hasattr(config, "get") and not hasattr(config, "to_dict")
+        else (lambda key, default=None: getattr(config, key, default))
+    )
     for key in EXPERT_KEYS:
         value = get(key, None)
         if isinstance(value, int) and value > 0:
@@ -134,17 +150,27 @@ def no_router_problem(module: torch.nn.Module) -> str:
     experts = config_experts(config) if config is not None else 0
     kinds = ", ".join(ROUTER_CLASSES)
     if experts:
-        gates = sorted({type(child).__name__ for name, child in module.named_modules()
-                        if name.rsplit(".", 1)[-1] in ("gate", "router")})
-        return (f"router_replay.mode=R3, but the trained model ({type(module).__name__}, {experts} experts) routes "
-                f"with {', '.join(gates) or 'a router'}, which R3 on the FSDP engine does not replay (it replays "
-                f"{kinds}): train it on verl's Megatron engine, whose R3 covers it, or without R3")
-    return (f"router_replay.mode=R3, but the trained model has no MoE router of a kind R3 replays ({kinds}): a dense "
-            "model routes nothing (drop router_replay.mode=R3 and enable_rollout_routing_replay)")
+        gates = sorted(
+            {
+                type(child).__name__
+                for name, child in module.named_modules()
+                if name.rsplit(".", 1)[-1] in ("gate", "router")
+            }
+        )
+        return (
+            f"router_replay.mode=R3, but the trained model ({type(module).__name__}, {experts} experts) routes "
+            f"with {', '.join(gates) or 'a router'}, which R3 on the FSDP engine does not replay (it replays "
+            f"{kinds}): train it on verl's Megatron engine, whose R3 covers it, or without R3"
+        )
+    return (
+        f"router_replay.mode=R3, but the trained model has no MoE router of a kind R3 replays ({kinds}): a dense "
+        "model routes nothing (drop router_replay.mode=R3 and enable_rollout_routing_replay)"
+    )
 
 
-def arm(module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optional[torch.Tensor] = None,
-        replay: bool = True) -> int:
+def arm(
+    module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optional[torch.Tensor] = None, replay: bool = True
+) -> int:
     """Give each router of `module` its rows of `routes` ([rows, layers, top-k], the rows the model's MoE layers will
     route in this micro-batch) and which of them carry a route (`marked`, [rows] bool; None: every row), or take them
     away (None). With `replay` False (router_replay.mode=measure) the routers route on their own and only compare:
@@ -165,12 +191,16 @@ def arm(module: torch.nn.Module, routes: Optional[torch.Tensor], marked: Optiona
     layers = routes.shape[1]
     deepest = routers[-1][0]
     if deepest >= layers:
-        raise RouterReplayError(f"router replay: the rollout's routes cover {layers} layers, but the trained model "
-                                f"routes in layer {deepest}: not the model the rollout ran")
+        raise RouterReplayError(
+            f"router replay: the rollout's routes cover {layers} layers, but the trained model "
+            f"routes in layer {deepest}: not the model the rollout ran"
+        )
     for index, router in routers:
         if routes.shape[2] != router.top_k:
-            raise RouterReplayError(f"router replay: the rollout routed each token to {routes.shape[2]} experts, the "
-                                    f"trained model's layer {index} to {router.top_k}")
+            raise RouterReplayError(
+                f"router replay: the rollout routed each token to {routes.shape[2]} experts, the "
+                f"trained model's layer {index} to {router.top_k}"
+            )
         router._dppo_replay = (routes[:, index, :].long(), marked.bool(), _GENERATION[0], replay)
     return len(routers)
 
@@ -203,8 +233,14 @@ def route_fit(routes: torch.Tensor, has_route: torch.Tensor, scores: torch.Tenso
     return closed, top_k * (experts - top_k) / 2  # chance - k(k-1)/2
 
 
-def count_rows(routes: torch.Tensor, has_route: torch.Tensor, used: torch.Tensor, own: torch.Tensor,
-               scores: Optional[torch.Tensor] = None, marked: Optional[torch.Tensor] = None) -> None:
+def count_rows(
+    routes: torch.Tensor,
+    has_route: torch.Tensor,
+    used: torch.Tensor,
+    own: torch.Tensor,
+    scores: Optional[torch.Tensor] = None,
+    marked: Optional[torch.Tensor] = None,
+) -> None:
     """Add one layer's forward to the counts: `routes` the rollout's experts per row ([rows, top-k]), `has_route` the
     rows that carry a valid one, `used` the experts the layer handed on, `own` the router's own top-k choice, `scores`
     the router's scores of every expert ([rows, experts], for the route fit), `marked` the rows meant to carry a route
@@ -231,8 +267,10 @@ def replaying_forward(original: Any) -> Any:
         targets, marked, generation, replay = armed
         hidden = hidden_states.reshape(-1, self.hidden_dim)
         if hidden.shape[0] != targets.shape[0]:
-            raise RouterReplayError(f"router replay: the layer routes {hidden.shape[0]} rows, the rollout's routes "
-                                    f"were laid out for {targets.shape[0]}")
+            raise RouterReplayError(
+                f"router replay: the layer routes {hidden.shape[0]} rows, the rollout's routes "
+                f"were laid out for {targets.shape[0]}"
+            )
         logits = torch.nn.functional.linear(hidden, self.weight)
         probs = torch.softmax(logits.float(), dim=-1)
         _, own = torch.topk(probs, self.top_k, dim=-1)
@@ -271,17 +309,26 @@ def ratio_parts() -> dict[str, tuple[float, float]]:
         raise RouterReplayError(
             f"router_replay.mode=R3: the routers routed {counts['routed']} rows of this micro-batch and replayed none "
             f"({counts['marked']} should carry a route, {counts['with_route']} did: the rollout's routes are empty or "
-            "all repeat, or the engine's routers never took them: does the rollout engine return routed experts?)")
+            "all repeat, or the engine's routers never took them: does the rollout engine return routed experts?)"
+        )
     if counts["marked"] == 0:
-        warn_once(("r3", "nothing to replay"),
-                  "verl-dppo R3: a micro-batch with no row to replay (%d rows routed: verl's padding samples alone); "
-                  "its rows were routed by the routers and counted in actor/dppo/r3_unrouted_frac", counts["routed"])
+        warn_once(
+            ("r3", "nothing to replay"),
+            "verl-dppo R3: a micro-batch with no row to replay (%d rows routed: verl's padding samples alone); "
+            "its rows were routed by the routers and counted in actor/dppo/r3_unrouted_frac",
+            counts["routed"],
+        )
     if counts["fit_of"] > 0 and counts["fit"] < FIT_FLOOR * counts["fit_of"]:
-        warn_once(("r3", "route fit"),
-                  "verl-dppo R3: actor/dppo/r3_route_fit %.2f in a micro-batch (1: the routes are the trainer router's "
-                  "own choice; about 0: no better than chance): the replayed routes do not look like these tokens' "
-                  "(routes shifted by a token or a layer, or of another model)", counts["fit"] / counts["fit_of"])
-    return {"actor/dppo/r3_replayed_frac": (counts["replayed"], counts["with_route"]),
-            "actor/dppo/r3_router_differs_frac": (counts["differs"], counts["with_route"]),
-            "actor/dppo/r3_route_fit": (counts["fit"], counts["fit_of"]),
-            "actor/dppo/r3_unrouted_frac": (counts["routed"] - counts["with_route"], counts["routed"])}
+        warn_once(
+            ("r3", "route fit"),
+            "verl-dppo R3: actor/dppo/r3_route_fit %.2f in a micro-batch (1: the routes are the trainer router's "
+            "own choice; about 0: no better than chance): the replayed routes do not look like these tokens' "
+            "(routes shifted by a token or a layer, or of another model)",
+            counts["fit"] / counts["fit_of"],
+        )
+    return {
+        "actor/dppo/r3_replayed_frac": (counts["replayed"], counts["with_route"]),
+        "actor/dppo/r3_router_differs_frac": (counts["differs"], counts["with_route"]),
+        "actor/dppo/r3_route_fit": (counts["fit"], counts["fit_of"]),
+        "actor/dppo/r3_unrouted_frac": (counts["routed"] - counts["with_route"], counts["routed"]),
+    }
