@@ -4,7 +4,10 @@
     .venv/bin/python bench/gpu_suite.py --device cpu --smoke --out out/gpu_suite   # the CPU smoke path (tests)
 
 Parts, each printed as it ends and written to OUT/gpu_suite.json (rewritten after each part, "complete": false until
-the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_suite.md (markdown tables):
+the last, so a run stopped by a time limit keeps what it measured) and OUT/gpu_suite.md (markdown tables). The
+markdown begins with the goals of issues 72 and 75, each beside the value this run measured and whether it holds
+(`bench/gpu_goals.py`; "not measured" where its part did not run), the JSON holds them under "goals", and the log
+ends with the same tables.
 
 1. per_token: N = 16,384 rows, Qwen3's vocabulary 151,936, bf16 logits (4,748 MiB), K = 20 for Top-K, 64 for TROLL,
    drawn on the device (bench_topk.make_inputs). Each method's median time over --repeats after a warm-up (CUDA
@@ -583,9 +586,12 @@ def r3_worker(args, device, clock) -> dict:
 
 
 def markdown(result: dict) -> str:
+    from gpu_goals import goals_markdown
+
     lines = [
         f"# GPU check: {result['device']} (torch {result['torch']}, triton {result['triton']}), {result['date']}",
         "",
+        *goals_markdown(result, result.get("goals") or []),
     ]
     part = result.get("per_token")
     if part:
@@ -736,6 +742,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from gpu_goals import goal_rows
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True)
@@ -782,6 +790,7 @@ def main(argv=None) -> int:
             clock(f"{name}: FAILED {result[name]['error']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        result["goals"] = goal_rows(result)
         (out / "gpu_suite.json").write_text(json.dumps(result, indent=1))
         (out / "gpu_suite.md").write_text(markdown(result))
     result["complete"] = True

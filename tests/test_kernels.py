@@ -133,3 +133,63 @@ def test_the_gpu_checks_smoke_path_runs_on_the_cpu(tmp_path):
         assert unfused["agreement"][pair]["log_p_max_abs_diff"] <= 1e-5, unfused["agreement"]
         assert unfused["agreement"][pair]["entropy_max_abs_diff"] <= 1e-5, unfused["agreement"]
     assert "## Unfused steps" in (tmp_path / "gpu_suite.md").read_text()
+    # the goals first, those of the parts that ran measured, the others not
+    markdown = (tmp_path / "gpu_suite.md").read_text()
+    assert markdown.index("## Goals on CPU") < markdown.index("## Per-token work"), markdown[:2000]
+    measured = {row["measure"] for row in result["goals"] if row["value"] is not None}
+    assert measured == {
+        "topk_divergence: wall time in reads of the logits",
+        "topk_divergence: device share",
+        "TROLL fwd + bwd, kernels / torch's cross entropy fwd + bwd",
+    }, result["goals"]
+
+
+def test_the_gpu_goals_read_each_value_from_its_own_row_and_never_hold_unmeasured():
+    """bench/gpu_goals.py on a result shaped as gpu_suite.py writes it: each goal reads its own row (the unfused
+    worker row of its mode, not the fused one; R3's row against its own baseline), a bound is inclusive, and a goal
+    whose part did not run or failed reads "not measured", not "holds"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_goals import GOALS, goal_rows, goals_markdown
+
+    def worker(mode, fused, seconds, ratio, path="plugin"):
+        return dict(mode=mode, fused=fused, logprob_path=path, step_seconds=seconds, time_vs_binary_tv=ratio)
+
+    result = {
+        "device": "NVIDIA H200",
+        "per_token": {
+            "rows": {
+                "topk_divergence, kernels": {"x_one_read": 2.0, "device_share": 0.51},
+                "fwd+bwd TROLL, kernels": {"x_torch_ce": 3.1},
+            }
+        },
+        "fused": {"error": "RuntimeError: out of memory"},
+        "worker": {
+            "modes": [
+                worker("dppo_binary_tv", False, 0.611, 1.0),
+                worker("dppo_topk_tv", False, 0.62, 1.01),
+                worker("troll", False, 0.75, 1.22),
+                worker("dppo_binary_tv", True, 0.807, 1.0),
+                worker("dppo_topk_tv", True, 0.9, 1.5),  # the fused row: not the goal's
+                worker("dppo_binary_tv", False, 0.5, 0.8, path="verl"),
+            ]
+        },
+    }
+    rows = {row["measure"]: row for row in goal_rows(result)}
+    assert len(rows) == len(GOALS)
+    topk = rows["worker step, unfused: dppo_topk_tv / dppo_binary_tv"]
+    assert (topk["value"], topk["holds"]) == (1.01, True)
+    assert rows["worker step, unfused: troll / dppo_binary_tv"]["holds"] is False
+    fused = rows["worker step, dppo_binary_tv: fused / unfused"]
+    assert abs(fused["value"] - 0.807 / 0.611) < 1e-12 and fused["holds"] is False
+    assert rows["topk_divergence: wall time in reads of the logits"]["holds"] is True  # 2.0 <= 2
+    assert rows["topk_divergence: device share"]["holds"] is False
+    assert rows["TROLL fwd + bwd, kernels / torch's cross entropy fwd + bwd"]["holds"] is False
+    for unmeasured in (
+        "fused TROLL step / verl's fused step (H = 1,024)",  # the part failed
+        "fused TROLL step: device share",
+        "worker step, dppo_binary_tv: with R3 / without (Qwen3-MoE layer shape)",  # the part did not run
+    ):
+        assert rows[unmeasured]["value"] is None and rows[unmeasured]["holds"] is None, rows[unmeasured]
+    text = "\n".join(goals_markdown(result, list(rows.values())))
+    assert "## Goals on NVIDIA H200: 2 of 6 measured hold (9 goals)" in text, text
+    assert text.count("not measured") == 3 and "say nothing about a GPU" not in text
