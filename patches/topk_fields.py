@@ -24,8 +24,9 @@ def _jagged_values(data: Any, key: str) -> torch.Tensor:
     return value.values()
 
 
-def _packed_layout(data: Any, total_nnz: int):
-    """Positions in the packed token stream whose logits predict each response token (the engine's left shift)."""
+def _packed_layout(data: Any) -> tuple[torch.Tensor, int]:
+    """Positions in the packed token stream whose logits predict each response token (the engine's left shift), and
+    the packed length; the lengths and the checks read back to the host at once (the hook's one wait for them)."""
     input_ids = data["input_ids"]
     prompts, responses = data["prompts"], data["responses"]
     if not (input_ids.is_nested and prompts.is_nested and responses.is_nested):
@@ -36,14 +37,23 @@ def _packed_layout(data: Any, total_nnz: int):
     seq_offsets = input_ids.offsets()[:-1].long()
     prompt_lens = prompts.offsets().diff().long()
     response_lens = responses.offsets().diff().long()
-    if int(seq_offsets.numel()) and int(input_ids.offsets()[-1]) != total_nnz:
-        raise ValueError(f"packed length {int(input_ids.offsets()[-1])} != logits length {total_nnz}")
-    if bool((prompt_lens == 0).any()):
+    reads = [
+        input_ids.offsets()[-1],
+        (prompt_lens + response_lens).sum(),
+        (prompt_lens == 0).sum(),
+        response_lens.sum(),
+    ]
+    total_nnz, sequences_nnz, empty_prompts, response_tokens = torch.stack([r.long() for r in reads]).tolist()
+    if seq_offsets.numel() and sequences_nnz != total_nnz:
+        raise ValueError(f"packed length {total_nnz} != the prompts' and responses' {sequences_nnz} tokens")
+    if empty_prompts:
         raise ValueError("Top-K DPPO needs a non-empty prompt in every sample (the first response token's logits)")
-    row = torch.repeat_interleave(torch.arange(response_lens.numel(), device=response_lens.device), response_lens)
+    row = torch.repeat_interleave(
+        torch.arange(response_lens.numel(), device=response_lens.device), response_lens, output_size=response_tokens
+    )
     first = responses.offsets()[:-1].long()
     t = torch.arange(row.numel(), device=row.device) - first[row]
-    return seq_offsets[row] + prompt_lens[row] - 1 + t, response_lens
+    return seq_offsets[row] + prompt_lens[row] - 1 + t, total_nnz
 
 
 def _slice_for_sequence_parallel(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -69,8 +79,7 @@ def packed_rollout_fields(loss_mode: str, k: int, data: Any, device: torch.devic
             f"token but policy_loss.topk={k}; the rollout and the loss must use the same K (set only "
             "actor_rollout_ref.actor.policy_loss.topk; the plugin passes it to the rollout)"
         )
-    global_nnz = int(data["input_ids"].offsets()[-1])
-    positions, _ = _packed_layout(data, global_nnz)
+    positions, global_nnz = _packed_layout(data)
     if topk_ids.shape[0] != positions.numel():
         raise ValueError(
             f"{loss_mode}: {topk_ids.shape[0]} rows of {TOPK_IDS} for {positions.numel()} response tokens; the "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,38 +39,93 @@ _BY_NAME_IMPORTERS = ("verl.workers.engine_workers", "verl.trainer.distillation.
 _WRAPPED_MARK = "__verl_dppo_wrapped__"
 
 
+class _Padding:
+    """verl's `no_padding_2_padding` for every field the wrapper binds, from one layout of the micro-batch.
+
+    verl's function reads the lengths back for each field it pads and slices each sequence with them: 3 + 2B host
+    waits a field for B sequences (on a GPU each one stops the host until the device has caught up). The wrapper
+    pads the entropy, the Top-K statistics or TROLL's nine terms, and the rollout's top-K mass: here the response
+    rows' positions are computed once, with one host read for the micro-batch, and each field is one gather. The
+    values are verl's (the same rows, zeros after each response, the same length); gradients flow as through
+    verl's slices."""
+
+    def __init__(self, data: Any, nested_rows: Optional[torch.Tensor] = None):
+        from verl.utils import tensordict_utils as tu
+
+        prompts, responses = data["prompts"], data["responses"]
+        if prompts.is_nested:
+            prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+            length = tu.get_non_tensor_data(data=data, key="max_response_len", default=-1)
+        else:  # verl's padded branch: the lengths from the attention mask, the responses' padded width
+            attention_mask = data["attention_mask"]
+            prompt_lens = attention_mask[:, : prompts.shape[1]].sum(dim=1)
+            response_lens = attention_mask[:, prompts.shape[1] :].sum(dim=1)
+            length = responses.shape[1]
+        ends = (prompt_lens + response_lens).cumsum(dim=0)
+        reads = [ends[-1], (prompt_lens == 0).sum(), response_lens.max()]
+        rows_lens = nested_rows.offsets().diff() if nested_rows is not None else None
+        if rows_lens is not None:
+            reads.append(rows_lens.max())
+        values = torch.stack([r.long() for r in reads]).tolist()  # the one host read
+        self.nnz, empty_prompts = values[0], values[1]
+        if empty_prompts:
+            raise ValueError(f"{empty_prompts} samples have an empty prompt; verl's padding needs a prompt token")
+        self.response = self._layout(ends - response_lens - 1, response_lens, values[2] if length < 0 else length)
+        self.rows = None
+        if rows_lens is not None:
+            self.rows = self._layout(nested_rows.offsets()[:-1], rows_lens, values[3])
+
+    @staticmethod
+    def _layout(starts: torch.Tensor, lens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = torch.arange(length, device=lens.device)
+        keep = steps[None, :] < lens[:, None]
+        return torch.where(keep, starts[:, None].long() + steps[None, :], 0), keep
+
+    @staticmethod
+    def _gather(values: torch.Tensor, layout: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        index, keep = layout
+        keep = keep.to(values.device).view(*keep.shape, *(1,) * (values.dim() - 1))
+        return values[index.to(values.device)].masked_fill(~keep, 0)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (packed: the logits' stream, nested or flat) as [B, response length, ...], as verl pads it."""
+        values = tensor.values() if tensor.is_nested else tensor
+        if values.shape[0] != self.nnz:
+            raise ValueError(f"a model output of {values.shape[0]} packed rows for a micro-batch of {self.nnz}")
+        return self._gather(values, self.response)
+
+    def rows_mass(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rollout's top-K mass per response token, [B, response length] (`rows`: nested, one row a token)."""
+        return self._gather(rows.values().float().exp().sum(-1), self.rows)
+
+
 def _extract(model_output: Any, data: Any) -> BatchExtras:
-    from verl.workers.utils.padding import no_padding_2_padding
+    from verl_dppo.plugin import troll_mode
+    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS, TOPK_LOGPROBS
 
     extras = BatchExtras()
     if "rollout_log_probs" in data.keys():
         # Same select + to_padded_tensor that ppo_loss applies to old_log_probs, so the shapes line up.
         extras.rollout_log_probs = data.select("rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
-    entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
-    if entropy is not None:
-        extras.entropy = no_padding_2_padding(entropy, data).detach()
-    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
-
+    get = model_output.get if hasattr(model_output, "get") else (lambda key, default=None: default)
+    outputs = {key: get(key, None) for key in ("entropy", *OUTPUT_KEYS.values(), *troll_mode.OUTPUT_KEYS.values())}
+    outputs = {key: value for key, value in outputs.items() if value is not None}
+    rows = data[TOPK_LOGPROBS] if TOPK_LOGPROBS in data.keys() and data[TOPK_LOGPROBS].is_nested else None
+    pad = _Padding(data, rows) if outputs or rows is not None else None
+    if "entropy" in outputs:
+        extras.entropy = pad(outputs["entropy"]).detach()
     for statistic, key in OUTPUT_KEYS.items():
-        value = model_output.get(key, None) if hasattr(model_output, "get") else None
-        if value is not None:
-            setattr(extras, f"topk_{statistic}", no_padding_2_padding(value, data).detach())
-    from verl_dppo.plugin import troll_mode
-
+        if key in outputs:
+            setattr(extras, f"topk_{statistic}", pad(outputs[key]).detach())
     troll = {}
     for term, key in troll_mode.OUTPUT_KEYS.items():
-        value = model_output.get(key, None) if hasattr(model_output, "get") else None
-        if value is not None:
+        if key in outputs:
             # log p(a_t) and the regression KL keep their graph: TROLL's gradient reaches the logits through them.
-            padded = no_padding_2_padding(value, data)
+            padded = pad(outputs[key])
             troll[term] = padded if term in troll_mode.DIFFERENTIABLE else padded.detach()
     extras.troll = troll or None
-    from verl_dppo.plugin.topk_mode import TOPK_LOGPROBS
-
-    if TOPK_LOGPROBS in data.keys() and data[TOPK_LOGPROBS].is_nested:
-        rows = data[TOPK_LOGPROBS]
-        mass = rows.values().float().exp().sum(-1).split(rows.offsets().diff().tolist())
-        extras.topk_mass = torch.nn.utils.rnn.pad_sequence(mass, batch_first=True)  # padded like old_log_probs
+    if rows is not None:
+        extras.topk_mass = pad.rows_mass(rows)  # padded like old_log_probs
     extras.lags = sample_lags(data)
     return extras
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import traceback
 
 import pytest
 import torch
@@ -285,3 +286,116 @@ def test_nonfinite_rollout_statistics_drop_the_token_like_every_mode(model, mode
     assert metrics["actor/dppo/dropped_frac"].aggregate() == pytest.approx(2 / 11)
     # the two dropped tokens get no gradient (positions prompt_len - 1 + t in the packed stream)
     assert leaf.grad[3 - 1 + 1] == 0.0 and leaf.grad[8 + 4 - 1 + 2] == 0.0
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _count_host_reads(monkeypatch) -> list:
+    """Each call of a tensor method that reads a value back to the host (a wait for the device on a GPU), with the file
+    it was called from."""
+    calls = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append((_name, traceback.extract_stack(limit=2)[0].filename))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def _dense(data):
+    """The micro-batch in verl's padded layout (prompts left-padded, responses right-padded, an attention mask): the
+    other branch of verl's no_padding_2_padding."""
+    prompts = torch.nested.to_padded_tensor(data["prompts"], 0)
+    prompt_lens = data["prompts"].offsets().diff()
+    width = prompts.shape[1]
+    left = torch.stack([torch.roll(row, int(width - n)) for row, n in zip(prompts, prompt_lens)])
+    responses = torch.nested.to_padded_tensor(data["responses"], 0)
+    mask = torch.cat(
+        [
+            torch.arange(width)[None] >= (width - prompt_lens)[:, None],
+            torch.arange(responses.shape[1])[None] < data["responses"].offsets().diff()[:, None],
+        ],
+        dim=1,
+    ).long()
+    return TensorDict({"prompts": left, "responses": responses, "attention_mask": mask}, batch_size=[prompts.shape[0]])
+
+
+@pytest.mark.parametrize("layout", ["nested", "nested_with_max_response_len", "padded"])
+def test_the_wrapper_pads_its_fields_as_verl_does_with_one_host_read(layout, monkeypatch):
+    """Issue 75: the `ppo_loss` wrapper pads the entropy, the Top-K statistics, TROLL's nine terms and the rollout's
+    top-K mass from one layout of the micro-batch (`_Padding`): the values, the shapes and the gradients equal verl's
+    `no_padding_2_padding` field by field (nested and padded layouts, 1-D and 2-D fields), and the whole extraction
+    reads the host once, where verl's function reads it 3 + 2B times a field for B sequences."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_dppo.patches.workers_utils_losses import _extract, _Padding
+    from verl_dppo.plugin import troll_mode
+    from verl_dppo.plugin.topk_mode import OUTPUT_KEYS
+
+    for prompt_lens, response_lens in (([3, 5, 2], [4, 1, 6]), ([2, 7, 1, 4, 3, 5, 2, 6], [5, 2, 7, 1, 3, 6, 4, 2])):
+        data, _ = micro_batch(prompt_lens, response_lens, seed=len(prompt_lens))
+        if layout == "nested_with_max_response_len":
+            tu.assign_non_tensor(data, max_response_len=9)
+        frame = _dense(data) if layout == "padded" else data
+        nnz = sum(prompt_lens) + sum(response_lens)
+        gen = torch.Generator().manual_seed(1)
+        for shape in ((nnz,), (nnz, 3)):
+            values = torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+            ours, theirs = _Padding(frame)(values), no_padding_2_padding(values, frame)
+            assert ours.shape == theirs.shape and torch.equal(ours, theirs), (layout, shape)
+            weights = torch.randn(theirs.shape, generator=gen, dtype=torch.float64)
+            (grad_ours,) = torch.autograd.grad((ours * weights).sum(), values)
+            (grad_theirs,) = torch.autograd.grad((theirs * weights).sum(), values)
+            assert torch.equal(grad_ours, grad_theirs), (layout, shape)
+        if layout == "padded":
+            continue
+        keys = ("entropy", *OUTPUT_KEYS.values(), *troll_mode.OUTPUT_KEYS.values())
+        model_output = {key: torch.randn(nnz, generator=gen) for key in keys}
+        calls = _count_host_reads(monkeypatch)
+        extras = _extract(model_output, data)
+        monkeypatch.undo()
+        assert len(calls) == 1, (len(prompt_lens), calls)
+        assert torch.equal(extras.entropy, no_padding_2_padding(model_output["entropy"], data))
+        assert torch.equal(extras.troll["log_p"], no_padding_2_padding(model_output["troll_log_p"], data))
+        rows = data["rollout_topk_logprobs"]
+        mass = torch.nn.utils.rnn.pad_sequence(
+            list(rows.values().float().exp().sum(-1).split(rows.offsets().diff().tolist())), batch_first=True
+        )
+        assert torch.equal(extras.topk_mass, mass)
+
+
+def test_the_top_k_fields_are_laid_out_with_one_host_read(monkeypatch):
+    """Issue 75: the logits hook lays the rollout's top-K rows out on the packed stream with one read of the lengths
+    and checks (three before, one of which compared the packed length with itself), and a packed stream that is not
+    the prompts and responses end to end is refused."""
+    from verl_dppo.patches.topk_fields import packed_rollout_fields
+
+    data, _ = micro_batch([3, 5, 2, 4], [4, 1, 6, 2])
+    calls = _count_host_reads(monkeypatch)
+    fields = packed_rollout_fields("dppo_topk_tv", K, data, torch.device("cpu"))
+    monkeypatch.undo()
+    assert [name for name, _ in calls] == ["tolist"], calls
+    assert fields[-1].shape == (3 + 5 + 2 + 4 + 4 + 1 + 6 + 2,) and int(fields[-1].sum()) == 4 + 1 + 6 + 2
+    data["input_ids"] = nested([ids[:-1] for ids in data["input_ids"].unbind()])
+    with pytest.raises(ValueError, match="packed length 23 != the prompts' and responses' 27 tokens"):
+        packed_rollout_fields("dppo_topk_tv", K, data, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["dppo_topk_tv", "troll"])
+def test_the_loss_reads_the_host_three_times_whatever_the_mode(model, mode, monkeypatch):
+    """Issue 75: in verl's `ppo_loss` through the plugin's wrapper, the plugin's own code reads the host three times a
+    micro-batch: the padding's layout, the loss's finiteness probe and its one transfer of every diagnostic (the
+    family's own and the rollout's top-K mass among them, which had a read each before)."""
+    data, _ = micro_batch([3, 5, 2, 4], [4, 1, 6, 2])
+    loss_fn, model_output = run_engine(model, data, actor_config(mode, topk=K))
+    loss_fn(model_output=model_output, data=data)  # the first call's announcements
+    calls = _count_host_reads(monkeypatch)
+    _, metrics = loss_fn(model_output=model_output, data=data)
+    monkeypatch.undo()
+    assert any(name.endswith("rollout_topk_mass_mean") for name in metrics), sorted(metrics)
+    plugin = [(name, where) for name, where in calls if "/verl_dppo/" in where or "/patches/" in where]
+    assert len(plugin) == 3, plugin

@@ -72,11 +72,10 @@ class IpoFamily(BinaryFamily):
             log_ratio = log_ratio.masked_fill(~tokens.valid, 0.0)
         return loss + tau * log_ratio.square()
 
-    def metrics(self, tokens: Tokens) -> dict[str, tuple[float, float]]:
+    def metrics(self, tokens: Tokens) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """actor/dppo/ipo_log_ratio_sq_mean: the penalty's (log pi/mu)^2 per valid token, logged whatever tau."""
         log_ratio = torch.where(tokens.valid, tokens.pi - tokens.mu, 0.0)
-        sums = torch.stack([log_ratio.square().sum(), tokens.valid.sum().float()]).tolist()
-        return {f"{self.metric_prefix}ipo_log_ratio_sq_mean": (sums[0], sums[1])}
+        return {f"{self.metric_prefix}ipo_log_ratio_sq_mean": (log_ratio.square().sum(), tokens.valid.sum())}
 
 
 FAMILY = IpoFamily(

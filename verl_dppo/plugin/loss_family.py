@@ -12,7 +12,8 @@ what differs:
     divergence   D_t of Eq. (12) against the anchor, or None (no trust region)
     blocked      the tokens the trust region masks; the default is Eq. (12) (`trust_region_blocked`)
     loss_matrix  the per-token loss; the default is Eq. (11): -M_t * sg(min(r_t, C)) * A_t * log pi(a_t)
-    metrics      its own diagnostics, as (numerator, denominator) pairs summed exactly over micro-batches
+    metrics      its own diagnostics, as (numerator, denominator) pairs summed exactly over micro-batches, given
+                 as 0-d tensors that the shared function reads back with its own in one host transfer
     zero_loss    a zero that still reaches the parameters, for a micro-batch of empty responses
 """
 
@@ -139,7 +140,8 @@ class LossFamily:
             log_pi = log_pi.masked_fill(~tokens.valid, 0.0)
         return coefficient * log_pi
 
-    def metrics(self, tokens: Tokens) -> dict[str, tuple[float, float]]:
+    def metrics(self, tokens: Tokens) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Its own diagnostics as 0-d (numerator, denominator) tensors, read back with the shared ones at once."""
         return {}
 
     def zero_loss(self, tokens: Tokens) -> torch.Tensor:

@@ -118,12 +118,10 @@ def dppo_policy_loss(
         loss_agg_mode=loss_agg_mode,
         **global_batch_info,
     )
-    metrics, ratio_parts = _diagnostics(
-        tokens, blocked & valid, (tokens.ratio >= options.ratio_cap) & family.truncates, extras
-    )
     own = {**family.metrics(tokens), **_rows_mass(family, extras, valid)}
-    ratio_parts.update(own)
-    metrics.update(ratios(own))
+    metrics, ratio_parts = _diagnostics(
+        tokens, blocked & valid, (tokens.ratio >= options.ratio_cap) & family.truncates, extras, own
+    )
     if extras is not None:
         # Through verl's ppo_loss: the wrapper turns these into metrics that verl's aggregation over
         # micro-batches and data-parallel ranks keeps exact (see RatioMetric).
@@ -146,13 +144,13 @@ def _announce(mode_name: str, options, described: str) -> None:
             warn_once((kind, mode_name, described), "verl-dppo %s", warning)
 
 
-def _rows_mass(family, extras, valid: torch.Tensor) -> dict[str, tuple[float, float]]:
+def _rows_mass(family, extras, valid: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The rollout's top-K rows as the engine sent them, where the batch has them: their mean mass per valid token
     (`<prefix>rollout_topk_mass_mean`), which shows in the log that they came through."""
     if extras is None or extras.topk_mass is None or extras.topk_mass.shape != valid.shape:
         return {}
-    mass = torch.stack([torch.where(valid, extras.topk_mass.float(), 0.0).sum(), valid.sum().float()]).tolist()
-    return {f"{family.metric_prefix}rollout_topk_mass_mean": (mass[0], mass[1])}
+    mass = torch.where(valid, extras.topk_mass.float(), 0.0).sum()
+    return {f"{family.metric_prefix}rollout_topk_mass_mean": (mass, valid.sum().float())}
 
 
 def _checked_inputs(mode, options, extras, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
@@ -254,11 +252,15 @@ def _drop_nonfinite(mode_name, response, pi, mu, anchor, adv, anchored_on_mu, un
 
 
 def _diagnostics(
-    tokens: Tokens, blocked: torch.Tensor, truncated: torch.Tensor, extras: Any
+    tokens: Tokens,
+    blocked: torch.Tensor,
+    truncated: torch.Tensor,
+    extras: Any,
+    own: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Every diagnostic reduced on device to a few scalars, read back in one host transfer: `blocked` the masked
     valid tokens, `truncated` those whose ratio reached the cap, `extras` the entropy and the lags where the batch
-    has them.
+    has them, `own` the family's diagnostics (and the rollout's top-K mass) as 0-d (numerator, denominator) sums.
 
     Returns the metrics of this micro-batch, and each mean-type metric as (numerator, denominator): a mean over
     a condition (A > 0, masked, ...) is a ratio of sums, and only the sums add up exactly over the micro-batches
@@ -299,8 +301,11 @@ def _diagnostics(
             (mismatch_tv.view(-1) * valid_f).max() if valid_f.numel() else valid_f.new_zeros(()),
         ]
     )
-    stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv, threshold)]  # one transfer
-    values = torch.cat([counts, sums, *stale]).tolist()
+    stale = [] if lags is None else [staleness_sums(lags, valid, blocked, mismatch_tv, threshold)]
+    pairs = [torch.stack([num.float(), den.float()]) for num, den in own.values()]
+    values = torch.cat([*pairs, counts, sums, *stale]).tolist()  # the one transfer
+    parts = {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(own)}
+    values = values[2 * len(own) :]
     (
         n_valid,
         n_blocked,
@@ -319,18 +324,20 @@ def _diagnostics(
         tv_max,
     ) = values[:15]
 
-    parts = {
-        "actor/pg_clipfrac": (n_blocked, n_valid),
-        "actor/ppo_kl": (-log_ratio_sum, n_valid),
-        "actor/pg_clipfrac_lower": (n_truncated, n_valid),
-        "actor/dppo/masked_frac_pos": (n_blocked_pos, n_pos),
-        "actor/dppo/masked_frac_neg": (n_blocked_neg, n_neg),
-        "actor/dppo/mismatch_tv_mean": (tv_sum, n_valid),
-        "actor/dppo/mismatch_kl_mean": (kl_sum, n_valid),
-        "actor/dppo/bad_update_frac": (n_bad, n_valid),
-        "actor/dppo/masked_rollout_prob_mean": (masked_mu_sum, n_blocked),
-        "actor/dppo/dropped_frac": (n_response - n_valid, n_response),
-    }
+    parts.update(
+        {
+            "actor/pg_clipfrac": (n_blocked, n_valid),
+            "actor/ppo_kl": (-log_ratio_sum, n_valid),
+            "actor/pg_clipfrac_lower": (n_truncated, n_valid),
+            "actor/dppo/masked_frac_pos": (n_blocked_pos, n_pos),
+            "actor/dppo/masked_frac_neg": (n_blocked_neg, n_neg),
+            "actor/dppo/mismatch_tv_mean": (tv_sum, n_valid),
+            "actor/dppo/mismatch_kl_mean": (kl_sum, n_valid),
+            "actor/dppo/bad_update_frac": (n_bad, n_valid),
+            "actor/dppo/masked_rollout_prob_mean": (masked_mu_sum, n_blocked),
+            "actor/dppo/dropped_frac": (n_response - n_valid, n_response),
+        }
+    )
     if entropy is not None:
         parts["actor/dppo/masked_entropy_mean"] = (masked_entropy_sum, n_blocked)
     if lags is not None:

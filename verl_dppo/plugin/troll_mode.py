@@ -130,29 +130,21 @@ def troll_loss_matrix(
     return torch.where(valid, loss, 0.0)
 
 
-def troll_ratio_parts(terms: dict[str, torch.Tensor], valid: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """actor/troll/* as (numerator, denominator) over the valid tokens, read back in one host transfer."""
+def troll_ratio_parts(
+    terms: dict[str, torch.Tensor], valid: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """actor/troll/* as 0-d (numerator, denominator) sums over the valid tokens (read back with the shared
+    diagnostics in one host transfer)."""
     v = valid.float()
     projected = terms["projected"].float() * v
-    sums = torch.stack(
-        [
-            v.sum(),
-            projected.sum(),
-            (terms["eta"].float() * projected).sum(),
-            (terms["kl_before"].float() * v).sum(),
-            (terms["kl_after"].float() * v).sum(),
-            (terms["support_size"].float() * v).sum(),
-            (terms["regression_kl"].detach().float() * v).sum(),
-        ]
-    )
-    n_valid, n_projected, eta_sum, before_sum, after_sum, support_sum, regression_sum = sums.tolist()
+    n_valid, n_projected = v.sum(), projected.sum()
     return {
         "actor/troll/projected_frac": (n_projected, n_valid),
-        "actor/troll/eta_mean": (eta_sum, n_projected),
-        "actor/troll/kl_before_mean": (before_sum, n_valid),
-        "actor/troll/kl_after_mean": (after_sum, n_valid),
-        "actor/troll/support_size_mean": (support_sum, n_valid),
-        "actor/troll/regression_kl_mean": (regression_sum, n_valid),
+        "actor/troll/eta_mean": ((terms["eta"].float() * projected).sum(), n_projected),
+        "actor/troll/kl_before_mean": ((terms["kl_before"].float() * v).sum(), n_valid),
+        "actor/troll/kl_after_mean": ((terms["kl_after"].float() * v).sum(), n_valid),
+        "actor/troll/support_size_mean": ((terms["support_size"].float() * v).sum(), n_valid),
+        "actor/troll/regression_kl_mean": ((terms["regression_kl"].detach().float() * v).sum(), n_valid),
     }
 
 
@@ -187,7 +179,7 @@ class TrollFamily(LossFamily):
     def loss_matrix(self, tokens: Tokens, blocked: torch.Tensor) -> torch.Tensor:
         return troll_loss_matrix(tokens.hook, tokens.adv, tokens.valid, tokens.family_options.alpha)
 
-    def metrics(self, tokens: Tokens) -> dict[str, tuple[float, float]]:
+    def metrics(self, tokens: Tokens) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return troll_ratio_parts(tokens.hook, tokens.valid)
 
     def zero_loss(self, tokens: Tokens) -> torch.Tensor:
