@@ -34,7 +34,7 @@ import verl.workers.utils.losses as verl_losses  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 
 from helpers import actor_config  # noqa: E402
-from test_topk_actor import K, micro_batch, run_engine  # noqa: E402
+from test_topk_actor import K, micro_batch, run_engine, tiny_llama  # noqa: E402
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 OURS = tuple(str(ROOT / part) + "/" for part in ("verl_dppo", "patches"))
@@ -51,22 +51,6 @@ def install_counters() -> None:
             return _original(self, *args, **kwargs)
 
         setattr(torch.Tensor, name, counted)
-
-
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 class CountOps(TorchDispatchMode):
@@ -104,7 +88,7 @@ def main() -> None:
     parser.add_argument("--modes", default="dppo_binary_tv,dppo_topk_tv,troll")
     args = parser.parse_args()
     install_counters()
-    net = model()
+    net = tiny_llama()
     print(
         f"{'mode':16} {'sequences':>9} {'host reads':>10} {'x binary':>8} {'in plugin code':>14} {'ops':>6} {'x binary':>8}"
     )

@@ -28,6 +28,11 @@ VOCAB, K, TEMPERATURE = 64, 4, 0.7
 
 @pytest.fixture(scope="module")
 def model():
+    return tiny_llama()
+
+
+def tiny_llama():
+    """The random Llama every test here runs (bench/host_reads.py too)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
