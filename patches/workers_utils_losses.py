@@ -66,7 +66,7 @@ class _Padding:
         rows_lens = nested_rows.offsets().diff() if nested_rows is not None else None
         if rows_lens is not None:
             reads.append(rows_lens.max())
-        values = torch.stack([r.long() for r in reads]).tolist()  # the one host read
+        values = torch.stack([r.long().to(ends.device) for r in reads]).tolist()  # the one host read
         self.nnz, empty_prompts = values[0], values[1]
         if empty_prompts:
             raise ValueError(f"{empty_prompts} samples have an empty prompt; verl's padding needs a prompt token")
