@@ -2,14 +2,15 @@
 
     .venv/bin/python bench/loss_walk.py [--mode dppo_binary_tv] [--delta 0.15] [--trace]
 
-Builds the mode's `DPPOLossConfig` (the paper's settings: delta on both sides, no cap) inside a real verl `ActorConfig` and calls verl's own `ppo_loss` on a v1
-micro-batch (as verl's FSDP engine hands it over), with a tracer on every line the plugin and its patches run
-(verl_dppo/, patches/). Prints the files in the order the walk first enters them, each with its length in lines, the
-total, and the returns: how often the walk comes back into a file it had left for another of the plugin's files
-(calls into torch or verl and back do not count), and how many of those are distinct (a return from one function
-into another counted once, however often a loop repeats it). --trace prints the walk itself, one line per change of file.
-This is the figure docs/loss-modes.md and issue 74 quote: how many files, how many lines a reader opens to follow a
-mode, and how often the path doubles back.
+Builds the mode's `DPPOLossConfig` (the paper's settings: delta on both sides, no cap) inside a real verl `ActorConfig`
+and calls verl's own `ppo_loss` on a v1 micro-batch (as verl's FSDP engine hands it over), with a tracer on every line
+the plugin and its patches run (verl_dppo/, patches/). Prints the files in the order the walk first enters them, each
+with its length in lines, the total, the lines of the functions that ran in each (from each `def` to its last line,
+docstring included: what a reader opens of that file), and the returns: how often the walk comes back into a file it had
+left for another of the plugin's files (calls into torch or verl and back do not count), and how many of those are
+distinct (a return from one function into another counted once, however often a loop repeats it). --trace prints the
+walk itself, one line per change of file. This is the figure docs/loss-modes.md and issue 74 quote: how many files, how
+many lines a reader opens to follow a mode, and how often the path doubles back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from verl_dppo import DPPOLossConfig  # noqa: E402
 OURS = tuple(str(ROOT / part) + "/" for part in ("verl_dppo", "patches"))
 FUNCTIONS: list[tuple[str, str]] = []
 """(file, function) at each change of file, beside `walk`'s files: the distinct returns count each call site once."""
+RAN: dict[str, set] = {}
+"""file -> the code objects of the plugin's that ran a line: the functions a reader of the walk reads."""
 
 
 def micro_batch():
@@ -51,6 +54,7 @@ def walk(mode: str, delta: float) -> list[str]:
     def local(frame, event, arg):
         if event == "line":
             name = frame.f_code.co_filename
+            RAN.setdefault(name, set()).add(frame.f_code)
             if not visits or visits[-1] != name:
                 visits.append(name)
                 FUNCTIONS.append((name, frame.f_code.co_name))
@@ -77,6 +81,17 @@ def walk(mode: str, delta: float) -> list[str]:
     return visits
 
 
+def function_lines(codes) -> int:
+    """The lines of a file's functions that ran (each from its `def` to its last line; a function nested in one that
+    ran counted once): what a reader opens of that file, as against its length."""
+    spans = sorted((code.co_firstlineno, max(line for _, _, line in code.co_lines() if line)) for code in codes)
+    covered, reach = 0, 0
+    for first, last in spans:  # spans nest or are apart (a function lies within another or beside it)
+        if last > reach:
+            covered, reach = covered + last - first + 1, last
+    return covered
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", default="dppo_binary_tv")
@@ -89,11 +104,11 @@ def main() -> None:
             print("  ", Path(name).relative_to(ROOT))
     files = list(dict.fromkeys(visits))
     returns = len(visits) - len(files)
-    total = 0
+    total = ran = 0
     for name in files:
-        lines = len(Path(name).read_text().splitlines())
-        total += lines
-        print(f"{lines:6d}  {Path(name).relative_to(ROOT)}  (entered {visits.count(name)}x)")
+        lines, read = len(Path(name).read_text().splitlines()), function_lines(RAN[name])
+        total, ran = total + lines, ran + read
+        print(f"{lines:6d} {read:5d}  {Path(name).relative_to(ROOT)}  (entered {visits.count(name)}x)")
     seen, distinct = set(), set()
     for (left, left_fn), (into, into_fn) in zip(FUNCTIONS, FUNCTIONS[1:]):
         if into in seen:
@@ -101,7 +116,8 @@ def main() -> None:
         seen.add(left)
     print(
         f"{args.mode}: {len(files)} files, {total} lines, {returns} returns into a file already left "
-        f"({len(distinct)} distinct: a call site counted once however often a loop makes it)"
+        f"({len(distinct)} distinct: a call site counted once however often a loop makes it); "
+        f"{ran} lines in the functions that ran (the second column: each from its def to its last line)"
     )
 
 

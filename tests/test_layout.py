@@ -411,3 +411,21 @@ def test_the_walk_of_a_plain_loss_call_enters_no_module_of_a_feature_that_is_off
         router_replay.ARMED[0] = False
     assert {"router_replay.py", "mismatch_dump.py"} <= both_on, sorted(both_on)
     assert list(tmp_path.glob("tokens-*.pt"))
+
+
+def test_the_walks_function_lines_count_a_nested_function_once():
+    """`bench/loss_walk.py`'s second column: each function that ran from its `def` to its last line, a function
+    nested in another that ran counted once, one that did not run not at all."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loss_walk", REPO / "bench" / "loss_walk.py")
+    loss_walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_walk)
+    source = "def outer():\n    def inner():\n        return 1\n\n    return inner\n\n\ndef other():\n    x = 1\n    return x\n"
+    module = compile(source, "<walk>", "exec")
+    outer, other = (const for const in module.co_consts if hasattr(const, "co_lines"))
+    inner = next(const for const in outer.co_consts if hasattr(const, "co_lines"))
+    assert loss_walk.function_lines([outer]) == 5
+    assert loss_walk.function_lines([outer, inner]) == 5
+    assert loss_walk.function_lines([inner]) == 2
+    assert loss_walk.function_lines([outer, other]) == 8
