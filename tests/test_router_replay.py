@@ -13,6 +13,8 @@ from verl_dppo.plugin.moe import router_replay
 from verl_dppo.plugin.log_once import _SEEN
 from verl_dppo.plugin.moe.router_replay import RouterReplayError, arm, ratio_parts, replaying_forward, routers_of
 
+from test_topk_actor import _count_host_reads
+
 LAYERS, EXPERTS, TOP_K = 3, 4, 2
 
 
@@ -100,7 +102,7 @@ def used_experts(model, input_ids, routes, marked=None) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
+def test_the_rollouts_routes_are_the_experts_the_update_uses(family, monkeypatch):
     model = tiny_moe(family)
     ids = torch.randint(0, 64, (1, 24))
     own = own_routes(model, ids)
@@ -111,7 +113,11 @@ def test_the_rollouts_routes_are_the_experts_the_update_uses(family):
         _, same = used_experts(model, ids, own)
         assert torch.equal(same, plain)
         half_gap = TOP_K * (EXPERTS - TOP_K) / 2  # a row's route fit denominator
-        assert ratio_parts() == {
+        reads = _count_host_reads(monkeypatch)
+        parts = ratio_parts()
+        monkeypatch.undo()
+        assert len(reads) == 1, reads  # the micro-batch's counts, kept on the device, read back at once
+        assert parts == {
             "actor/dppo/r3_replayed_frac": (24 * LAYERS, 24 * LAYERS),
             "actor/dppo/r3_router_differs_frac": (0, 24 * LAYERS),
             "actor/dppo/r3_route_fit": (24 * LAYERS * half_gap, 24 * LAYERS * half_gap),

@@ -295,8 +295,15 @@ def replaying_forward(original: Any) -> Any:
 
 def take_counts() -> dict[str, float]:
     """The rows the armed routers routed, meant to carry a route, had a valid one for, replayed, and would have
-    routed otherwise, and the route fit's parts, since the last `arm`."""
-    return {name: (float(value) if name.startswith("fit") else int(value)) for name, value in _COUNTS.items()}
+    routed otherwise, and the route fit's parts, since the last `arm`: the counts kept on the device read back in one
+    host transfer (one wait for the device a micro-batch, not one a count)."""
+    on_device = [name for name, value in _COUNTS.items() if isinstance(value, torch.Tensor)]
+    values = dict(_COUNTS)
+    if on_device:
+        device = _COUNTS[on_device[0]].device
+        read = torch.stack([_COUNTS[name].to(device, torch.float64) for name in on_device]).tolist()
+        values.update(zip(on_device, read))
+    return {name: (float(value) if name.startswith("fit") else int(value)) for name, value in values.items()}
 
 
 def ratio_parts() -> dict[str, tuple[float, float]]:
