@@ -632,6 +632,12 @@ def test_each_hint_names_the_line_that_works(tmp_path, capsys):
     assert len(found) == 1 and "write +actor_rollout_ref.actor.policy_loss.ratio_cap=100" in found[0], found
     found, _ = problems("trainer.n_gpus_per_node=")
     assert len(found) == 1 and "leaves trainer.n_gpus_per_node= empty" in found[0], found
+    # a path verl opens at launch, left empty: Hydra and verl's classes take '', the launch fails at the load
+    found, _ = problems("actor_rollout_ref.model.path=", "data.train_files=")
+    assert [line.split(" is empty", 1)[0] for line in found] == ["actor_rollout_ref.model.path", "data.train_files"]
+    assert "a shell variable the script left unset" in found[0], found
+    found, _ = problems(f"data.val_files=[{tmp_path}/test.parquet,'']")
+    assert len(found) == 1 and found[0].startswith("data.val_files is empty"), found
     found, _ = problems("actor_rollout_ref.actor.optim.lr=1e-6,2e-6")
     assert len(found) == 1 and "--multirun" in found[0] and "ChoiceSweep" not in found[0], found
     found, _ = problems(

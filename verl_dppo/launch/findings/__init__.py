@@ -4,8 +4,8 @@
   nearest keys, a plugin key's `+`, a top-level group; a value of the wrong type; a sweep; a `+key` Hydra refuses),
   and the hints beside a config class's complaint; `value_types`: the type an override's value must have.
 - `command`: the settings around the policy loss (distillation, rejection sampling under bypass, unread DPPO
-  options, R3's returned routes), the models verl's checks would read and cannot here, and the hints beside verl's
-  complaints.
+  options, R3's returned routes), the paths verl opens at launch left empty, the models verl's checks would read and
+  cannot here, and the hints beside verl's complaints.
 
 The plugin's rules that the workers also enforce live in `verl_dppo.plugin.run_config` (one definition, read here
 and at run time: the async trainers, the anchor, R3 and router replay on a model that routes nothing) and

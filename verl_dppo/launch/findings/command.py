@@ -7,6 +7,8 @@ settings that cancel or quietly change the plugin's update, and the models its c
 - Bypass mode with `rollout_rs`: verl's v1 trainer skips its whole rollout correction in bypass mode, the rejection
   sampling included (the plugin means to drop `rollout_is`: its loss weights by pi/mu itself). A warning.
 - The plugin's thresholds set (`delta_*`, `ratio_cap`) under one of verl's own loss modes, which do not read them.
+- A path verl opens at launch (the actor's model, the data files) left empty by `key=` (a shell variable the script
+  did not set): Hydra and verl's classes take '', the launch fails at the load. A problem.
 - The MoE arm (`verl_dppo.plugin.moe.arm`): which arm of the paper's with/without-R3 comparison the command
   launches, named in the summary where the model routes or a router replay is set; R2/R3 on a model whose readable
   config.json names no experts is a problem (on the FSDP engine the plugin's run checks say it).
@@ -178,8 +180,35 @@ def verl_hint(text: str, config: Any = None) -> str:
     return ""
 
 
+LOADED_AT_LAUNCH = {
+    "actor_rollout_ref.model.path": "the model (its config, tokenizer and weights)",
+    "data.train_files": "the training prompts",
+    "data.val_files": "the validation prompts",
+}
+"""The paths verl opens as it starts: one left empty (`key=`, a shell variable the script did not set) is wrong on
+any machine, though Hydra and verl's config classes take '' (verl then fails at the model's or dataset's load, after
+the cluster's workers started)."""
+
+
+def empty_path_problems(config: Any) -> list[str]:
+    """A line for each of `LOADED_AT_LAUNCH` that the command leaves empty ('' or a list holding '')."""
+    from omegaconf import OmegaConf
+
+    problems = []
+    for key, what in LOADED_AT_LAUNCH.items():
+        value = OmegaConf.select(config, key, default=None)
+        values = [value] if value is None or isinstance(value, str) else list(value)
+        if any(str(item).strip() == "" for item in values if item is not None):
+            problems.append(
+                f"{key} is empty ({key}=: a shell variable the script left unset?): verl reads {what} from it at "
+                "launch; give the path (or, for the model, a Hugging Face id)"
+            )
+    return problems
+
+
 def command_findings(config: Any) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of the settings around the policy loss (see the module's docstring)."""
+    """(problems, warnings) of the settings around the policy loss (see the module's docstring), and of the paths
+    verl opens at launch left empty (`empty_path_problems`)."""
     from omegaconf import OmegaConf
 
     from verl_dppo.plugin.run_config import is_plugin_mode
@@ -187,7 +216,7 @@ def command_findings(config: Any) -> tuple[list[str], list[str]]:
     def get(key: str) -> Any:
         return OmegaConf.select(config, key, default=None)
 
-    problems, warnings = [], []
+    problems, warnings = empty_path_problems(config), []
     mode = str(get("actor_rollout_ref.actor.policy_loss.loss_mode"))
     plugin = is_plugin_mode(config)
     if plugin and get("distillation.enabled") and get("distillation.distillation_loss.use_task_rewards") is False:
