@@ -55,11 +55,11 @@ def replay_marks(lengths: torch.Tensor, responses: torch.Tensor) -> torch.Tensor
     """[packed rows] bool: the rows that carry a rollout route, as verl's own R3 marks them (`build_r3_replay_mask`,
     its Megatron engine): every token of a sequence but its last, whose route the rollout never recorded (it samples
     that token, never feeds it); no token of a sequence without a response token (verl's padding samples)."""
-    lengths, responses = lengths.long().cpu(), responses.long().cpu()
     if lengths.shape != responses.shape:
         raise RouterReplayError(
             f"router replay: the micro-batch has {lengths.numel()} sequences, its response_mask {responses.numel()}"
         )
+    lengths, responses = torch.stack([lengths.long(), responses.long().to(lengths.device)]).cpu()  # one transfer
     replayed = torch.where(responses > 0, lengths - 1, torch.zeros_like(lengths))
     counts = torch.stack([replayed, lengths - replayed], dim=1).flatten()
     return torch.repeat_interleave(torch.tensor([True, False]).repeat(lengths.numel()), counts)
