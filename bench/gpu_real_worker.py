@@ -213,6 +213,18 @@ class Progress:
         print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", flush=True)
 
 
+SIZE_FLAGS = {
+    "layers": ("num_layers", "number of layers"),
+    "hidden": ("hidden_size", "hidden size"),
+    "vocab": ("vocab_size", "vocabulary size"),
+    "experts": ("num_experts", "number of experts (with --moe)"),
+    "experts-per-token": ("experts_per_token", "experts per token (with --moe)"),
+    "expert-width": ("moe_intermediate_size", "experts' intermediate size (with --moe)"),
+}
+"""The model's shape, flag by flag, over the size --tiny / --moe picks: R3's fixed cost per micro-batch against a
+model of some size on the CPU (docs/benchmarks.md)."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -225,7 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=None)
     parser.add_argument("--response-length", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=None, help="ppo_max_token_len_per_gpu")
-    parser.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    for flag, (field, what) in SIZE_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=None, help=f"override the model's {what}")
     parser.add_argument(
         "--trainer-mode",
         choices=["sync", "separate_async"],
@@ -289,8 +302,8 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         size = driver.TINY_MOE if args.tiny else driver.GPU_MOE
     else:
         size = driver.TINY_MODEL if args.tiny else driver.GPU_MODEL
-    if args.layers:
-        size = replace(size, num_layers=args.layers)
+    given = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _) in SIZE_FLAGS.items()}
+    size = replace(size, **{field: value for field, value in given.items() if value is not None})
     if args.tiny:
         shape = driver.RunShape(
             prompts=4,

@@ -945,18 +945,33 @@ def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     ]
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
     assert "loss_scale_factor unset" in verdict.rule, verdict.rule
+    # verl's DeepSeek-V3 scripts leave `<path_to_dsv3_config>` to fill in: Hydra's lexer error, then what to do
+    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "actor_rollout_ref.model.path=<path_to_dsv3_config>"])
+    (placeholder,) = [problem for problem in verdict.problems if problem.startswith("actor_rollout_ref.model.path")]
+    assert placeholder.endswith(
+        "<path_to_dsv3_config> is a placeholder the script leaves for you to fill in: give "
+        "actor_rollout_ref.model.path its value (a path or a name)"
+    ), placeholder
+    # ppo_trainer/run_deepseek7b_llm_modelscope.sh launches behind VERL_USE_MODELSCOPE=True (modelscope not here)
+    command = verl_grpo_example(tmp_path)
+    verdict = _verdict(["VERL_USE_MODELSCOPE=True", *command, *FROM_GRPO])
+    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
+    assert [line for line in verdict.not_here if line.startswith("VERL_USE_MODELSCOPE=True: verl then loads")]
 
 
 def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_path):
     """73.6: a VeOmni command (VeOmni's attention notice, printed by verl's logger while the config is read): check's
     lines come first, the notice only after them with --library-output; the GPUs the command asks and a hub model
-    not cached here are named in one line, with no exit code (check runs before a cluster job)."""
+    not cached here are named in one line, with no exit code (check runs before a cluster job). Its environment asks
+    verl for ModelScope's hub, which is not installed: one "not here" line, the rest read."""
+    import importlib.util
     import os
     import subprocess
 
     from test_cli_errors import BIN
 
     command = [item for item in verl_grpo_example(tmp_path) if ".fsdp_config." not in item]
+    assert importlib.util.find_spec("modelscope") is None  # VERL_USE_MODELSCOPE=True then stops verl's import
     done = subprocess.run(
         [
             os.path.join(BIN, "verl-dppo"),
@@ -970,9 +985,9 @@ def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "VERL_USE_MODELSCOPE": "True"},
     )
-    assert done.returncode == EXIT_FINE, done.stderr[-3000:]
+    assert done.returncode == EXIT_NOT_HERE, done.stderr[-3000:]
     lines = done.stderr.splitlines()
     ours = lines[: next(i for i, line in enumerate(lines) if "what other libraries printed meanwhile" in line)]
     assert ours and all(line.startswith("verl-dppo: ") for line in ours), lines
@@ -980,7 +995,38 @@ def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_
     (machine,) = [line for line in ours if "launched from this machine" in line]
     assert "8 GPU(s) asked (1 node(s) x 8), 0 visible here" in machine, machine
     assert "the model Qwen/Qwen2-7B-Instruct is not in this machine's Hugging Face cache" in machine, machine
+    # ppo_trainer/run_deepseek7b_llm_modelscope.sh's environment: `import verl` raises without modelscope, check read
+    # the command with the variable off (a traceback, exit 1, before)
+    assert [line for line in ours if line.startswith("verl-dppo: not here: VERL_USE_MODELSCOPE=True: ")], ours
+    assert any(line.startswith("verl-dppo: check: trains dppo_binary_tv: ") for line in ours), ours
     assert ours[-1] == (
-        "verl-dppo: check: the command passed verl's checks and the plugin's; nothing found that "
-        "would stop the launch from here"
+        "verl-dppo: check: the command passed verl's checks and the plugin's, but cannot start here: 1 thing(s) "
+        "above that it needs are not on this machine (exit 3)"
     ), ours
+
+
+def test_the_scripts_bench_sets_check_against_hydra_alone():
+    """`bench/check_verl_scripts.py`'s second opinion (the figure issue 73's note quotes): exit 2 to what Hydra refuses
+    naming Hydra's key agrees, a problem where Hydra composes is check going further, anything else where Hydra
+    refuses is a miss, a traceback a crash."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "scripts", Path(__file__).parent.parent / "bench" / "check_verl_scripts.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    refused = "ConfigCompositionException: Could not override 'actor_rollout_ref.actor.kl_loss.type'."
+    named = ["verl-dppo: problem: actor_rollout_ref.actor.kl_loss.type=low_var_kl: verl's config has no key ..."]
+    other = ["verl-dppo: problem: data.train_batch_size=x: ..."]
+    cases = [
+        (dict(codes=[2], hydra=[refused], lines=named), "agree"),
+        (dict(codes=[2], hydra=[refused], lines=other), "agree on the exit, not the key"),
+        (dict(codes=[3], hydra=[refused], lines=[]), "miss"),
+        (dict(codes=[3], hydra=["composes"], lines=[]), "agree"),
+        (dict(codes=[2], hydra=["composes"], lines=other), "check goes further"),
+        (dict(codes=[1], hydra=["composes"], lines=[]), "crash"),
+        (dict(codes=[3, 2], hydra=["composes", refused], lines=[]), "agree on the exit, not the key"),
+        (dict(codes=[], hydra=[], lines=[]), "no main_ppo call"),
+    ]
+    assert [bench.agreement(result) for result, _ in cases] == [expected for _, expected in cases]

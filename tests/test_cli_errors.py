@@ -418,6 +418,32 @@ def test_guard_reports_a_ray_connection_error_in_one_line(capsys, monkeypatch):
     assert_one_line_error(capsys, ["recipes"], "Could not find any running Ray instance", "ray start --head")
 
 
+def test_verls_own_import_refusing_this_machine_is_one_line_and_ours_stays_a_traceback(capsys, monkeypatch):
+    """verl 0.9.1's `import verl` raises ImportError where VERL_USE_MODELSCOPE=True and modelscope is missing (one of
+    verl's example scripts sets it): every command then stopped with a traceback. Raised by verl's own __init__ it is
+    one line; an ImportError of verl-dppo's own code is a bug and keeps its traceback."""
+    from verl_dppo.launch import commands as launch
+
+    def verl_refuses(args):
+        exec(
+            compile(
+                "raise ImportError('You are using the modelscope hub, please install modelscope')",
+                str(Path("site-packages") / "verl" / "__init__.py"),
+                "exec",
+            )
+        )
+
+    monkeypatch.setattr(launch, "cmd_recipes", verl_refuses)
+    assert_one_line_error(capsys, ["recipes"], "verl does not import here: You are using the modelscope hub")
+
+    def ours(args):
+        raise ImportError("cannot import name 'gone' from 'verl_dppo.plugin'")
+
+    monkeypatch.setattr(launch, "cmd_recipes", ours)
+    with pytest.raises(ImportError, match="gone"):
+        main(["recipes"])
+
+
 @pytest.mark.parametrize("steps", ["-5", "0"])
 def test_a_run_of_no_step_is_refused_at_once(tmp_path, capsys, monkeypatch, steps):
     """Issue 24.5: `trainer.total_training_steps<=0` started Ray, trained nothing, exited 0 and left an empty log and a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -59,6 +60,19 @@ def run_handler(args) -> int:
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         return report(f"{where}{error.strerror or _first_line(error)}")
+    except ImportError as error:
+        if not _raised_by_verls_import(error):
+            raise
+        # verl's own __init__ refusing this machine's environment (VERL_USE_MODELSCOPE=True without modelscope)
+        return report(f"verl does not import here: {_first_line(error)}")
+
+
+def _raised_by_verls_import(error: BaseException) -> bool:
+    """Whether `error` was raised by verl's package `__init__` itself (not by an import inside it, nor by ours)."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and Path(frame.tb_frame.f_code.co_filename).parts[-2:] == ("verl", "__init__.py")
 
 
 def _first_line(error: BaseException) -> str:

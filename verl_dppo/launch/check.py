@@ -168,17 +168,21 @@ class Verdict:
 def check_command(argv: Sequence[str]) -> Verdict:
     """Every problem this check can find in a main_ppo command line, each one line (see the module's docstring), and
     the update rule the command trains where it has none."""
-    from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
-    from verl_dppo.launch.commands import threshold_findings
-    from verl_dppo.launch.findings.command import command_findings, hub_offline, machine_line, unreadable_models
+    from verl_dppo.launch.findings.command import modelscope_missing, modelscope_off
+
+    with modelscope_off():  # before anything imports verl, which stops on a modelscope the launch asks and lacks
+        from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
+        from verl_dppo.launch.commands import threshold_findings
+        from verl_dppo.launch.findings.command import command_findings, hub_offline, machine_line, unreadable_models
     from verl_dppo.plugin.moe.arm import moe_arm
     from verl_dppo.plugin.run_config import recompute_pass_warning
     from verl_dppo.plugin.update_rule import update_rule
 
     launch = parse_launch(argv)
     overrides = launch.overrides
-    verdict = Verdict(not_here=missing_search_paths(overrides))
-    if verdict.not_here:  # the configs that path adds are not here: what they define cannot be checked
+    searched = missing_search_paths(overrides)
+    verdict = Verdict(not_here=[*searched, *filter(None, [modelscope_missing(launch.launcher)])])
+    if searched:  # the configs that path adds are not here: what they define cannot be checked
         verdict.unchecked = "the configs on that search path define what the command sets"
         return verdict
     if launch.config_path is not None and Path(launch.config_path).is_absolute() and not config_folder(launch).is_dir():

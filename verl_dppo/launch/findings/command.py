@@ -12,6 +12,9 @@ settings that cancel or quietly change the plugin's update, and the models its c
 - The MoE arm (`verl_dppo.plugin.moe.arm`): which arm of the paper's with/without-R3 comparison the command
   launches, named in the summary where the model routes or a router replay is set; R2/R3 on a model whose readable
   config.json names no experts is a problem (on the FSDP engine the plugin's run checks say it).
+- `VERL_USE_MODELSCOPE=True` (in this process's environment or the launch line's `VAR=value` words) where the
+  `modelscope` package is not installed: verl 0.9.1's `import verl` raises then, before any config is read. "Not
+  here" (the cluster may have it); `check` reads the rest of the command with the variable off (`modelscope_off`).
 - The critic's model: verl's `validate_config` builds the critic's `HFModelConfig`, which reads the model's
   `config.json` (from the hub for a hub id). `check` downloads nothing (`hub_offline`): a critic model that is
   neither a local folder nor in this machine's Hugging Face cache is "not here", and the critic's own checks are
@@ -26,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-__all__ = ["command_findings", "hub_offline", "unreadable_models", "verl_hint"]
+__all__ = ["command_findings", "hub_offline", "modelscope_missing", "modelscope_off", "unreadable_models", "verl_hint"]
 
 _OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -51,6 +54,50 @@ def hub_offline() -> Iterator[None]:
                 os.environ[name] = value
         if constants is not None:
             constants.HF_HUB_OFFLINE = saved_constant
+
+
+MODELSCOPE = "VERL_USE_MODELSCOPE"
+
+
+def _modelscope_on(value: str | None) -> bool:
+    return str(value if value is not None else "False").lower() == "true"  # as verl's __init__ reads it
+
+
+def modelscope_missing(launcher: Sequence[str] = ()) -> str | None:
+    """The "not here" line where the launch asks verl for ModelScope's hub (`VERL_USE_MODELSCOPE=True` in this
+    process's environment, or among the launch line's `VAR=value` words, which win) and `modelscope` is not
+    installed here: verl's `import verl` then raises ImportError, so the launch stops before reading its config."""
+    import importlib.util
+
+    value = os.environ.get(MODELSCOPE)
+    for word in launcher:
+        if word.startswith(f"{MODELSCOPE}="):
+            value = word.split("=", 1)[1]
+    if not _modelscope_on(value) or importlib.util.find_spec("modelscope") is not None:
+        return None
+    return (
+        f"{MODELSCOPE}={value}: verl then loads models through ModelScope's hub, and the modelscope package is not "
+        "installed here (verl's import stops on it: pip install modelscope, or leave the variable out to use "
+        "Hugging Face's hub); the rest of the command was read with the variable off"
+    )
+
+
+@contextlib.contextmanager
+def modelscope_off() -> Iterator[None]:
+    """`import verl` inside the block with `VERL_USE_MODELSCOPE` unset where it asks for a modelscope that is not
+    installed (verl reads it only at its import), so that `check` can read a command whose only trouble here is
+    that; the variable as it was after."""
+    value = os.environ.get(MODELSCOPE)
+    masked = "verl" not in sys.modules and modelscope_missing() is not None
+    if masked:
+        del os.environ[MODELSCOPE]
+    try:
+        if masked:
+            import verl  # noqa: F401
+        yield
+    finally:
+        if masked:
+            os.environ[MODELSCOPE] = value
 
 
 def _readable_here(path: str) -> bool:

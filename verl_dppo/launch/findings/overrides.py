@@ -3,6 +3,8 @@ the type verl's config dataclass declares), and a near miss (a key, a config cla
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.launch.findings.value_types import declared_type, expected_type, type_problem
@@ -101,6 +103,23 @@ def group_choices(overrides: Sequence[str]) -> list[str]:
     ]
 
 
+_PLACEHOLDER = re.compile(r"^<[^<>]*>$")
+
+
+def _parse_hint(override: str) -> str:
+    """The fix beside Hydra's parse error for one override: a placeholder a script leaves to fill in
+    (`key=<path_to_dsv3_config>` in verl's DeepSeek-V3 scripts: Hydra's grammar has no `<`), or the value quoted."""
+    key, _, value = override.partition("=")
+    if _PLACEHOLDER.match(value.strip()):
+        return (
+            f". {value} is a placeholder the script leaves for you to fill in: give {key.lstrip('+~')} its value "
+            "(a path or a name)"
+        )
+    return (
+        f". Hydra reads a value with such characters only quoted: {key}='{value}'" if value and "'" not in value else ""
+    )
+
+
 def override_problems(
     baseline: Any, overrides: Sequence[str], keys_only: bool = False, source: str = "the recipe's"
 ) -> tuple[list[str], list[str]]:
@@ -118,7 +137,7 @@ def override_problems(
             parsed = parser.parse_overrides([override])[0]
         except HydraException as error:
             if not keys_only:
-                problems.append(f"{override}: {' '.join(str(error).split())}")
+                problems.append(f"{override}: {' '.join(str(error).split())}{_parse_hint(override)}")
             continue
         key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
         if parsed.is_delete() or is_group_choice(key) or key.startswith("hydra.") or parsed.package is not None:
