@@ -270,6 +270,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "without and with R3 on verl's FSDP engine (the plugin's replay): the R3 rows get "
         "time_vs_without_r3, memory_vs_without_r3 and the replay's metrics",
     )
+    parser.add_argument(
+        "--r3-first",
+        action="store_true",
+        help="with --moe: each mode's R3 side before the side without (an order check: the ratio should not flip)",
+    )
     parser.add_argument("--ray-stand-in", action="store_true", help="use the Ray stand-in even if Ray is installed")
     parser.add_argument(
         "--json",
@@ -372,6 +377,10 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
                     device=args.device,
                     **{**extra, "overrides": (*overrides, *driver.R3_OVERRIDES)},
                 )
+    if args.r3_first:  # each mode's R3 side before the side without: the later worker of a process may run warmer
+        configs = dict(
+            sorted(configs.items(), key=lambda item: (modes.index(item[0][0]), item[0][1], item[0][2] != "r3"))
+        )
     topk = max(driver.rollout_topk(c) or 1 for c in configs.values())
     counted = count_plugin_passes()
     setup_seconds = time.perf_counter() - progress.start
@@ -500,8 +509,8 @@ def run(args: argparse.Namespace, progress: Progress = None) -> dict:
         row = rows[-1]
         progress(
             f"{label}: step {row['step_seconds']:.3f} s (median of {args.steps}), peak "
-            f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row['time_vs_binary_tv']:.3f}, memory vs "
-            f"{BASELINE} {row['memory_vs_binary_tv']:.3f}"
+            f"{row['peak_memory_gib']:.2f} GiB, time vs {BASELINE} {row.get('time_vs_binary_tv', math.nan):.3f}, "
+            f"memory vs {BASELINE} {row.get('memory_vs_binary_tv', math.nan):.3f}"
         )
         if args.json:  # what is measured so far, should a time limit stop the run
             Path(args.json).write_text(json.dumps(result, indent=1))
@@ -521,13 +530,24 @@ FUSED_OVERRIDES = (
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each mode's step time and peak memory as ratios to the baseline's (the first row of the same fused setting);
+    """Each mode's step time and peak memory as ratios to the baseline's (the binary mode without R3 on the plugin's
+    path, of the same fused setting, whichever order the rows ran in; none yet under --r3-first until it has run);
     with --verl-paths, the baseline's step time and peak memory on the plugin's pass as ratios to verl's path."""
     for row in rows:
-        baseline = next(r for r in rows if r.get("fused", False) == row.get("fused", False))
-        row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
-        peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
-        row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
+        baseline = next(
+            (
+                r
+                for r in rows
+                if r["mode"] == BASELINE
+                and r["logprob_path"] == "plugin"
+                and r.get("fused", False) == row.get("fused", False)
+            ),
+            None,
+        )
+        if baseline is not None:
+            row["time_vs_binary_tv"] = row["step_seconds"] / baseline["step_seconds"]
+            peak, base = row["peak_memory_gib"], baseline["peak_memory_gib"]
+            row["memory_vs_binary_tv"] = peak / base if base and math.isfinite(base) else math.nan
         if row.get("logprob_path") == "r3":
             without = next(
                 (

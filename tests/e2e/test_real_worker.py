@@ -148,6 +148,7 @@ def runs(tmp_path_factory) -> Runs:
             "cpu",
             "--tiny",
             "--moe",
+            "--r3-first",
             "--modes",
             "dppo_binary_tv",
             "--steps",
@@ -502,10 +503,12 @@ def test_gpu_script_runs_an_moe_without_and_with_r3_on_cpu_at_tiny_size(runs):
     """--moe (issue 72.6's GPU part, on its CPU path): a Qwen3-MoE whose routes the rollout copy returns as vLLM
     does, dppo_binary_tv again with R3 on verl's FSDP engine: in the first step the update used the rollout's experts
     on every row with a route, the routes fit the tokens (the bf16 copy's routers against the fp32 trainer's: 0.96,
-    the second mini-batch's router moved by lr 1e-2), and the ratios to the step without R3 are written."""
+    the second mini-batch's router moved by lr 1e-2), and the ratios to the step without R3 are written, with the R3
+    side run first (`--r3-first`, the order check of docs/benchmarks.md's R3 rows)."""
     result = runs["gpu_script_moe"]
     rows = {row["logprob_path"]: row for row in result["json"]["modes"]}
-    assert set(rows) == {"plugin", "r3"} and result["json"]["experts"] == driver.TINY_MOE.num_experts
+    assert list(rows) == ["r3", "plugin"] and result["json"]["experts"] == driver.TINY_MOE.num_experts  # --r3-first
+    assert rows["r3"]["time_vs_binary_tv"] == rows["r3"]["time_vs_without_r3"]  # the baseline found after it ran
     r3 = rows["r3"]
     assert r3["r3_replayed_frac"] == 1.0 and r3["r3_route_fit"] >= 0.8 and 0 < r3["r3_unrouted_frac"] < 0.2, r3
     assert r3["time_vs_without_r3"] > 0 and math.isfinite(r3["loss"]) and "r3_replayed_frac" not in rows["plugin"]
