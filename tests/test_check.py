@@ -946,12 +946,23 @@ def test_what_verls_example_scripts_showed(tmp_path, monkeypatch):
     verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, *PAPER_LINES[:2], PAPER_LINES[3]])
     assert "loss_scale_factor unset" in verdict.rule, verdict.rule
     # verl's DeepSeek-V3 scripts leave `<path_to_dsv3_config>` to fill in: Hydra's lexer error, then what to do
-    verdict = _verdict([*verl_grpo_example(tmp_path), *FROM_GRPO, "actor_rollout_ref.model.path=<path_to_dsv3_config>"])
-    (placeholder,) = [problem for problem in verdict.problems if problem.startswith("actor_rollout_ref.model.path")]
+    # (and a value to quote; a key Hydra cannot read gets Hydra's message alone, no quoting that would not parse)
+    verdict = _verdict(
+        [
+            *verl_grpo_example(tmp_path),
+            *FROM_GRPO,
+            "actor_rollout_ref.model.path=<path_to_dsv3_config>",
+            "trainer.experiment_name=qwen (7b)",
+            "trainer..project_name=x",
+        ]
+    )
+    placeholder, quoted, key = [problem for problem in verdict.problems if "override_grammar" in problem]
     assert placeholder.endswith(
         "<path_to_dsv3_config> is a placeholder the script leaves for you to fill in: give "
         "actor_rollout_ref.model.path its value (a path or a name)"
     ), placeholder
+    assert quoted.endswith("only quoted: trainer.experiment_name='qwen (7b)'"), quoted
+    assert key.endswith("for details"), key
     # ppo_trainer/run_deepseek7b_llm_modelscope.sh launches behind VERL_USE_MODELSCOPE=True (modelscope not here)
     command = verl_grpo_example(tmp_path)
     verdict = _verdict(["VERL_USE_MODELSCOPE=True", *command, *FROM_GRPO])

@@ -4,7 +4,6 @@ the type verl's config dataclass declares), and a near miss (a key, a config cla
 from __future__ import annotations
 
 import re
-
 from typing import Any, Iterator, Optional, Sequence
 
 from verl_dppo.launch.findings.value_types import declared_type, expected_type, type_problem
@@ -106,18 +105,24 @@ def group_choices(overrides: Sequence[str]) -> list[str]:
 _PLACEHOLDER = re.compile(r"^<[^<>]*>$")
 
 
-def _parse_hint(override: str) -> str:
+def _parse_hint(override: str, parser: Any) -> str:
     """The fix beside Hydra's parse error for one override: a placeholder a script leaves to fill in
-    (`key=<path_to_dsv3_config>` in verl's DeepSeek-V3 scripts: Hydra's grammar has no `<`), or the value quoted."""
+    (`key=<path_to_dsv3_config>` in verl's DeepSeek-V3 scripts: Hydra's grammar has no `<`), or the value quoted
+    where that form parses (not where the key itself is what Hydra cannot read)."""
+    from hydra.errors import HydraException
+
     key, _, value = override.partition("=")
     if _PLACEHOLDER.match(value.strip()):
         return (
             f". {value} is a placeholder the script leaves for you to fill in: give {key.lstrip('+~')} its value "
             "(a path or a name)"
         )
-    return (
-        f". Hydra reads a value with such characters only quoted: {key}='{value}'" if value and "'" not in value else ""
-    )
+    quoted = f"{key}='{value}'"
+    try:
+        parser.parse_overrides([quoted])
+    except HydraException:
+        return ""
+    return f". Hydra reads a value with such characters only quoted: {quoted}" if value and "'" not in value else ""
 
 
 def override_problems(
@@ -137,7 +142,7 @@ def override_problems(
             parsed = parser.parse_overrides([override])[0]
         except HydraException as error:
             if not keys_only:
-                problems.append(f"{override}: {' '.join(str(error).split())}{_parse_hint(override)}")
+                problems.append(f"{override}: {' '.join(str(error).split())}{_parse_hint(override, parser)}")
             continue
         key, given = parsed.key_or_group, override.split("=", 1)[1] if "=" in override else ""
         if parsed.is_delete() or is_group_choice(key) or key.startswith("hydra.") or parsed.package is not None:
