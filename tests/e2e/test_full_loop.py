@@ -217,6 +217,8 @@ class Run:
     composition, checks, asset build and Ray launch), instead of main_ppo on a YAML composed here."""
     command: list = field(default_factory=list)
     """Set here for a launch that is not cpu_tiny's (`compose` then leaves it as it is)."""
+    environment: dict = field(default_factory=dict)
+    """Variables the launch's environment adds (the harness drops the caller's VERL_* ones)."""
     own_ray: bool = False
     """Launched without RAY_ADDRESS: `verl-dppo run` starts a Ray instance of its own, as on a machine without a
     cluster (its lane's cluster idles meanwhile)."""
@@ -379,6 +381,7 @@ def execute(run: Run, address: str) -> Run:
     )
     if run.own_ray:
         del env["RAY_ADDRESS"]
+    env.update(run.environment)
     start = time.perf_counter()
     log_path = run.folder / f"{run.name}.log"
     with open(log_path, "w") as log:

@@ -10,6 +10,7 @@ from its own process tree only, so the other lanes' Ray processes do not count."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -128,6 +129,7 @@ def lane_chains(root: Path) -> list[list[loop.Run]]:
         own_ray=True,
         timeout_s=900,
         command=[VERL_DPPO, "check", "--rehearse", "--steps", "1", *moe_r3_command(folder)],
+        environment={"VERL_USE_MODELSCOPE": "True"},  # ppo_trainer/run_deepseek7b_llm_modelscope.sh's; no modelscope
     )
     return [[killed, rehearsal]]
 
@@ -148,10 +150,15 @@ def test_the_next_launch_rehearses_verls_grpo_example(runs):
     """verl's GRPO example switched to dppo_binary_tv, as a Qwen3-MoE + R3 command, rehearsed for one step on this
     CPU through verl's trainer: exit 0, the worker's values in effect are the command's (inherited 0.2 / 0.2 / cap
     3), its KL loss and the replay's metrics logged, the MoE, R3 and vLLM kept and the model left out said, the run
-    record's command the one `check` composed (tests/test_check.py checks the rehearsal's composition)."""
+    record's command the one `check` composed (tests/test_check.py checks the rehearsal's composition). Its
+    environment asks verl for ModelScope's hub, which is not installed here: exit 3, the rehearsal trains."""
     run = runs[REHEARSAL]
     log = run.log
-    assert run.rc == 0, loop._fail(run, "check --rehearse failed")
+    # launched behind VERL_USE_MODELSCOPE=True, which stops verl's import without modelscope: named as not here
+    # (exit 3), the command read and rehearsed with the variable off, in check's process and its Ray workers
+    assert importlib.util.find_spec("modelscope") is None
+    assert run.rc == 3, loop._fail(run, "check --rehearse failed")
+    assert "verl-dppo: not here: VERL_USE_MODELSCOPE=True: verl then loads models" in log, log[-3000:]
     # issue 43.4: the console leads with what it rehearses; the `run` line is in the run record; no K for binary
     assert "verl-dppo: check: rehearsing dppo_binary_tv as your command sets it" in log, log[-3000:]
     (in_effect,) = {line.split("verl-dppo ", 1)[1] for line in log.splitlines() if "dppo_binary_tv in effect:" in line}

@@ -277,6 +277,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("verl-dppo: check: not rehearsed: the command's problems above come first", file=sys.stderr)
         return verdict.exit_code
     from verl_dppo.launch.commands import run_command_line
+    from verl_dppo.launch.findings.command import modelscope_off
     from verl_dppo.launch.rehearse import rehearsal_overrides, rehearsal_shape
 
     shape = rehearsal_shape(verdict.config)
@@ -297,7 +298,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     rehearsed, left_out = shape.lines(mode, args.steps)
     print(f"verl-dppo: check: {rehearsed}", file=sys.stderr)
     print(f"verl-dppo: check: {left_out}; the full `verl-dppo run` command goes to the run record", file=sys.stderr)
-    code = run_command_line(run)
+    with modelscope_off():  # cpu_tiny's model is local: the rehearsal's workers need no ModelScope hub
+        code = run_command_line(run)
     if code != 0:
         print(f"verl-dppo: check: the rehearsal of {mode} did not train (exit {code} above)", file=sys.stderr)
         return EXIT_REHEARSAL

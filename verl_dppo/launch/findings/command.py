@@ -84,15 +84,16 @@ def modelscope_missing(launcher: Sequence[str] = ()) -> str | None:
 
 @contextlib.contextmanager
 def modelscope_off() -> Iterator[None]:
-    """`import verl` inside the block with `VERL_USE_MODELSCOPE` unset where it asks for a modelscope that is not
-    installed (verl reads it only at its import), so that `check` can read a command whose only trouble here is
-    that; the variable as it was after."""
+    """The block with `VERL_USE_MODELSCOPE` unset where it asks for a modelscope that is not installed, and verl
+    imported in it: verl reads the variable at its import, here and in every process started meanwhile (the
+    rehearsal's Ray workers), so that `check` reads, and rehearses on cpu_tiny's local model, a command whose only
+    trouble here is that; the variable as it was after."""
     value = os.environ.get(MODELSCOPE)
-    masked = "verl" not in sys.modules and modelscope_missing() is not None
+    masked = modelscope_missing() is not None
     if masked:
         del os.environ[MODELSCOPE]
     try:
-        if masked:
+        if masked and "verl" not in sys.modules:
             import verl  # noqa: F401
         yield
     finally:
