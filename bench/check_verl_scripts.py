@@ -3,17 +3,18 @@
     git clone --branch v0.9.1 --depth 1 https://github.com/volcengine/verl /tmp/verl-0.9.1
     .venv/bin/python bench/check_verl_scripts.py /tmp/verl-0.9.1/examples [--out table.md] [--jobs 2]
 
-Each `*.sh` under the folder runs under bash as it is, from the checkout's root as verl's docs run them, with `python`, `python3`, `uv`, `torchrun` and `ray` on PATH
-replaced by a shim: a call whose words name `main_ppo` (or another `verl.` entry point, which check answers in one
-line) becomes `verl-dppo check <the call as the script made it> <the README's lines>`, its exit code and lines
-recorded (its every line in `--json`); every other call (a data preprocessor, a checkpoint converter, `ray start`) does nothing and succeeds. So
-the script's own variables, loops and `$@` fill the command as they would on the cluster, and nothing is launched or
-downloaded. Prints one row per script (the exit codes of its checks, its first `problem` line, else its first `not here`) and the count of
-scripts by exit code; a script with no such call is counted apart. Beside each, a second opinion from Hydra alone
-(`hydra_alone`: Hydra's own `compose` of the same call) and the two set against each other (`agreement`): exit 2 where
-Hydra refuses, exit 0 or 3 where it composes, is agreement; a problem where Hydra composes is check going further
-(verl's config classes, its validate_config or the plugin's rules: the reader judges that row against the script);
-exit 3 (the data or model is not on this machine) is what a right command gets here.
+Each `*.sh` under the folder runs under bash as it is, from the checkout's root as verl's docs run them, with
+`python`, `python3`, `uv`, `torchrun` and `ray` on PATH replaced by a shim: a call whose words name `main_ppo` (or
+another `verl.` entry point, which check answers in one line) becomes `verl-dppo check <the call as the script made
+it> <the README's lines>`, its exit code and lines recorded (its every line in `--json`); every other call (a data
+preprocessor, a checkpoint converter, `ray start`) does nothing and succeeds. So the script's own variables, loops and
+`$@` fill the command as they would on the cluster, and nothing is launched or downloaded. Prints one row per script
+(the exit codes of its checks, its first `problem` line, else its first `not here`) and the count of scripts by exit
+code; a script with no such call is counted apart. Beside each, a second opinion from Hydra alone (`hydra_alone`:
+Hydra's own `compose` of the same call) and the two set against each other (`agreement`): exit 2 where Hydra refuses,
+exit 0 or 3 where it composes, is agreement; a problem where Hydra composes is check going further (verl's config
+classes, its validate_config or the plugin's rules: the reader judges that row against the script); exit 3 (the data
+or model is not on this machine) is what a right command gets here.
 
 verl's examples are not part of its wheel or its PyPI sdist: the folder comes from a checkout of verl.
 """
@@ -137,9 +138,9 @@ def hydra_alone(call: list[str]) -> str:
 
 def agreement(result: dict) -> str:
     """check's verdict against Hydra's alone: "agree" where check says exit 2 to what Hydra refuses (naming the key
-    Hydra's message names) and exit 0/3 to what it composes; "check goes further" where Hydra composes and check finds a problem (verl's config classes,
-    validate_config or the plugin's rules: the problem line says which); "miss" where Hydra refuses and check does
-    not; "crash" for exit 1."""
+    Hydra's message names) and exit 0/3 to what it composes; "check goes further" where Hydra composes and check
+    finds a problem (verl's config classes, validate_config or the plugin's rules: the problem line says which);
+    "miss" where Hydra refuses and check does not; "crash" for exit 1."""
     codes, hydra = result["codes"], result.get("hydra", [])
     if not codes:
         return "no main_ppo call"
