@@ -170,7 +170,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
     the update rule the command trains where it has none."""
     from verl_dppo.launch.findings.command import modelscope_missing, modelscope_off
 
-    with modelscope_off():  # before anything imports verl, which stops on a modelscope the launch asks and lacks
+    with modelscope_off():  # before anything imports verl (it stops on a modelscope the launch asks and lacks)
         from verl_dppo.launch.compose import RecipeError, check_supported, recipe_problems
         from verl_dppo.launch.commands import threshold_findings
         from verl_dppo.launch.findings.command import command_findings, hub_offline, machine_line, unreadable_models
@@ -251,7 +251,7 @@ def _missing_files(config: Any) -> list[str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from verl_dppo.launch.findings.command import others_output
+    from verl_dppo.launch.findings.command import modelscope_off, others_output
 
     with others_output() as others:
         verdict = check_command(args.command_line)
@@ -277,7 +277,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("verl-dppo: check: not rehearsed: the command's problems above come first", file=sys.stderr)
         return verdict.exit_code
     from verl_dppo.launch.commands import run_command_line
-    from verl_dppo.launch.findings.command import modelscope_off
     from verl_dppo.launch.rehearse import rehearsal_overrides, rehearsal_shape
 
     shape = rehearsal_shape(verdict.config)
