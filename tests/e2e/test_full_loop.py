@@ -84,6 +84,20 @@ R3_HF = (
     "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
 )
 """R3 on verl's FSDP engine, the routes recorded by the plugin's hf rollout (issue 52)."""
+PADDED = (
+    "data.train_batch_size=3",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.use_dynamic_bsz=false",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+)
+"""A batch verl's v1 trainer pads (issue 72.1): 3 prompts x 2 samples, mini-batches of 2 x 2, so 6 samples padded
+to 8 with two of verl's synthetic samples (routes all zeros, no response token), one sample a micro-batch: those two
+are micro-batches of their own, which the replay must count, not refuse."""
+PADDED_MODE = "ipo"
+"""Its run is the `hf` rollout's padded R3 launch: the random-init Qwen3-MoE (MOE), its routes recorded by the hf
+rollout and replayed (R3_HF), on a batch verl pads (PADDED). The vLLM tier's R3 run pads likewise: verl's padding is
+then run through on both rollouts (a launch of its own would add two minutes)."""
 RESUME_SHAPE = (*TWO_RANKS, *MOE, *R3_HF)
 """The killed run and its restart (and so the weight-sync check of RESUME_METHOD, on the restart): a cluster run's
 shape (issue 34), two ranks, a Qwen3-MoE of 4 experts (random init) whose routes the hf rollout records and the
@@ -414,7 +428,7 @@ def chains() -> list[list[Run]]:
     """The runs, as chains run one after another (a resume after its killed run); chains run side by side."""
 
     def shape(mode: str) -> tuple[str, ...]:
-        return {ROWS_MODE: ROWS, FUSED_MODE: FUSED, LORA_MODE: LORA}.get(mode, ())
+        return {ROWS_MODE: ROWS, FUSED_MODE: FUSED, LORA_MODE: LORA, PADDED_MODE: (*MOE, *R3_HF, *PADDED)}.get(mode, ())
 
     modes = [
         [
@@ -423,7 +437,7 @@ def chains() -> list[list[Run]]:
                 driver.method_for_mode(mode),
                 via_cli=mode == LORA_MODE,
                 overrides=(
-                    *(() if mode == ROWS_MODE else ("actor_rollout_ref.actor.ppo_mini_batch_size=4",)),
+                    *(() if mode in (ROWS_MODE, PADDED_MODE) else ("actor_rollout_ref.actor.ppo_mini_batch_size=4",)),
                     *shape(mode),
                 ),
             )
@@ -745,6 +759,18 @@ def test_resume_after_sigkill_continues_at_step_3(runs):
     assert max(restarted.values("actor/pg_clipfrac")) == 0.0, _fail(restarted, "masked on the sampling policy")
     for run, steps in ((killed, 3), (restarted, 4)):  # the restart's log keeps the steps before the checkpoint
         replayed_every_route(run, steps, router_differs=False, unrouted_max=0.5)  # fp32: the router agrees
+
+
+def test_r3_on_the_hf_rollout_counts_verls_padding_samples(runs):
+    """R3 on the hf rollout's routes, on a batch verl's v1 trainer pads (PADDED, issue 72.1): two of verl's synthetic
+    samples (routes all zeros, no response token), each a micro-batch of its own, are counted and the step goes on;
+    every real route is replayed and fits its token (`replayed_every_route`: the padding samples' 128 rows each count
+    as rows without a route), and the update moved the policy."""
+    run = runs[mode_run(PADDED_MODE)]
+    finished(run, run.steps)
+    assert "verl's padding samples alone" in run.log, _fail(run, "no micro-batch of padding samples alone")
+    replayed_every_route(run, run.steps, router_differs=False, unrouted_max=0.6)  # fp32: the router may agree
+    assert min(run.values("actor/grad_norm")) > 0, _fail(run, "no update")
 
 
 def test_lora_on_the_hf_rollout_samples_from_the_adapted_policy(runs):

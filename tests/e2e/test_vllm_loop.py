@@ -48,16 +48,6 @@ R3_FSDP = (
     "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
 )
-PADDED = (
-    "data.train_batch_size=3",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.use_dynamic_bsz=false",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-)
-"""A batch verl's v1 trainer pads (issue 72.1): 3 prompts x 2 samples, mini-batches of 2 x 2, so 6 samples padded
-to 8 with two of verl's synthetic samples (routes all zeros, no response token), one sample a micro-batch: those two
-are micro-batches of their own, which the replay must count, not refuse."""
 LORA = (
     "actor_rollout_ref.model.lora_rank=8",
     "actor_rollout_ref.model.lora_alpha=16",
@@ -166,7 +156,7 @@ def _lanes() -> list[list[loop.Run]]:
             *VLLM,
             "dppo.tiny_model.num_experts=4",
             *R3_FSDP,
-            *PADDED,
+            *loop.PADDED,
             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
         ),
     )
