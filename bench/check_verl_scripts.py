@@ -140,7 +140,9 @@ def agreement(result: dict) -> str:
     """check's verdict against Hydra's alone: "agree" where check says exit 2 to what Hydra refuses (naming the key
     Hydra's message names) and exit 0/3 to what it composes; "check goes further" where Hydra composes and check
     finds a problem (verl's config classes, validate_config or the plugin's rules: the problem line says which);
-    "miss" where Hydra refuses and check does not; "crash" for exit 1."""
+    "miss" where Hydra refuses and check does not; "crash" for exit 1. A primary config folder that is not on this
+    machine (`--config-path`: its configs were not fetched, or a folder of the author's machine) is exit 3 to check
+    and not found to Hydra: agreement, neither can read the config here."""
     codes, hydra = result["codes"], result.get("hydra", [])
     if not codes:
         return "no main_ppo call"
@@ -149,7 +151,7 @@ def agreement(result: dict) -> str:
     problems = [line for line in result["lines"] if line.startswith("verl-dppo: problem: ")]
     verdicts = []
     for code, said in zip(codes, hydra):
-        refused = said != "composes"
+        refused = said != "composes" and not (code == 3 and "Primary config directory not found" in said)
         named = re.findall(r"'([^']+)'", said)[:1]  # Hydra's "Could not override 'KEY'", "already at 'KEY'"
         verdicts.append(
             "miss"

@@ -632,6 +632,8 @@ def test_each_hint_names_the_line_that_works(tmp_path, capsys):
     assert len(found) == 1 and "write +actor_rollout_ref.actor.policy_loss.ratio_cap=100" in found[0], found
     found, _ = problems("trainer.n_gpus_per_node=")
     assert len(found) == 1 and "leaves trainer.n_gpus_per_node= empty" in found[0], found
+    found, _ = problems("trainer.n_gpus_per_node=", "trainer.nnodes=")  # '' * '': a script's unset GPUS and NODES
+    assert len(found) == 1 and "leaves trainer.n_gpus_per_node=, trainer.nnodes= empty" in found[0], found
     # a path verl opens at launch, left empty: Hydra and verl's classes take '', the launch fails at the load
     found, _ = problems("actor_rollout_ref.model.path=", "data.train_files=")
     assert [line.split(" is empty", 1)[0] for line in found] == ["actor_rollout_ref.model.path", "data.train_files"]
@@ -1019,7 +1021,7 @@ def test_check_prints_its_own_lines_first_and_names_what_this_machine_lacks(tmp_
 def test_the_scripts_bench_sets_check_against_hydra_alone():
     """`bench/check_verl_scripts.py`'s second opinion (the figure issue 73's note quotes): exit 2 to what Hydra refuses
     naming Hydra's key agrees, a problem where Hydra composes is check going further, anything else where Hydra
-    refuses is a miss, a traceback a crash."""
+    refuses is a miss, a traceback a crash; a config folder neither can read here is agreement."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -1035,6 +1037,7 @@ def test_the_scripts_bench_sets_check_against_hydra_alone():
         (dict(codes=[2], hydra=[refused], lines=other), "agree on the exit, not the key"),
         (dict(codes=[3], hydra=[refused], lines=[]), "miss"),
         (dict(codes=[3], hydra=["composes"], lines=[]), "agree"),
+        (dict(codes=[3], hydra=["MissingConfigException: Primary config directory not found."], lines=[]), "agree"),
         (dict(codes=[2], hydra=["composes"], lines=other), "check goes further"),
         (dict(codes=[1], hydra=["composes"], lines=[]), "crash"),
         (dict(codes=[3, 2], hydra=["composes", refused], lines=[]), "agree on the exit, not the key"),

@@ -230,26 +230,25 @@ def recipe_problems(
     return problems, not_here
 
 
-def verl_validation(
-    config: Any, skip_critic: bool = False, empty: Sequence[str] = ()
-) -> tuple[list[str], list[str], Any]:
+def verl_validation(config: Any, skip_critic: bool = False, empty: Sequence[str] = ()) -> tuple[list, list, Any]:
     """(verl's complaints about the config, one line each; the modules its checks need that are not installed here;
     the policy loss's config object, or None where it does not build). verl's `validate_config` stops at its first
-    complaint: where it complains, its parts that stand alone (the actor's dataclass and `validate`, router replay,
-    the critic's dataclass and `validate`) run again one by one, so that each complaint is named in one run.
-    `empty`: the numbers the command left empty (`findings.overrides.empty_values`), named beside a TypeError of
-    verl's, whose text names no key."""
+    complaint: then its standalone parts (the actor's and critic's dataclasses and `validate`, router replay) run
+    one by one, each complaint named in one run. `empty`: the numbers the command left empty, named beside verl's
+    TypeErrors (`findings.overrides.empty_values`: their text names no key)."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils import config as verl_config
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     with _quiet_warnings():
         use_critic = need_critic(config) and not skip_critic
-    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
     actor = config.actor_rollout_ref.actor
 
+    def n_gpus() -> Any:  # in each step: both numbers left empty ('' * '') raise there, named with `empty`
+        return config.trainer.n_gpus_per_node * config.trainer.nnodes
+
     def actor_check() -> None:
-        omega_conf_to_dataclass(actor).validate(n_gpus, config.data.train_batch_size, config.actor_rollout_ref.model)
+        omega_conf_to_dataclass(actor).validate(n_gpus(), config.data.train_batch_size, config.actor_rollout_ref.model)
 
     def router_replay() -> None:
         check = getattr(verl_config, "_validate_router_replay_config", None)  # verl 0.9.1's; absent elsewhere
@@ -257,7 +256,7 @@ def verl_validation(
             check(omega_conf_to_dataclass(actor), config.algorithm.get("rollout_correction", None))
 
     def critic_check() -> None:
-        omega_conf_to_dataclass(config.critic).validate(n_gpus, config.data.train_batch_size)
+        omega_conf_to_dataclass(config.critic).validate(n_gpus(), config.data.train_batch_size)
 
     steps = [
         ("validate_config", lambda: validate_config(config, need_reference_policy(config), use_critic)),
