@@ -670,6 +670,32 @@ def test_a_config_package_that_is_not_installed_is_one_not_here_line(tmp_path):
     assert len(verdict.not_here) == 1 and "'verl_dppo_no_such_pkg' is not installed here" in verdict.not_here[0]
 
 
+def test_a_primary_configs_own_search_path_is_looked_up_where_the_command_runs(tmp_path, monkeypatch):
+    """verl's multi-turn scripts (examples/sglang_multiturn/): `--config-path` to a folder whose config adds
+    `file://verl/trainer/config` to Hydra's search path, relative to verl's checkout root, where they run. Run from
+    elsewhere: one not-here line naming that entry and the folder (exit 3), not Hydra's "Could not load
+    'ppo_trainer'" as a problem (exit 2); from a folder that has it (verl's installed package stands in for the
+    checkout's verl/): the command composes, the primary config's own keys in it."""
+    import verl
+
+    config = tmp_path / "examples" / "config"
+    config.mkdir(parents=True)
+    (config / "multiturn_grpo.yaml").write_text(
+        "hydra:\n  searchpath:\n    - file://verl/trainer/config\n"
+        "defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  return_raw_chat: true\n"
+    )
+    command = verl_grpo_example(tmp_path)
+    argv = [*command[:3], f"--config-path={config}", "--config-name=multiturn_grpo", *command[3:], *FROM_GRPO]
+    monkeypatch.chdir(tmp_path)
+    verdict = _verdict(argv)
+    assert verdict.problems == [] and verdict.exit_code == EXIT_NOT_HERE, verdict.problems
+    assert len(verdict.not_here) == 1, verdict.not_here
+    assert f"file://verl/trainer/config: no such folder here (from {tmp_path}:" in verdict.not_here[0]
+    (tmp_path / "verl").symlink_to(Path(verl.__file__).parent)
+    verdict = _verdict(argv)
+    assert verdict.problems == [] and verdict.config.data.return_raw_chat is True, verdict.problems
+
+
 def test_a_critic_model_that_is_not_here_is_named_without_retries(tmp_path):
     """51.4: a GAE script's critic: verl's check reads its config.json from the hub; `check` downloads nothing, names
     it once (exit 3) in seconds, and checks everything else."""

@@ -180,7 +180,7 @@ def check_command(argv: Sequence[str]) -> Verdict:
 
     launch = parse_launch(argv)
     overrides = launch.overrides
-    searched = missing_search_paths(overrides)
+    searched = missing_search_paths(overrides, config_folder(launch) / f"{launch.config_name}.yaml")
     verdict = Verdict(not_here=[*searched, *filter(None, [modelscope_missing(launch.launcher)])])
     if searched:  # the configs that path adds are not here: what they define cannot be checked
         verdict.unchecked = "the configs on that search path define what the command sets"

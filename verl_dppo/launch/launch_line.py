@@ -9,12 +9,13 @@ another entry point is named in one line (a module verl does not have, too).
 Hydra resolves a relative `--config-path` against the folder of the file that declares `@hydra.main` (for
 `python -m`, the module's package), not the working folder: `--config-path=config` means `verl/trainer/config`.
 `config_folder` does what Hydra does (its own `compute_search_path_dir`). The folders a command adds to Hydra's
-search path (`hydra.searchpath=[pkg://...]`) are looked up here: one that is not on this machine (a config package
-that is not installed) is "not here", named once (`missing_search_paths`).
+search path (`hydra.searchpath=[pkg://...]`, or the primary config's own) are looked up here: one that is not on this
+machine (a config package that is not installed) is "not here", named once (`missing_search_paths`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -188,46 +189,44 @@ def _pkg_folder(where: str) -> str:
     return os.path.normpath(os.path.join(roots[0], sub)) if roots else ""
 
 
-def missing_search_paths(overrides: Sequence[str]) -> list[str]:
-    """One "not here" line for each folder of `hydra.searchpath=[...]` that is not on this machine: a `pkg://` config
-    package that is not installed, a `file://` (or plain) folder that does not exist."""
+def missing_search_paths(overrides: Sequence[str], primary: Optional[Path] = None) -> list[str]:
+    """One "not here" line for each folder of Hydra's search path that is not on this machine: a `pkg://` config
+    package that is not installed, a `file://` (or plain) folder that does not exist. The search path is the
+    command's `hydra.searchpath=[...]`, else the primary config's own `hydra.searchpath` (`primary`: its YAML file;
+    verl's multi-turn configs add `file://verl/trainer/config`, relative to the folder the command runs in)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
 
-    missing = []
+    entries = []
     for override in overrides:
-        if not override.lstrip("+").startswith("hydra.searchpath="):
-            continue
-        try:
-            value = OverridesParser.create().parse_overrides([override])[0].value()
-        except HydraException:
-            continue  # composing names Hydra's own parse error
-        for entry in value if isinstance(value, list) else [value]:
-            entry = str(entry)
-            if entry.startswith("pkg://"):
-                package = entry[len("pkg://") :].partition("/")[0]
-                if not _module_exists(package):
-                    names = package.split(".")
-                    package = next(
-                        (
-                            ".".join(names[:depth])
-                            for depth in range(1, len(names) + 1)
-                            if not _module_exists(".".join(names[:depth]))
-                        ),
-                        package,
-                    )
-                    missing.append(
-                        f"hydra.searchpath: {entry}: the Python package {package!r} is not installed "
-                        "here, so the configs it adds cannot be read; install it (or check where it is)"
-                    )
-                elif not Path(_pkg_folder(entry) or "/nonexistent").is_dir():
-                    missing.append(
-                        f"hydra.searchpath: {entry}: the package {package!r} is installed but has no such folder"
-                    )
-            else:
-                folder = entry[len("file://") :] if entry.startswith("file://") else entry
-                if not Path(folder).expanduser().is_dir():
-                    missing.append(
-                        f"hydra.searchpath: {entry}: no such folder here, so the configs it adds cannot be read"
-                    )
-    return missing
+        if override.lstrip("+").startswith("hydra.searchpath="):
+            try:
+                value = OverridesParser.create().parse_overrides([override])[0].value()
+            except HydraException:
+                continue  # composing names Hydra's own parse error
+            entries += value if isinstance(value, list) else [value]
+    if not entries and primary is not None and primary.is_file():
+        with contextlib.suppress(Exception):  # a YAML that does not load: composing names Hydra's error
+            entries = list(OmegaConf.select(OmegaConf.load(primary), "hydra.searchpath", default=None) or [])
+    return [line for line in map(_missing_entry, map(str, entries)) if line]
+
+
+def _missing_entry(entry: str) -> Optional[str]:
+    if entry.startswith("pkg://"):
+        package = entry[len("pkg://") :].partition("/")[0]
+        if not _module_exists(package):
+            names = package.split(".")
+            depth = next((d for d in range(1, len(names) + 1) if not _module_exists(".".join(names[:d]))), 0)
+            package = ".".join(names[:depth]) if depth else package
+            return (
+                f"hydra.searchpath: {entry}: the Python package {package!r} is not installed "
+                "here, so the configs it adds cannot be read; install it (or check where it is)"
+            )
+        if not Path(_pkg_folder(entry) or "/nonexistent").is_dir():
+            return f"hydra.searchpath: {entry}: the package {package!r} is installed but has no such folder"
+        return None
+    if (folder := Path(entry[len("file://") :] if entry.startswith("file://") else entry).expanduser()).is_dir():
+        return None
+    relative = "" if folder.is_absolute() else f" (from {os.getcwd()}: verl's scripts run from its checkout's root)"
+    return f"hydra.searchpath: {entry}: no such folder here{relative}, so the configs it adds cannot be read"
