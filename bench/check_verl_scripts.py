@@ -119,7 +119,8 @@ def hydra_alone(call: list[str]) -> str:
     """What Hydra's own `compose` says of one main_ppo call (its words as the script made them, the README's lines
     after them): "composes", or its error's first line. A second opinion beside check's, from Hydra alone: a command
     Hydra refuses must get exit 2 from check, naming the same key. (The launch line is split into launcher words and
-    overrides by the plugin's `parse_launch`; the config folder is the one Hydra reads for main_ppo.)"""
+    overrides by the plugin's `parse_launch`; the config folder is the one Hydra reads for main_ppo; the caller runs it
+    from the folder the script ran from.)"""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -195,9 +196,14 @@ def main() -> None:
                     ),
                 )
             )
-    for result in found.values():  # in this thread: Hydra's global state is one per process
-        result["hydra"] = [hydra_alone(call) for call in result["calls"]]
-        result["agreement"] = agreement(result)
+    cwd = os.getcwd()
+    os.chdir(args.examples.resolve().parent)  # where the scripts ran: a config's relative search path is read there
+    try:
+        for result in found.values():  # in this thread: Hydra's global state is one per process
+            result["hydra"] = [hydra_alone(call) for call in result["calls"]]
+            result["agreement"] = agreement(result)
+    finally:
+        os.chdir(cwd)
     rows = [
         "| script | check's exit codes | first problem, else first not-here | Hydra alone | against Hydra |",
         "|---|---|---|---|---|",

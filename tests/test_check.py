@@ -632,6 +632,12 @@ def test_each_hint_names_the_line_that_works(tmp_path, capsys):
     assert len(found) == 1 and "write +actor_rollout_ref.actor.policy_loss.ratio_cap=100" in found[0], found
     found, _ = problems("trainer.n_gpus_per_node=")
     assert len(found) == 1 and "leaves trainer.n_gpus_per_node= empty" in found[0], found
+    # a key of an older verl in another of verl's classes (sglang_multiturn's geo3k config): its nearest fields
+    found, _ = problems("+actor_rollout_ref.rollout.multi_turn.max_turns=5")
+    assert len(found) == 1 and found[0].endswith(
+        "MultiTurnConfig has no field max_turns (did you mean max_user_turns or max_assistant_turns?): a key of "
+        "another verl version?"
+    ), found
     found, _ = problems("trainer.n_gpus_per_node=", "trainer.nnodes=")  # '' * '': a script's unset GPUS and NODES
     assert len(found) == 1 and "leaves trainer.n_gpus_per_node=, trainer.nnodes= empty" in found[0], found
     # a path verl opens at launch, left empty: Hydra and verl's classes take '', the launch fails at the load

@@ -52,8 +52,9 @@ def key_hint(message: str, baseline: Any) -> str:
 
 def field_hint(message: str, config: Any = None) -> str:
     """For a config class refusing a key ("X.__init__() got an unexpected keyword argument 'k'"): the plugin's
-    DPPOLossConfig field it is close to, the `_target_` switch a plugin key needs under verl's PolicyLossConfig, or
-    where verl's `config` holds a key of that name instead (SAPO's `tau_pos` is the actor's, not the policy loss's)."""
+    DPPOLossConfig field it is close to, the `_target_` switch a plugin key needs under verl's PolicyLossConfig,
+    where verl's `config` holds a key of that name instead (SAPO's `tau_pos` is the actor's, not the policy loss's),
+    or, refused by another of verl's classes, that class's nearest fields (`multi_turn.max_turns` of older verl)."""
     import dataclasses
     import difflib
     import re
@@ -73,6 +74,15 @@ def field_hint(message: str, config: Any = None) -> str:
     close = difflib.get_close_matches(key, ours, n=1, cutoff=0.6) if cls == "DPPOLossConfig" else []
     if close:
         return f". Did you mean actor_rollout_ref.actor.policy_loss.{close[0]}?"
+    if cls != "DPPOLossConfig" and "PolicyLoss" not in cls:  # another of verl's classes (MultiTurnConfig)
+        import verl.workers.config as verl_classes
+
+        known = getattr(verl_classes, cls, None)
+        fields = [f.name for f in dataclasses.fields(known)] if dataclasses.is_dataclass(known) else []
+        close = " or ".join(difflib.get_close_matches(key, fields, n=2, cutoff=0.6))
+        return (
+            f". {cls} has no field {key}{f' (did you mean {close}?)' if close else ''}: a key of another verl version?"
+        )
     elsewhere = [
         path
         for path in (_leaf_paths(config) if config is not None else ())
